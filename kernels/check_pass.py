@@ -1,0 +1,131 @@
+"""Check pass: one read-only sweep over a gradient group for the norm and for inf/NaN.
+
+Each persistent program p folds its blocks into three partials (written to column p of the
+partials buffer, rows as below) and never writes a gradient:
+
+    row 0  m_p = max |g| over the finite elements it saw
+    row 1  s_p = sum (|g| * r_p)^k   with r_p = pow2_inverse(m_p), k = 1 or 2 (0 for the inf-norm)
+    row 2  1.0 if it saw +-inf, else 0.0
+    row 3  1.0 if it saw NaN, else 0.0
+
+Scaling by a power of two near 1/max keeps every term in [0, 4): a gradient of 3e19 (whose square
+overflows float32) stays finite, and the scaling itself rounds nothing. When a later block raises the
+running max, the accumulator is rescaled by the (power-of-two) ratio of the two inverses. The values
+are the raw, still-scaled gradients: the loss scale is divided out once, in ``finalize``.
+
+Non-finite detection is exact: ``g != g`` is NaN, ``g - g != 0`` and not NaN is +-inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch_config import CHUNK, NORM_INF, PRUNE, size_class, streaming_configs
+from .tensor_table import GradLayout, chunk_span
+
+PARTIAL_ROWS = 4
+
+
+@triton.jit
+def pow2_inverse(x):
+    """2**-floor(log2 x), clamped to stay a normal float32 (x = 0 gives 2**126)."""
+    e = tl.floor(tl.log2(x))
+    e = tl.minimum(tl.maximum(e, -126.0), 126.0)
+    return tl.exp2(-e)
+
+
+@triton.jit
+def _fold_block(
+    b_g,  # [BLOCK] fp32 raw gradient values (0 where masked off)
+    b_acc,  # [BLOCK] fp32 running sums, in units of pow2_inverse(run_max)
+    run_max,  # fp32 scalar
+    b_inf,  # [BLOCK] int1 running "saw +-inf"
+    b_nan,  # [BLOCK] int1 running "saw NaN"
+    NORM: tl.constexpr,
+):
+    b_is_nan = b_g != b_g
+    b_is_inf = (b_g - b_g != 0) & (b_g == b_g)
+    b_abs = tl.where(b_is_nan | b_is_inf, 0.0, tl.abs(b_g))
+    new_max = tl.maximum(run_max, tl.max(b_abs, axis=0))
+    if NORM != 0:
+        new_inv = pow2_inverse(new_max)
+        ratio = new_inv / pow2_inverse(run_max)  # power of two <= 1: exact
+        b_r = b_abs * new_inv
+        if NORM == 2:
+            b_acc = b_acc * (ratio * ratio) + b_r * b_r
+        else:
+            b_acc = b_acc * ratio + b_r
+    return b_acc, new_max, b_inf | b_is_inf, b_nan | b_is_nan
+
+
+@triton.autotune(configs=streaming_configs(), key=["size_key", "FLAT", "NORM"], prune_configs_by=PRUNE)
+@triton.jit
+def check_pass_kernel(
+    grad_ptr,  # FLAT: the gradient buffer; TABLE: any gradient (gives the element type)
+    tensors_ptr,  # int64 [T, 2] (address, numel); unused when FLAT
+    chunks_ptr,  # int64 [C, 2] (tensor index, first element); unused when FLAT
+    num_items,  # FLAT: elements; TABLE: chunk rows
+    partials_ptr,  # fp32 [4, stride]: this group's first column
+    partials_stride,  # row stride of the partials buffer, in elements
+    size_key,  # autotune key only: log2 bucket of the element count
+    NORM: tl.constexpr,  # 1, 2, or 0 for the inf-norm
+    FLAT: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may exceed 2**31 elements
+    num_programs = tl.num_programs(0)
+    o_block = tl.arange(0, BLOCK)
+    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    b_inf = tl.zeros([BLOCK], dtype=tl.int1)
+    b_nan = tl.zeros([BLOCK], dtype=tl.int1)
+    run_max = tl.zeros([], dtype=tl.float32)
+    if FLAT:
+        num_blocks = tl.cdiv(num_items, BLOCK)
+        for block in range(pid, num_blocks, num_programs):
+            o_g = block * BLOCK + o_block  # [BLOCK]
+            m_g = o_g < num_items
+            b_g = tl.load(grad_ptr + o_g, mask=m_g, other=0.0).to(tl.float32)
+            b_acc, run_max, b_inf, b_nan = _fold_block(b_g, b_acc, run_max, b_inf, b_nan, NORM)
+    else:
+        for chunk in range(pid, num_items, num_programs):
+            p_chunk, length = chunk_span(tensors_ptr, chunks_ptr, chunk, grad_ptr, CHUNK_SIZE)
+            for start in range(0, length, BLOCK):
+                o_g = start + o_block  # [BLOCK]
+                m_g = o_g < length
+                b_g = tl.load(p_chunk + o_g, mask=m_g, other=0.0).to(tl.float32)
+                b_acc, run_max, b_inf, b_nan = _fold_block(b_g, b_acc, run_max, b_inf, b_nan, NORM)
+    tl.store(partials_ptr + pid, run_max)
+    tl.store(partials_ptr + partials_stride + pid, tl.sum(b_acc, axis=0))
+    tl.store(partials_ptr + 2 * partials_stride + pid, tl.max(b_inf.to(tl.float32), axis=0))
+    tl.store(partials_ptr + 3 * partials_stride + pid, tl.max(b_nan.to(tl.float32), axis=0))
+
+
+def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> None:
+    """Fold ``layout``'s gradients into ``partials[:, :layout.programs]`` (fp32 [4, >=programs]).
+
+    ``partials`` may be a column slice of a larger buffer shared by several groups of one device;
+    ``finalize`` then reduces all of them at once. The gradients are only read.
+    """
+    if partials.dtype != torch.float32 or partials.shape[0] != PARTIAL_ROWS or partials.stride(1) != 1:
+        raise ValueError("partials must be a float32 [4, P] tensor with unit column stride")
+    if partials.shape[1] < layout.programs:
+        raise ValueError(f"partials has {partials.shape[1]} columns, the pass needs {layout.programs}")
+    if partials.device != layout.device:
+        raise ValueError(f"partials on {partials.device}, gradients on {layout.device}")
+    if norm not in (1, 2, NORM_INF):
+        raise ValueError(f"norm code must be 1, 2 or {NORM_INF} (inf), got {norm}")
+    check_pass_kernel[(layout.programs,)](
+        layout.first,
+        layout.tensors,
+        layout.chunks,
+        layout.num_items,
+        partials,
+        partials.stride(0),
+        size_class(layout.numel),
+        NORM=norm,
+        FLAT=layout.flat,
+        CHUNK_SIZE=CHUNK,
+    )

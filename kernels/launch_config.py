@@ -1,0 +1,88 @@
+"""Launch configuration shared by the kernels: block sizes, program counts, autotune configs.
+
+The passes are memory bound, so a small fixed configuration is a good default; on a real GPU
+``triton.autotune`` picks BLOCK/num_warps per size class. Under ``TRITON_INTERPRET=1`` there is no
+driver to time anything ("0 active drivers"), so every autotuner is pruned to its first config.
+``TRITONSCALE_AUTOTUNE=0`` does the same on a GPU, which also makes norms bit-identical across
+processes (within a process they always are: the autotune cache fixes the config).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+
+#: Elements per chunk row of the pointer table (see tensor_table).
+CHUNK = 65536
+#: Code passed to the kernels for the max-abs (infinity) norm; 1 and 2 are passed as themselves.
+NORM_INF = 0
+#: Default block for the interpreter and for kernels that are not autotuned.
+DEFAULT_BLOCK = 4096
+#: Largest number of programs (hence partials) per group under the interpreter, where programs run
+#: one after another (~1 ms each): keeps CPU tests fast.
+INTERPRETER_PROGRAMS = 4
+#: Persistent programs per streaming multiprocessor on a GPU.
+PROGRAMS_PER_SM = 4
+
+
+def interpreting() -> bool:
+    """True when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .apply_pass import apply_kernel
+
+    return isinstance(apply_kernel, InterpretedFunction)
+
+
+def autotune_enabled() -> bool:
+    return not interpreting() and os.environ.get("TRITONSCALE_AUTOTUNE", "1") != "0"
+
+
+def norm_code(norm_type: float) -> int:
+    """Map a torch-style ``norm_type`` (1, 2 or inf) to the kernels' constexpr code."""
+    norm_type = float(norm_type)
+    if norm_type == math.inf:
+        return NORM_INF
+    if norm_type in (1.0, 2.0):
+        return int(norm_type)
+    raise ValueError(f"norm_type must be 1, 2 or inf, got {norm_type!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def program_cap(device: torch.device) -> int:
+    """How many persistent programs a pass launches at most on ``device``."""
+    if device.type == "cpu":
+        return INTERPRETER_PROGRAMS
+    return PROGRAMS_PER_SM * _multiprocessors(device)
+
+
+def size_class(numel: int) -> int:
+    """Autotune key: log2 bucket of the element count, so close sizes share a tuned config."""
+    return max(int(numel), 1).bit_length()
+
+
+def _first_config_only(configs, named_args, **kwargs):
+    return configs if autotune_enabled() else configs[:1]
+
+
+def streaming_configs() -> list[triton.Config]:
+    """Candidate configs for the streaming passes; the first one is the default."""
+    return [
+        triton.Config({"BLOCK": DEFAULT_BLOCK}, num_warps=8),
+        triton.Config({"BLOCK": 1024}, num_warps=4),
+        triton.Config({"BLOCK": 2048}, num_warps=4),
+        triton.Config({"BLOCK": 2048}, num_warps=8),
+        triton.Config({"BLOCK": 8192}, num_warps=8),
+        triton.Config({"BLOCK": 8192}, num_warps=16),
+    ]
+
+
+PRUNE = {"early_config_prune": _first_config_only}

@@ -1,0 +1,162 @@
+"""Multi-tensor addressing: one launch covers any number of same-dtype gradient tensors.
+
+A group (one device, one dtype) reaches a kernel in one of two layouts:
+
+* FLAT: one contiguous buffer, passed as a typed pointer plus its element count. Triton specialises
+  both for divisibility by 16 when they are, which is what turns the loads into 16-byte vectors
+  (``ld.global.v4``); ``tritonscale.flatten_grads_`` pads and aligns buffers for exactly that.
+* TABLE: any list of dense tensors, described by two small int64 tables that live on the device:
+
+      tensors [T, 2]: (address, numel) of each tensor
+      chunks  [C, 2]: (tensor index, first element) for every CHUNK elements of every tensor
+
+  Persistent programs walk the chunk rows grid-stride, so the launch count is one per pass no
+  matter how many tensors there are, and the per-program partials have a fixed count.
+
+The tables are cached by (addresses, sizes): gradients that persist between steps
+(``zero_grad(set_to_none=False)``, flat buffers) cost no host work after the first step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch_config import CHUNK, program_cap
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Attribute set on a buffer made by tritonscale.flatten_grads_: the number of gradient views in it.
+FLAT_VIEWS_ATTR = "_tritonscale_flat_views"
+_TABLE_CACHE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class GradLayout:
+    """How one (device, dtype) group of gradients is presented to the kernels."""
+
+    first: torch.Tensor  # FLAT: the whole buffer; TABLE: any member (gives the element type)
+    flat: bool
+    num_items: int  # FLAT: elements; TABLE: chunk rows
+    tensors: torch.Tensor  # int64 [T, 2] (TABLE) or a 1-element placeholder (FLAT)
+    chunks: torch.Tensor  # int64 [C, 2] (TABLE) or a 1-element placeholder (FLAT)
+    programs: int  # persistent programs a pass launches for this group
+    numel: int  # gradient elements covered
+
+    @property
+    def device(self) -> torch.device:
+        return self.first.device
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when the elements of ``t`` fill exactly ``numel`` consecutive slots (any dim order)."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def validate_group(grads: list[torch.Tensor]) -> None:
+    """Raise a clear error for gradients the kernels cannot update in place (nothing is touched)."""
+    device, dtype = grads[0].device, grads[0].dtype
+    for i, g in enumerate(grads):
+        if g.is_sparse or g.layout != torch.strided:
+            raise TypeError(f"gradient {i} has layout {g.layout}; only dense (strided) gradients are supported")
+        if g.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"gradient {i} has dtype {g.dtype}; supported: float32, float16, bfloat16")
+        if g.device != device:
+            raise ValueError(f"gradients on mixed devices in one group: {device} and {g.device} (gradient {i})")
+        if g.dtype != dtype:
+            raise ValueError(f"gradients of mixed dtypes in one group: {dtype} and {g.dtype} (gradient {i})")
+        if not _is_dense(g):
+            # .contiguous() would hand the kernel a copy and silently drop the in-place update.
+            raise ValueError(
+                f"gradient {i} (shape {tuple(g.shape)}, stride {g.stride()}) is not dense; "
+                "tritonscale updates gradients in place and will not work on a copy"
+            )
+
+
+def _flat_base(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The buffer to take as FLAT, if the group is one contiguous tensor or fills a flat buffer."""
+    if len(grads) == 1 and grads[0].is_contiguous():
+        return grads[0]
+    base = grads[0]._base
+    if base is None or getattr(base, FLAT_VIEWS_ATTR, None) != len(grads):
+        return None
+    if all(g._base is base for g in grads):
+        return base
+    return None
+
+
+_placeholders: dict[torch.device, torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """An int64 table argument for FLAT launches, which never read it."""
+    if device not in _placeholders:
+        _placeholders[device] = torch.zeros(2, dtype=torch.int64, device=device)
+    return _placeholders[device]
+
+
+_tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+
+def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (grads[0].device, grads[0].dtype, tuple((g.data_ptr(), g.numel()) for g in grads))
+    hit = _tables.get(key)
+    if hit is not None:
+        _tables.move_to_end(key)
+        return hit
+    numels = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
+    addresses = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+    tensors = torch.stack([addresses, numels], dim=1)
+    per_tensor = (numels + CHUNK - 1) // CHUNK
+    owner = torch.repeat_interleave(torch.arange(len(grads), dtype=torch.int64), per_tensor)
+    first_chunk = torch.cumsum(per_tensor, 0) - per_tensor
+    starts = (torch.arange(owner.numel(), dtype=torch.int64) - first_chunk[owner]) * CHUNK
+    chunks = torch.stack([owner, starts], dim=1)
+    device = grads[0].device
+    hit = (tensors.to(device, non_blocking=False), chunks.to(device, non_blocking=False))
+    _tables[key] = hit
+    if len(_tables) > _TABLE_CACHE_SIZE:
+        _tables.popitem(last=False)
+    return hit
+
+
+def describe_grads(grads: list[torch.Tensor]) -> GradLayout | None:
+    """Describe a non-empty list of same-device, same-dtype gradients for one launch per pass.
+
+    Returns None when the group holds no elements (nothing to launch).
+    """
+    validate_group(grads)
+    grads = [g for g in grads if g.numel() > 0]
+    if not grads:
+        return None
+    cap = program_cap(grads[0].device)
+    base = _flat_base(grads)
+    if base is not None:
+        placeholder = _placeholder(base.device)
+        numel = base.numel()
+        programs = max(1, min(triton.cdiv(numel, CHUNK), cap))
+        return GradLayout(base, True, numel, placeholder, placeholder, programs, numel)
+    tensors, chunks = _tables_for(grads)
+    num_chunks = chunks.shape[0]
+    return GradLayout(
+        grads[0], False, num_chunks, tensors, chunks, min(num_chunks, cap), sum(g.numel() for g in grads)
+    )
+
+
+@triton.jit
+def chunk_span(tensors_ptr, chunks_ptr, chunk, elem_ptr, CHUNK_SIZE: tl.constexpr):
+    """Pointer to the first element of chunk row ``chunk`` and the number of elements in it."""
+    owner = tl.load(chunks_ptr + 2 * chunk)
+    start = tl.load(chunks_ptr + 2 * chunk + 1)
+    address = tl.load(tensors_ptr + 2 * owner)
+    numel = tl.load(tensors_ptr + 2 * owner + 1)
+    p_chunk = address.to(tl.pointer_type(elem_ptr.dtype.element_ty)) + start
+    return p_chunk, tl.minimum(numel - start, CHUNK_SIZE)

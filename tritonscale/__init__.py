@@ -1,0 +1,13 @@
+"""tritonscale: fused Triton loss scaling, inf/NaN check and gradient clipping.
+
+``tritonscale.GradScaler`` is a drop-in for ``torch.amp.GradScaler`` whose unscale / inf-check /
+clip run as one fused multi-tensor pass, with the scale kept on the device (no host sync).
+Importing it touches no device.
+"""
+
+from .errors import ScalerConfigError
+from .flat_grads import flatten_grads_
+from .grad_scaler import GradScaler, OptState
+
+__all__ = ["GradScaler", "OptState", "ScalerConfigError", "flatten_grads_"]
+__version__ = "0.1.0"

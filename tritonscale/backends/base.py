@@ -1,0 +1,30 @@
+"""The backend interface shared by the Triton and torch implementations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class CheckResult:
+    """Device-side results of the check pass + finalize for one device (0-dim fp32 tensors)."""
+
+    found_inf: torch.Tensor  # 1.0 if any gradient was +-inf or NaN
+    norm: torch.Tensor  # total norm of the unscaled gradients
+    factor: torch.Tensor  # inv_scale * clip_coef: what apply_ multiplies by
+    plan: Any  # backend-private description of the gradients, reused by apply_
+
+
+class Backend(Protocol):
+    name: str
+
+    def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None: ...
+
+    def check(
+        self, groups: list[list[torch.Tensor]], scale: torch.Tensor, norm_type: float, max_norm: float | None
+    ) -> CheckResult: ...
+
+    def apply_(self, result: CheckResult) -> None: ...
