@@ -31,7 +31,7 @@ PARTIAL_ROWS = 4
 @triton.jit
 def pow2_inverse(x):
     """2**-floor(log2 x), clamped to stay a normal float32 (x = 0 gives 2**126)."""
-    e = tl.floor(tl.log2(x))
+    e = tl.floor(tl.log2(tl.maximum(x, 1.1754944e-38)))  # below the smallest normal: same clamp, no log2(0)
     e = tl.minimum(tl.maximum(e, -126.0), 126.0)
     return tl.exp2(-e)
 

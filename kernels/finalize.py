@@ -7,7 +7,9 @@ Reads P partial columns (see check_pass) and the loss scale, and writes four fp3
                else  max_p(m_p) * inv_scale                               (inf-norm)
                      inv_scale / R * sum_p s_p * (R / r_p)^k  ^ (1/k)     (k = 1, 2; R = pow2_inverse(max m_p))
     clip_coef  min(max_norm / (norm + 1e-6), 1)  -- torch.nn.utils.clip_grad_norm_'s rule; 1 without clipping
-    factor     inv_scale * clip_coef, the one multiplier the apply pass (or a fused optimizer) needs
+    factor     inv_scale * clip_coef, the one multiplier the apply pass (or a fused optimizer) needs;
+               exactly 1.0 when found_inf, so the apply pass leaves an overflowed step's gradients as
+               they came (the step is skipped anyway) and the zero padding of flat buffers stays zero
 
 inv_scale = 1 / scale is computed in float64 and rounded to float32, exactly as torch.amp.GradScaler
 does. The combination runs in float64, so only a norm above float32's range becomes inf. The
@@ -73,10 +75,11 @@ def finalize_kernel(
         clip_coef = tl.minimum(max_norm * (1.0 / (norm + 1e-6)), 1.0, propagate_nan=tl.PropagateNan.ALL)
     else:
         clip_coef = tl.full([], 1.0, dtype=tl.float32)
-    tl.store(result_ptr, tl.maximum(saw_inf, saw_nan))
+    found_inf = tl.maximum(saw_inf, saw_nan)
+    tl.store(result_ptr, found_inf)
     tl.store(result_ptr + 1, norm)
     tl.store(result_ptr + 2, clip_coef)
-    tl.store(result_ptr + 3, inv_scale * clip_coef)
+    tl.store(result_ptr + 3, tl.where(found_inf > 0, 1.0, inv_scale * clip_coef))
 
 
 def finalize(

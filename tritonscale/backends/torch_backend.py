@@ -53,6 +53,8 @@ class TorchBackend:
             # torch.nn.utils.clip_grad_norm_'s coefficient, op for op.
             clip_coef = torch.clamp(max_norm * (norm + 1e-6).reciprocal(), max=1.0)
             factor = (inv_scale * clip_coef).reshape(())
+        # As in the kernels' finalize: an overflowed step leaves its gradients untouched.
+        factor = torch.where(found_inf > 0, torch.ones_like(factor), factor)
         return CheckResult(found_inf=found_inf, norm=norm, factor=factor, plan=groups)
 
     def apply_(self, result: CheckResult) -> None:

@@ -1,0 +1,26 @@
+"""Test set-up: Triton kernels run on CPU tensors through the interpreter.
+
+TRITON_INTERPRET must be set before triton is imported (the @triton.jit decorator decides at
+import time), so it is set here, before anything imports tritonscale. Compile-only tests run in a
+subprocess without it (tests/test_compile_targets.py).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's default-change warning
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# One tolerance table for norms (elementwise unscale/clip results and scale updates are compared
+# exactly). Both sides accumulate in float32 from the same stored values; 1e-5 leaves room for
+# different summation orders over up to ~1e6 elements (observed differences are ~1e-7).
+NORM_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
