@@ -1,0 +1,135 @@
+"""Ahead-of-time compile Triton kernels for GPU targets; driven by tests/test_compile_targets.py.
+
+Not a test module. It must run in a process WITHOUT ``TRITON_INTERPRET``: under the interpreter
+``@triton.jit`` produces ``InterpretedFunction`` objects that cannot be lowered, and the test
+suite's conftest sets the variable at import. The test therefore runs this script in a
+subprocess with a cleaned environment.
+
+Input (stdin): a JSON list of cases, each
+
+    {"id": str, "kernel": "module:attribute", "target": [backend, arch, warp_size],
+     "signature": {arg: type}, "constexprs": {arg: value}, "divisible": [arg, ...],
+     "num_warps": int}
+
+Output (stdout): a JSON object mapping each case id to what the compile produced: ``ok`` and
+``error``, the global load/store instructions found in the assembly, and register/spill figures
+(cuobjdump resource usage of the cubin for CUDA, the kernel descriptor for AMD). Only what the
+tests check is extracted, so the output stays small. No GPU is needed: Triton's bundled ptxas and
+LLVM AMDGPU backend do all the work.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+
+# PTX global memory instructions, e.g. "ld.global.v4.b32", "st.global.b16".
+_PTX_MEMOPS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
+# AMDGCN global memory instructions, e.g. "buffer_load_dwordx4", "global_store_short".
+_AMD_MEMOPS = re.compile(r"\b(?:global|buffer)_(?:load|store)_\w+")
+# Fields of the AMDGPU kernel descriptor / metadata that say whether anything spilled.
+_AMD_FIELDS = ("vgpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count", "private_segment_fixed_size")
+# cuobjdump --dump-resource-usage line for a function: "REG:80 STACK:0 SHARED:0 LOCAL:0 ...".
+_CUDA_FIELDS = re.compile(r"\b(REG|STACK|SHARED|LOCAL):(\d+)")
+
+
+def _resolve(spec: str):
+    """'module:attribute' -> the JITFunction (an Autotuner wraps it: the AOT path needs ``.fn``)."""
+    module, attribute = spec.split(":")
+    fn = getattr(importlib.import_module(module), attribute)
+    from triton.runtime.autotuner import Autotuner
+
+    return fn.fn if isinstance(fn, Autotuner) else fn
+
+
+def _cuobjdump() -> str | None:
+    """Path of cuobjdump: Triton bundles one next to ptxas; else whatever is on PATH."""
+    try:
+        import triton
+
+        path = triton.knobs.nvidia.cuobjdump.path
+        if path and os.path.exists(path):
+            return path
+    except Exception:  # no bundled tool in this triton build: fall back to PATH
+        pass
+    import shutil
+
+    return shutil.which("cuobjdump")
+
+
+def _cuda_resources(cubin: bytes) -> dict[str, int] | None:
+    tool = _cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    fields = {k: int(v) for k, v in _CUDA_FIELDS.findall(out.stdout)}
+    return fields or None
+
+
+def _amd_resources(amdgcn: str) -> dict[str, int]:
+    fields = {}
+    for name in _AMD_FIELDS:
+        m = re.search(rf"^\s*\.{name}:\s*(\d+)", amdgcn, re.MULTILINE)
+        if m:
+            fields[name] = int(m.group(1))
+    return fields
+
+
+def compile_case(case: dict) -> tuple[str, dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    result = {"ok": False, "error": None}
+    try:
+        fn = _resolve(case["kernel"])
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case["divisible"]}
+        src = ASTSource(fn=fn, signature=case["signature"], constexprs=case["constexprs"], attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget(*case["target"]), options={"num_warps": case["num_warps"]})
+    except Exception:
+        result["error"] = traceback.format_exc(limit=3)
+        return case["id"], result
+
+    asm = compiled.asm
+    result["ok"] = True
+    result["asm_kinds"] = sorted(asm)
+    if "ptx" in asm:
+        ptx = asm["ptx"]
+        ops = _PTX_MEMOPS.findall(ptx)
+        result["ptx_local"] = ".local" in ptx
+        result["resources"] = _cuda_resources(asm["cubin"]) if "cubin" in asm else None
+    else:
+        amdgcn = asm.get("amdgcn", "")
+        ops = _AMD_MEMOPS.findall(amdgcn)
+        result["hsaco_bytes"] = len(asm.get("hsaco", b""))
+        result["resources"] = _amd_resources(amdgcn)
+    result["loads"] = sorted({op for op in ops if "ld." in op or "_load_" in op})
+    result["stores"] = sorted({op for op in ops if "st." in op or "_store_" in op})
+    return case["id"], result
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("compile_helper: TRITON_INTERPRET is set; kernels would be interpreted, not compiled")
+    cases = json.load(sys.stdin)
+    # Compiles are CPU-bound and independent; the parent imports nothing heavy before forking.
+    workers = max(1, min(len(cases), os.cpu_count() or 1))
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        results = dict(pool.map(compile_case, cases, chunksize=4))
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
