@@ -46,6 +46,7 @@ def apply_kernel(
     INVERT: tl.constexpr,
     CHECK: tl.constexpr,
     FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,  # TABLE only: addresses 16-byte aligned, sizes multiples of 16
     CHUNK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -64,7 +65,7 @@ def apply_kernel(
                 b_bad = _scale_block(grad_ptr, o_g, o_g < num_items, factor, b_bad, write, CHECK)
         else:
             for chunk in range(pid, num_items, num_programs):
-                p_chunk, length = chunk_span(tensors_ptr, chunks_ptr, chunk, grad_ptr, CHUNK_SIZE)
+                p_chunk, length = chunk_span(tensors_ptr, chunks_ptr, chunk, grad_ptr, CHUNK_SIZE, ALIGNED)
                 for start in range(0, length, BLOCK):
                     o_g = start + o_block  # [BLOCK]
                     b_bad = _scale_block(p_chunk, o_g, o_g < length, factor, b_bad, write, CHECK)
@@ -111,8 +112,17 @@ def apply_factor_(
     )
     grid = (layout.programs,)
     if layout.flat:
-        apply_kernel_flat_autotuned[grid](*args, INVERT=invert, CHECK=check, FLAT=True, CHUNK_SIZE=CHUNK)
+        apply_kernel_flat_autotuned[grid](
+            *args, INVERT=invert, CHECK=check, FLAT=True, ALIGNED=False, CHUNK_SIZE=CHUNK
+        )
     else:
         apply_kernel[grid](
-            *args, INVERT=invert, CHECK=check, FLAT=False, CHUNK_SIZE=CHUNK, BLOCK=DEFAULT_BLOCK, num_warps=8
+            *args,
+            INVERT=invert,
+            CHECK=check,
+            FLAT=False,
+            ALIGNED=layout.aligned,
+            CHUNK_SIZE=CHUNK,
+            BLOCK=DEFAULT_BLOCK,
+            num_warps=8,
         )

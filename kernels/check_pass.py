@@ -60,7 +60,7 @@ def _fold_block(
     return b_acc, new_max, b_inf | b_is_inf, b_nan | b_is_nan
 
 
-@triton.autotune(configs=streaming_configs(), key=["size_key", "FLAT", "NORM"], prune_configs_by=PRUNE)
+@triton.autotune(configs=streaming_configs(), key=["size_key", "FLAT", "ALIGNED", "NORM"], prune_configs_by=PRUNE)
 @triton.jit
 def check_pass_kernel(
     grad_ptr,  # FLAT: the gradient buffer; TABLE: any gradient (gives the element type)
@@ -72,6 +72,7 @@ def check_pass_kernel(
     size_key,  # autotune key only: log2 bucket of the element count
     NORM: tl.constexpr,  # 1, 2, or 0 for the inf-norm
     FLAT: tl.constexpr,
+    ALIGNED: tl.constexpr,  # TABLE only: addresses 16-byte aligned, sizes multiples of 16
     CHUNK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -91,7 +92,7 @@ def check_pass_kernel(
             b_acc, run_max, b_inf, b_nan = _fold_block(b_g, b_acc, run_max, b_inf, b_nan, NORM)
     else:
         for chunk in range(pid, num_items, num_programs):
-            p_chunk, length = chunk_span(tensors_ptr, chunks_ptr, chunk, grad_ptr, CHUNK_SIZE)
+            p_chunk, length = chunk_span(tensors_ptr, chunks_ptr, chunk, grad_ptr, CHUNK_SIZE, ALIGNED)
             for start in range(0, length, BLOCK):
                 o_g = start + o_block  # [BLOCK]
                 m_g = o_g < length
@@ -127,5 +128,6 @@ def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> Non
         size_class(layout.numel),
         NORM=norm,
         FLAT=layout.flat,
+        ALIGNED=layout.aligned,
         CHUNK_SIZE=CHUNK,
     )

@@ -45,6 +45,7 @@ class GradLayout:
     chunks: torch.Tensor  # int64 [C, 2] (TABLE) or a 1-element placeholder (FLAT)
     programs: int  # persistent programs a pass launches for this group
     numel: int  # gradient elements covered
+    aligned: bool = False  # TABLE: every address is 16-byte aligned and every numel a multiple of 16
 
     @property
     def device(self) -> torch.device:
@@ -103,10 +104,10 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return _placeholders[device]
 
 
-_tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = OrderedDict()
 
 
-def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
     key = (grads[0].device, grads[0].dtype, tuple((g.data_ptr(), g.numel()) for g in grads))
     hit = _tables.get(key)
     if hit is not None:
@@ -121,7 +122,10 @@ def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     starts = (torch.arange(owner.numel(), dtype=torch.int64) - first_chunk[owner]) * CHUNK
     chunks = torch.stack([owner, starts], dim=1)
     device = grads[0].device
-    hit = (tensors.to(device, non_blocking=False), chunks.to(device, non_blocking=False))
+    # Alignment the compiler cannot see through a loaded address; the kernels assert it with
+    # tl.multiple_of so that table launches get 16-byte vector loads too.
+    aligned = all(g.data_ptr() % 16 == 0 and g.numel() % 16 == 0 for g in grads)
+    hit = (tensors.to(device), chunks.to(device), aligned)
     _tables[key] = hit
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
@@ -144,19 +148,23 @@ def describe_grads(grads: list[torch.Tensor]) -> GradLayout | None:
         numel = base.numel()
         programs = max(1, min(triton.cdiv(numel, CHUNK), cap))
         return GradLayout(base, True, numel, placeholder, placeholder, programs, numel)
-    tensors, chunks = _tables_for(grads)
+    tensors, chunks, aligned = _tables_for(grads)
     num_chunks = chunks.shape[0]
-    return GradLayout(
-        grads[0], False, num_chunks, tensors, chunks, min(num_chunks, cap), sum(g.numel() for g in grads)
-    )
+    numel = sum(g.numel() for g in grads)
+    return GradLayout(grads[0], False, num_chunks, tensors, chunks, min(num_chunks, cap), numel, aligned)
 
 
 @triton.jit
-def chunk_span(tensors_ptr, chunks_ptr, chunk, elem_ptr, CHUNK_SIZE: tl.constexpr):
+def chunk_span(tensors_ptr, chunks_ptr, chunk, elem_ptr, CHUNK_SIZE: tl.constexpr, ALIGNED: tl.constexpr):
     """Pointer to the first element of chunk row ``chunk`` and the number of elements in it."""
     owner = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(chunks_ptr + 2 * chunk + 1)
     address = tl.load(tensors_ptr + 2 * owner)
     numel = tl.load(tensors_ptr + 2 * owner + 1)
     p_chunk = address.to(tl.pointer_type(elem_ptr.dtype.element_ty)) + start
-    return p_chunk, tl.minimum(numel - start, CHUNK_SIZE)
+    length = tl.minimum(numel - start, CHUNK_SIZE)
+    if ALIGNED:
+        # Checked on the host when the table was built (start is a multiple of CHUNK_SIZE).
+        p_chunk = tl.multiple_of(p_chunk, 16)
+        length = tl.multiple_of(length, 16)
+    return p_chunk, length

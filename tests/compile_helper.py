@@ -35,7 +35,13 @@ _PTX_MEMOPS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
 # AMDGCN global memory instructions, e.g. "buffer_load_dwordx4", "global_store_short".
 _AMD_MEMOPS = re.compile(r"\b(?:global|buffer)_(?:load|store)_\w+")
 # Fields of the AMDGPU kernel descriptor / metadata that say whether anything spilled.
-_AMD_FIELDS = ("vgpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count", "private_segment_fixed_size")
+_AMD_FIELDS = (
+    "vgpr_count",
+    "sgpr_count",
+    "vgpr_spill_count",
+    "sgpr_spill_count",
+    "private_segment_fixed_size",
+)
 # cuobjdump --dump-resource-usage line for a function: "REG:80 STACK:0 SHARED:0 LOCAL:0 ...".
 _CUDA_FIELDS = re.compile(r"\b(REG|STACK|SHARED|LOCAL):(\d+)")
 
@@ -71,7 +77,9 @@ def _cuda_resources(cubin: bytes) -> dict[str, int] | None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True)
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
+        )
     if out.returncode != 0:
         return None
     fields = {k: int(v) for k, v in _CUDA_FIELDS.findall(out.stdout)}
@@ -95,9 +103,20 @@ def compile_case(case: dict) -> tuple[str, dict]:
     result = {"ok": False, "error": None}
     try:
         fn = _resolve(case["kernel"])
-        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case["divisible"]}
-        src = ASTSource(fn=fn, signature=case["signature"], constexprs=case["constexprs"], attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget(*case["target"]), options={"num_warps": case["num_warps"]})
+        # A parameter left out of the signature fails deep in codegen with an opaque
+        # "'NoneType' object has no attribute '_unflatten_ir'": name it instead.
+        missing = [name for name in fn.arg_names if name not in case["signature"]]
+        if missing:
+            raise TypeError(f"signature lacks {missing} of {case['kernel']}{fn.arg_names}")
+        attrs = {
+            (fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case["divisible"]
+        }
+        src = ASTSource(
+            fn=fn, signature=case["signature"], constexprs=case["constexprs"], attrs=attrs
+        )
+        compiled = triton.compile(
+            src, target=GPUTarget(*case["target"]), options={"num_warps": case["num_warps"]}
+        )
     except Exception:
         result["error"] = traceback.format_exc(limit=3)
         return case["id"], result
@@ -122,7 +141,9 @@ def compile_case(case: dict) -> tuple[str, dict]:
 
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit("compile_helper: TRITON_INTERPRET is set; kernels would be interpreted, not compiled")
+        sys.exit(
+            "compile_helper: TRITON_INTERPRET is set; kernels would be interpreted, not compiled"
+        )
     cases = json.load(sys.stdin)
     # Compiles are CPU-bound and independent; the parent imports nothing heavy before forking.
     workers = max(1, min(len(cases), os.cpu_count() or 1))

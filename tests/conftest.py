@@ -2,12 +2,13 @@
 
 TRITON_INTERPRET must be set before triton is imported (the @triton.jit decorator decides at
 import time), so it is set here, before anything imports tritonscale. Compile-only tests run in a
-subprocess without it (tests/test_compile_targets.py).
+subprocess without it (tests/test_compile_targets.py). On a GPU machine the GPU tier runs with the
+compiled kernels: ``TRITON_INTERPRET=0 pytest -m gpu``.
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's default-change warning
 
 import pytest  # noqa: E402
@@ -24,3 +25,13 @@ BACKENDS = ["torch", "triton"]
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
     return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    # The GPU tier runs compiled kernels on a real device; everything else runs anywhere.
+    if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA/ROCm GPU and TRITON_INTERPRET=0")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -8,10 +8,11 @@ Triton's real pipeline (ptxas for CUDA, the LLVM AMDGPU backend for ROCm) and ch
 ``conftest.py`` sets ``TRITON_INTERPRET=1`` at import, so the compiles run once per module in a
 subprocess (``compile_helper.py``) whose environment lacks it; the tests here only read its JSON.
 
-Signatures mirror what Triton's launcher specialises for real launches: every pointer comes from
-a torch allocation (at least 256-byte aligned) and so gets ``tt.divisibility=16``; ``num_items``
-gets it only when the case says the buffer is padded to a multiple of 16 elements, as
-``flatten_grads_`` does.
+Signatures mirror what Triton's launcher specialises for real launches: it marks a pointer
+``tt.divisibility=16`` when its address is 16-byte aligned (true of torch allocations and of
+``flatten_grads_`` buffers) and an integer when it is a multiple of 16. So every pointer gets the
+attribute, and ``num_items`` gets it only in "padded" cases: ``flatten_grads_`` pads buffers to a
+multiple of 16 elements precisely so that it does.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK, streaming_configs
 
 HELPER = Path(__file__).with_name("compile_helper.py")
@@ -36,7 +36,8 @@ TARGETS = {
 CUDA_TARGETS = ("sm90", "sm80")
 DTYPES = ("fp32", "fp16", "bf16")
 NORMS = {0: "Linf", 1: "L1", 2: "L2"}  # kernel NORM code -> id fragment
-FINALIZE_BLOCK_P = 1024  # what finalize() picks for 4 programs/SM on a 132-SM H100 (528 partials)
+# finalize() picks next_power_of_2(partials): 1024 for one group at 4 programs/SM on a 132-SM H100.
+FINALIZE_BLOCK_P = 1024
 
 CHECK = "tritonscale.kernels.check_pass:check_pass_kernel"
 APPLY = "tritonscale.kernels.apply_pass:apply_kernel"
@@ -44,8 +45,24 @@ FINALIZE = "tritonscale.kernels.finalize:finalize_kernel"
 
 # Runtime argument types. Python ints below 2**31 are passed as i32 by Triton's launcher, which
 # is what every realistic call sees; the i64 variant (buffers over 2**31 elements) is one case.
-_CHECK_ARGS = ("grad_ptr", "tensors_ptr", "chunks_ptr", "num_items", "partials_ptr", "partials_stride", "size_key")
-_APPLY_ARGS = ("grad_ptr", "tensors_ptr", "chunks_ptr", "num_items", "factor_ptr", "found_inf_ptr", "size_key")
+_CHECK_ARGS = (
+    "grad_ptr",
+    "tensors_ptr",
+    "chunks_ptr",
+    "num_items",
+    "partials_ptr",
+    "partials_stride",
+    "size_key",
+)
+_APPLY_ARGS = (
+    "grad_ptr",
+    "tensors_ptr",
+    "chunks_ptr",
+    "num_items",
+    "factor_ptr",
+    "found_inf_ptr",
+    "size_key",
+)
 _FINALIZE_SIG = {
     "partials_ptr": "*fp32",
     "num_partials": "i32",
@@ -57,7 +74,11 @@ _FINALIZE_SIG = {
 
 
 def _grad_signature(args: tuple[str, ...], dtype: str, num_items: str) -> dict[str, str]:
-    sig = {name: "*i64" if name in ("tensors_ptr", "chunks_ptr") else "*fp32" for name in args if name.endswith("_ptr")}
+    sig = {
+        name: "*i64" if name in ("tensors_ptr", "chunks_ptr") else "*fp32"
+        for name in args
+        if name.endswith("_ptr")
+    }
     sig["grad_ptr"] = f"*{dtype}"
     sig.update({name: "i32" for name in args if not name.endswith("_ptr")})
     sig["num_items"] = num_items
@@ -80,8 +101,23 @@ def _case(case_id, kernel, target, signature, constexprs, *, padded=True, num_wa
     }
 
 
-def check_case(target, dtype, flat, norm=2, *, padded=True, num_items="i32", block=DEFAULT_BLOCK, num_warps=8):
-    layout = "flat" if flat else "table"
+def _layout(flat: bool, aligned: bool) -> str:
+    return "flat" if flat else ("table-aligned" if aligned else "table")
+
+
+def check_case(
+    target,
+    dtype,
+    flat,
+    norm=2,
+    *,
+    aligned=False,
+    padded=True,
+    num_items="i32",
+    block=DEFAULT_BLOCK,
+    num_warps=8,
+):
+    layout = _layout(flat, aligned)
     suffix = ("" if padded else "-unpadded") + ("-i64" if num_items == "i64" else "")
     if (block, num_warps) != (DEFAULT_BLOCK, 8):
         suffix += f"-B{block}w{num_warps}"
@@ -90,14 +126,25 @@ def check_case(target, dtype, flat, norm=2, *, padded=True, num_items="i32", blo
         CHECK,
         target,
         _grad_signature(_CHECK_ARGS, dtype, num_items),
-        {"NORM": norm, "FLAT": flat, "CHUNK_SIZE": CHUNK, "BLOCK": block},
+        {"NORM": norm, "FLAT": flat, "ALIGNED": aligned, "CHUNK_SIZE": CHUNK, "BLOCK": block},
         padded=padded,
         num_warps=num_warps,
     )
 
 
-def apply_case(target, dtype, flat, *, check=True, invert=False, padded=True, block=DEFAULT_BLOCK, num_warps=8):
-    layout = "flat" if flat else "table"
+def apply_case(
+    target,
+    dtype,
+    flat,
+    *,
+    aligned=False,
+    check=True,
+    invert=False,
+    padded=True,
+    block=DEFAULT_BLOCK,
+    num_warps=8,
+):
+    layout = _layout(flat, aligned)
     mode = ("check" if check else "nocheck") + ("-invert" if invert else "")
     suffix = "" if padded else "-unpadded"
     if (block, num_warps) != (DEFAULT_BLOCK, 8):
@@ -107,7 +154,14 @@ def apply_case(target, dtype, flat, *, check=True, invert=False, padded=True, bl
         APPLY,
         target,
         _grad_signature(_APPLY_ARGS, dtype, "i32"),
-        {"INVERT": invert, "CHECK": check, "FLAT": flat, "CHUNK_SIZE": CHUNK, "BLOCK": block},
+        {
+            "INVERT": invert,
+            "CHECK": check,
+            "FLAT": flat,
+            "ALIGNED": aligned,
+            "CHUNK_SIZE": CHUNK,
+            "BLOCK": block,
+        },
         padded=padded,
         num_warps=num_warps,
     )
@@ -127,11 +181,14 @@ def finalize_case(target, norm, has_clip=True, block_p=FINALIZE_BLOCK_P):
 
 def _build_cases() -> list[dict]:
     cases = []
+    # FLAT launches always pass ALIGNED=False; TABLE launches pass whether the host found every
+    # tensor 16-byte aligned with a multiple of 16 elements.
+    layouts = ((True, False), (False, False), (False, True))  # (FLAT, ALIGNED)
     for target in TARGETS:
         for dtype in DTYPES:
-            for flat in (True, False):
-                cases.append(check_case(target, dtype, flat))
-                cases.append(apply_case(target, dtype, flat))
+            for flat, aligned in layouts:
+                cases.append(check_case(target, dtype, flat, aligned=aligned))
+                cases.append(apply_case(target, dtype, flat, aligned=aligned))
         for norm in (0, 1):  # L2 is covered above for every dtype/layout
             for flat in (True, False):
                 cases.append(check_case(target, "fp32", flat, norm))
@@ -182,7 +239,9 @@ def compiled(tmp_path_factory) -> dict[str, dict]:
         cwd=tmp_path_factory.getbasetemp(),
         timeout=300,
     )
-    assert proc.returncode == 0, f"compile helper failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"compile helper failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    )
     return json.loads(proc.stdout)
 
 
@@ -209,7 +268,9 @@ def test_compiles(compiled, case_id):
 def test_flat_check_loads_are_16_byte_vectors(compiled, target, dtype):
     result = _result(compiled, check_case(target, dtype, True)["id"])
     # The check kernel's only global loads are gradient loads: all of them must be v4.
-    assert result["loads"] and all(op.startswith("ld.global.v4.") for op in result["loads"]), result["loads"]
+    assert result["loads"] and all(op.startswith("ld.global.v4.") for op in result["loads"]), (
+        result["loads"]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -252,7 +313,9 @@ def test_unpadded_flat_fp16_is_not_vectorised(compiled, target, kernel):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gfx942_flat_loads_are_dwordx4(compiled, dtype):
     check = _result(compiled, check_case("gfx942", dtype, True)["id"])
-    assert check["loads"] and all(op.endswith("_load_dwordx4") for op in check["loads"]), check["loads"]
+    assert check["loads"] and all(op.endswith("_load_dwordx4") for op in check["loads"]), check[
+        "loads"
+    ]
     apply = _result(compiled, apply_case("gfx942", dtype, True)["id"])
     assert any(op.endswith("_load_dwordx4") for op in apply["loads"]), apply["loads"]
     assert any(op.endswith("_store_dwordx4") for op in apply["stores"]), apply["stores"]

@@ -292,20 +292,24 @@ def forbid_host_reads(monkeypatch):
     return armed
 
 
-def test_unscale_clip_update_never_read_device_values(backend, forbid_host_reads):
-    params, opt, scaler = tiny_setup(backend)
+@pytest.mark.parametrize("mode", ["unscale+clip", "clip", "plain"])
+def test_unscale_clip_step_update_never_read_device_values(backend, forbid_host_reads, mode):
+    params, _, scaler = tiny_setup(backend)
     fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
-    for bad in (None, math.nan):
+    for bad in (None, math.nan, None):
         backward(params, scaler, bad)
         forbid_host_reads["on"] = True
-        scaler.unscale_(opt)
-        scaler.clip_grad_norm_(opt, 0.5)
-        scaler.step(fused)  # fused optimizers take found_inf on the device
+        if mode == "unscale+clip":
+            scaler.unscale_(fused)
+        if mode != "plain":
+            scaler.clip_grad_norm_(fused, 0.5)
+        scaler.step(fused)  # fused optimizers take found_inf (and grad_scale) on the device
         scaler.update()
         forbid_host_reads["on"] = False
         for p in params:
             p.grad = None
-    assert scaler.get_scale() == 2.0**15
+    assert scaler.get_scale() == 2.0**15  # the NaN step backed off: found_inf reached update()
+    assert fused.state[params[0]]["step"] == 2  # and the optimizer skipped that step on the device
 
 
 def test_step_with_a_plain_optimizer_reads_found_inf_once(backend, monkeypatch):

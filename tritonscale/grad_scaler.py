@@ -219,7 +219,8 @@ class GradScaler:
         max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
         if not self._enabled:
-            groups = collect_grads(optimizer, allow_fp16=False)
+            # Nothing is unscaled, so float16 gradients are fine: this is plain clipping.
+            groups = collect_grads(optimizer, allow_fp16=True)
             ones_device = next(iter(groups), torch.device("cpu"))
             one = torch.ones((), dtype=torch.float32, device=ones_device)
             _, backend, result = self._check_device(groups, one, norm_type, max_norm, "clip_grad_norm_")
@@ -266,11 +267,12 @@ class GradScaler:
             if state["stage"] is OptState.READY:
                 # The optimizer divides by grad_scale itself: only the read-only check pass runs.
                 groups = collect_grads(optimizer, allow_fp16=True)
-                if groups:
-                    device, _, result = self._check_device(groups, scale, 2.0, None, "step")
-                    state["found_inf_per_device"] = {device: result.found_inf}
-                else:
-                    state["found_inf_per_device"] = self._zero_found_infs(groups, scale.device)
+                found_infs = self._zero_found_infs(groups, scale.device)
+                for device, device_groups in groups.items():  # no cross-device reduction needed
+                    backend = resolve_backend(self._backend_name, device)
+                    result = backend.check(device_groups, scale.to(device, non_blocking=True), 2.0, None)
+                    found_infs[device] = result.found_inf
+                state["found_inf_per_device"] = found_infs
                 grad_scale = scale * getattr(optimizer, "grad_scale", 1)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)

@@ -1,0 +1,167 @@
+"""Packaging: the wheel ships the kernels as ``tritonscale.kernels`` and nothing as ``kernels``.
+
+``kernels/`` sits at the top of the repository and is mapped into the package by
+``[tool.setuptools.package-dir]``. A mistake there would ship a top-level ``kernels`` package,
+which clashes with the unrelated PyPI project of that name, or leave the kernels out of the
+wheel; neither shows up in the in-tree test runs. The import checks run in subprocesses from a
+neutral working directory, so that neither this test process (conftest has already imported
+torch and set TRITON_INTERPRET) nor the repository root on ``sys.path`` can mask a problem.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+KERNEL_MODULES = ("check_pass.py", "apply_pass.py", "finalize.py")
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment of a user's process: no interpreter mode forced by conftest."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return env
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=_clean_env(),
+        timeout=120,
+    )
+
+
+def _copy_tracked_files(dest: Path) -> None:
+    """Copy the working-tree state of git's tracked files: the build never writes into REPO."""
+    if shutil.which("git") is None:
+        pytest.skip("git not available: cannot list the repository's tracked files")
+    listing = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, text=True
+    )
+    if listing.returncode != 0:
+        pytest.skip(f"not a git checkout: {listing.stderr.strip()}")
+    for name in filter(None, listing.stdout.split("\0")):
+        src = REPO / name
+        if not src.is_file():  # tracked but deleted in the working tree
+            continue
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Iterator[tuple[zipfile.ZipFile, Path]]:
+    """Build the wheel once from a snapshot of the tracked files; yield it and the snapshot."""
+    source = tmp_path_factory.mktemp("source")
+    outdir = tmp_path_factory.mktemp("dist")
+    _copy_tracked_files(source)
+    build = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(outdir)],
+        capture_output=True,
+        text=True,
+        cwd=source,
+        timeout=300,
+    )
+    if build.returncode != 0:
+        # `build` checks [build-system].requires against the environment and refuses when the
+        # `wheel` distribution is not installed, although setuptools>=70.1 builds wheels itself.
+        # pip performs no such check; --no-index keeps it offline.
+        pip = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+             "--no-index", "--no-cache-dir", "-w", str(outdir), str(source)],
+            capture_output=True,
+            text=True,
+            cwd=source,
+            timeout=300,
+        )  # fmt: skip
+        assert pip.returncode == 0, (
+            f"python -m build failed:\n{build.stdout[-2000:]}{build.stderr[-2000:]}\n"
+            f"pip wheel failed too:\n{pip.stdout[-2000:]}{pip.stderr[-2000:]}"
+        )
+    wheels = list(outdir.glob("tritonscale-*.whl"))
+    assert len(wheels) == 1, f"expected one wheel, found {wheels}"
+    with zipfile.ZipFile(wheels[0]) as zf:
+        yield zf, source
+
+
+def test_wheel_ships_kernels_inside_the_package(wheel):
+    zf, source = wheel
+    names = set(zf.namelist())
+    expected = {"tritonscale/__init__.py"} | {f"tritonscale/kernels/{m}" for m in KERNEL_MODULES}
+    assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
+    # The package-dir mapping must pick up the repository's kernels/ directory, file for file.
+    for module in KERNEL_MODULES:
+        shipped = zf.read(f"tritonscale/kernels/{module}")
+        assert shipped == (source / "kernels" / module).read_bytes(), module
+
+
+def test_wheel_has_no_top_level_kernels_package(wheel):
+    zf, _ = wheel
+    names = zf.namelist()
+    assert not [n for n in names if n.startswith("kernels/")], "wheel ships a top-level kernels/"
+    # Nothing besides the package and its metadata (no tests/, bench/ ...).
+    top = {n.split("/", 1)[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"tritonscale"}, top
+
+
+def test_wheel_top_level_txt_lists_only_tritonscale(wheel):
+    zf, _ = wheel
+    top_level = [n for n in zf.namelist() if n.endswith(".dist-info/top_level.txt")]
+    if not top_level:
+        pytest.skip("this setuptools writes no top_level.txt")
+    listed = zf.read(top_level[0]).decode().split()
+    assert "kernels" not in listed, listed
+    assert listed == ["tritonscale"], listed
+
+
+def test_installed_package_imports_kernels_as_subpackage(tmp_path):
+    proc = _python(
+        "import tritonscale, tritonscale.kernels; print(tritonscale.kernels.__name__)", tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["tritonscale.kernels"]
+
+
+def test_bare_kernels_is_not_importable(tmp_path):
+    # From a neutral cwd only the installed distribution is on sys.path: the editable install
+    # must map tritonscale.kernels without exposing the repository's kernels/ as `kernels`.
+    code = (
+        "try:\n"
+        "    import kernels\n"
+        "except ModuleNotFoundError:\n"
+        "    print('absent')\n"
+        "else:\n"
+        "    print('found', kernels.__file__)\n"
+    )
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "absent", proc.stdout
+
+
+def test_import_does_not_initialise_cuda(tmp_path):
+    # torch.cuda._lazy_init is what every CUDA-touching torch call goes through; recording calls
+    # to it keeps the check meaningful on CPU-only torch, where is_initialized() is always False.
+    code = (
+        "import torch, torch.cuda\n"
+        "calls = []\n"
+        "real = torch.cuda._lazy_init\n"
+        "torch.cuda._lazy_init = lambda: (calls.append(1), real())[1]\n"
+        "import tritonscale, tritonscale.kernels\n"
+        "print(torch.cuda.is_initialized(), len(calls))\n"
+    )
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "0"], proc.stdout
