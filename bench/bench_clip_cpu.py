@@ -101,17 +101,21 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    print(f"unscale+clip section, {args.dtype}, {args.tensors} tensors, torch {torch.__version__}, "
-          f"{machine['cpus']} threads; median ms [20%, 80%]")
+    print(
+        f"unscale+clip section, {args.dtype}, {args.tensors} tensors, torch {torch.__version__}, "
+        f"{machine['cpus']} threads; median ms [20%, 80%]"
+    )
     print(f"{'elements':>10} {'torch ms':>22} {'tritonscale ms':>22} {'ratio':>6} {'bytes torch/ours':>18}")
     points = []
     for numel in args.sizes:
         p = bench_point(numel, min(args.tensors, numel), dtype, args.repeats)
         points.append(p)
         t, o = p["torch"], p["tritonscale"]
-        print(f"{numel:>10} {t['median_ms']:>8.2f} [{t['q20_ms']:.2f}, {t['q80_ms']:.2f}] "
-              f"{o['median_ms']:>8.2f} [{o['q20_ms']:.2f}, {o['q80_ms']:.2f}] {p['ratio']:>6.2f} "
-              f"{p['bytes_model']['torch'] / 2**20:>8.0f}/{p['bytes_model']['tritonscale'] / 2**20:.0f} MiB")
+        print(
+            f"{numel:>10} {t['median_ms']:>8.2f} [{t['q20_ms']:.2f}, {t['q80_ms']:.2f}] "
+            f"{o['median_ms']:>8.2f} [{o['q20_ms']:.2f}, {o['q80_ms']:.2f}] {p['ratio']:>6.2f} "
+            f"{p['bytes_model']['torch'] / 2**20:>8.0f}/{p['bytes_model']['tritonscale'] / 2**20:.0f} MiB"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "points": points}, indent=2))
     print(f"wrote {args.out}")

@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     def make():
         torch.manual_seed(0)
         model = torch.nn.Sequential(
-            torch.nn.Linear(64, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, args.width),
-            torch.nn.GELU(), torch.nn.Linear(args.width, 1),
+            torch.nn.Linear(64, args.width),
+            torch.nn.GELU(),
+            torch.nn.Linear(args.width, args.width),
+            torch.nn.GELU(),
+            torch.nn.Linear(args.width, 1),
         )
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
@@ -56,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     def run(ours: bool):
         model, opt = make()
         kw = dict(init_scale=args.init_scale, growth_interval=args.growth_interval)
-        scaler = tritonscale.GradScaler("cpu", backend=args.backend, **kw) if ours else torch.amp.GradScaler("cpu", **kw)
+        scaler = (
+            tritonscale.GradScaler("cpu", backend=args.backend, **kw) if ours else torch.amp.GradScaler("cpu", **kw)
+        )
         rows, start = [], time.perf_counter()
         for x, y in batches:
             opt.zero_grad()
@@ -78,13 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     ref, ref_s = run(False)
     backend = tritonscale.backends.resolve_backend(args.backend, torch.device("cpu")).name
     print(f"tritonscale.GradScaler (backend={backend}) vs torch.amp.GradScaler, fp16 autocast, clip {args.max_norm}")
-    print(f"{'step':>4} {'loss':>10} {'scale':>10} {'grad norm':>11} {'skipped':>7} | {'torch loss':>10} {'torch norm':>11}")
+    header = f"{'step':>4} {'loss':>10} {'scale':>10} {'grad norm':>11} {'skipped':>7}"
+    print(f"{header} | {'torch loss':>10} {'torch norm':>11}")
     for i, ((loss, scale, norm, skipped), (t_loss, _, t_norm, _)) in enumerate(zip(ours, ref)):
-        print(f"{i:>4} {loss:>10.5f} {scale:>10.0f} {norm:>11.5g} {'yes' if skipped else '':>7} | {t_loss:>10.5f} {t_norm:>11.5g}")
+        ours_cols = f"{i:>4} {loss:>10.5f} {scale:>10.0f} {norm:>11.5g} {'yes' if skipped else '':>7}"
+        print(f"{ours_cols} | {t_loss:>10.5f} {t_norm:>11.5g}")
     same_scales = [r[1] for r in ours] == [r[1] for r in ref]
     max_loss_diff = max(abs(a[0] - b[0]) for a, b in zip(ours, ref))
-    print(f"skipped steps: {sum(r[3] for r in ours)} (torch: {sum(r[3] for r in ref)}); "
-          f"scale trajectory identical to torch: {same_scales}; max |loss - torch loss| = {max_loss_diff:.3g}")
+    print(
+        f"skipped steps: {sum(r[3] for r in ours)} (torch: {sum(r[3] for r in ref)}); "
+        f"scale trajectory identical to torch: {same_scales}; max |loss - torch loss| = {max_loss_diff:.3g}"
+    )
     print(f"wall time: tritonscale {ours_s:.2f} s, torch {ref_s:.2f} s (whole loop on this CPU)")
     return 0 if same_scales else 1
 

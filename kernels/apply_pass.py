@@ -112,9 +112,7 @@ def apply_factor_(
     )
     grid = (layout.programs,)
     if layout.flat:
-        apply_kernel_flat_autotuned[grid](
-            *args, INVERT=invert, CHECK=check, FLAT=True, ALIGNED=False, CHUNK_SIZE=CHUNK
-        )
+        apply_kernel_flat_autotuned[grid](*args, INVERT=invert, CHECK=check, FLAT=True, ALIGNED=False, CHUNK_SIZE=CHUNK)
     else:
         apply_kernel[grid](
             *args,

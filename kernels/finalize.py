@@ -30,7 +30,7 @@ _MAX_BLOCK_P = 4096
 
 @triton.jit
 def finalize_kernel(
-    partials_ptr,  # fp32 [4, stride]
+    partials_ptr,  # fp32 [3, stride]
     num_partials,  # columns in use
     partials_stride,  # row stride, in elements
     scale_ptr,  # fp32 [1] loss scale (device-resident)
@@ -42,14 +42,12 @@ def finalize_kernel(
 ):
     o_p = tl.arange(0, BLOCK_P)
     big = tl.zeros([], dtype=tl.float32)
-    saw_inf = tl.zeros([], dtype=tl.float32)
-    saw_nan = tl.zeros([], dtype=tl.float32)
+    bad = tl.zeros([], dtype=tl.float32)  # sum of |g| over non-finite gradients: 0, +inf or NaN
     for start in range(0, num_partials, BLOCK_P):
         m_p = start + o_p < num_partials  # [BLOCK_P]
         big = tl.maximum(big, tl.max(tl.load(partials_ptr + start + o_p, mask=m_p, other=0.0), axis=0))
-        p_flags = partials_ptr + start + o_p
-        saw_inf = tl.maximum(saw_inf, tl.max(tl.load(p_flags + 2 * partials_stride, mask=m_p, other=0.0), axis=0))
-        saw_nan = tl.maximum(saw_nan, tl.max(tl.load(p_flags + 3 * partials_stride, mask=m_p, other=0.0), axis=0))
+        bad += tl.sum(tl.load(partials_ptr + 2 * partials_stride + start + o_p, mask=m_p, other=0.0), axis=0)
+    found_inf = bad != 0  # true for +inf and for NaN
 
     inv_scale = (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
     if NORM == 0:
@@ -68,18 +66,16 @@ def finalize_kernel(
         if NORM == 2:
             total = tl.sqrt(total)
         norm = (total / inv_big.to(tl.float64) * inv_scale.to(tl.float64)).to(tl.float32)
-    norm = tl.where(saw_inf > 0, float("inf"), norm)
-    norm = tl.where(saw_nan > 0, float("nan"), norm)
+    norm = tl.where(found_inf, bad, norm)  # torch's norm: NaN if any NaN, else +inf
 
     if HAS_CLIP:
         clip_coef = tl.minimum(max_norm * (1.0 / (norm + 1e-6)), 1.0, propagate_nan=tl.PropagateNan.ALL)
     else:
         clip_coef = tl.full([], 1.0, dtype=tl.float32)
-    found_inf = tl.maximum(saw_inf, saw_nan)
-    tl.store(result_ptr, found_inf)
+    tl.store(result_ptr, found_inf.to(tl.float32))
     tl.store(result_ptr + 1, norm)
     tl.store(result_ptr + 2, clip_coef)
-    tl.store(result_ptr + 3, tl.where(found_inf > 0, 1.0, inv_scale * clip_coef))
+    tl.store(result_ptr + 3, tl.where(found_inf, 1.0, inv_scale * clip_coef))
 
 
 def finalize(
@@ -95,7 +91,7 @@ def finalize(
     None the clip coefficient is 1 and the factor is just ``1 / scale``.
     """
     if partials.dtype != torch.float32 or partials.shape[0] != PARTIAL_ROWS:
-        raise ValueError("partials must be a float32 [4, P] tensor")
+        raise ValueError(f"partials must be a float32 [{PARTIAL_ROWS}, P] tensor")
     if not 1 <= num_partials <= partials.shape[1]:
         raise ValueError(f"num_partials {num_partials} outside 1..{partials.shape[1]}")
     if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != partials.device:

@@ -52,7 +52,7 @@ def norm_code(norm_type: float) -> int:
     raise ValueError(f"norm_type must be 1, 2 or inf, got {norm_type!r}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -13,7 +13,8 @@ Input (stdin): a JSON list of cases, each
 
 Output (stdout): a JSON object mapping each case id to what the compile produced: ``ok`` and
 ``error``, the global load/store instructions found in the assembly, and register/spill figures
-(cuobjdump resource usage of the cubin for CUDA, the kernel descriptor for AMD). Only what the
+(cuobjdump resource usage and SASS spill instructions of the cubin for CUDA, the kernel
+descriptor for AMD). Only what the
 tests check is extracted, so the output stays small. No GPU is needed: Triton's bundled ptxas and
 LLVM AMDGPU backend do all the work.
 """
@@ -44,6 +45,9 @@ _AMD_FIELDS = (
 )
 # cuobjdump --dump-resource-usage line for a function: "REG:80 STACK:0 SHARED:0 LOCAL:0 ...".
 _CUDA_FIELDS = re.compile(r"\b(REG|STACK|SHARED|LOCAL):(\d+)")
+# SASS local-memory store/load instructions, e.g. "STL [R1], R3 ;", "LDL.LU R11, [R1] ;".
+_SASS_STL = re.compile(r"\sSTL(?:\.\w+)*\s")
+_SASS_LDL = re.compile(r"\sLDL(?:\.\w+)*\s")
 
 
 def _resolve(spec: str):
@@ -71,19 +75,35 @@ def _cuobjdump() -> str | None:
 
 
 def _cuda_resources(cubin: bytes) -> dict[str, int] | None:
+    """Registers, stack and local memory of the cubin, and its spill instructions.
+
+    The kernels declare no local arrays, so every STL/LDL in the SASS is a register spill (what
+    ptxas -v reports as "spill stores/loads"). Disassembling takes ~0.5 s, so it is only done when
+    the cubin has a stack frame or local memory at all: without one nothing can have spilled.
+    """
     tool = _cuobjdump()
     if tool is None:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
-        )
-    if out.returncode != 0:
-        return None
-    fields = {k: int(v) for k, v in _CUDA_FIELDS.findall(out.stdout)}
-    return fields or None
+
+        def dump(*flags: str) -> str | None:
+            out = subprocess.run([tool, *flags, f.name], capture_output=True, text=True)
+            return out.stdout if out.returncode == 0 else None
+
+        usage = dump("--dump-resource-usage")
+        fields = {k: int(v) for k, v in _CUDA_FIELDS.findall(usage or "")}
+        if not fields:
+            return None
+        fields["spill_stores"] = fields["spill_loads"] = 0
+        if fields["STACK"] or fields["LOCAL"]:
+            sass = dump("--dump-sass")
+            if sass is None:
+                return None
+            fields["spill_stores"] = len(_SASS_STL.findall(sass))
+            fields["spill_loads"] = len(_SASS_LDL.findall(sass))
+    return fields
 
 
 def _amd_resources(amdgcn: str) -> dict[str, int]:
@@ -108,15 +128,9 @@ def compile_case(case: dict) -> tuple[str, dict]:
         missing = [name for name in fn.arg_names if name not in case["signature"]]
         if missing:
             raise TypeError(f"signature lacks {missing} of {case['kernel']}{fn.arg_names}")
-        attrs = {
-            (fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case["divisible"]
-        }
-        src = ASTSource(
-            fn=fn, signature=case["signature"], constexprs=case["constexprs"], attrs=attrs
-        )
-        compiled = triton.compile(
-            src, target=GPUTarget(*case["target"]), options={"num_warps": case["num_warps"]}
-        )
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case["divisible"]}
+        src = ASTSource(fn=fn, signature=case["signature"], constexprs=case["constexprs"], attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget(*case["target"]), options={"num_warps": case["num_warps"]})
     except Exception:
         result["error"] = traceback.format_exc(limit=3)
         return case["id"], result
@@ -141,9 +155,7 @@ def compile_case(case: dict) -> tuple[str, dict]:
 
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit(
-            "compile_helper: TRITON_INTERPRET is set; kernels would be interpreted, not compiled"
-        )
+        sys.exit("compile_helper: TRITON_INTERPRET is set; kernels would be interpreted, not compiled")
     cases = json.load(sys.stdin)
     # Compiles are CPU-bound and independent; the parent imports nothing heavy before forking.
     workers = max(1, min(len(cases), os.cpu_count() or 1))

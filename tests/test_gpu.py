@@ -41,8 +41,10 @@ def test_gpu_training_matches_torch_without_host_sync(flat):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [(torch.randn(64, 256, device="cuda", generator=g), torch.randn(64, 8, device="cuda", generator=g))
-               for _ in range(20)]
+    batches = [
+        (torch.randn(64, 256, device="cuda", generator=g), torch.randn(64, 8, device="cuda", generator=g))
+        for _ in range(20)
+    ]
     batches[5][0][0, 0] = math.inf
     model, opt = make()
     if flat:

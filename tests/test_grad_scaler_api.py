@@ -93,15 +93,26 @@ def test_misuse_errors_match_torch(backend):
     def misuse(make_scaler):
         outcomes = []
         params, opt, _ = tiny_setup()
-        for action in ("unscale_before_scale", "step_before_scale", "update_before_scale",
-                       "unscale_twice", "unscale_after_step", "step_twice", "closure", "update_no_checks"):
+        for action in (
+            "unscale_before_scale",
+            "step_before_scale",
+            "update_before_scale",
+            "unscale_twice",
+            "unscale_after_step",
+            "step_twice",
+            "closure",
+            "update_no_checks",
+        ):
             scaler = make_scaler()
             for p in params:
                 p.grad = None
             try:
-                if action.endswith("before_scale"):
-                    {"unscale": lambda: scaler.unscale_(opt), "step": lambda: scaler.step(opt),
-                     "update": scaler.update}[action.split("_")[0]]()
+                if action == "unscale_before_scale":
+                    scaler.unscale_(opt)
+                elif action == "step_before_scale":
+                    scaler.step(opt)
+                elif action == "update_before_scale":
+                    scaler.update()
                 else:
                     backward(params, scaler)
                     if action == "unscale_twice":

@@ -274,6 +274,7 @@ def test_scale_of_nested_outputs_matches_torch():
     outputs = [torch.tensor(1.0), (torch.tensor([2.0, 3.0]), [torch.tensor(4.0)])]
     a, b = ours.scale(outputs), theirs.scale(outputs)
     assert type(a) is list and type(a[1]) is tuple and type(a[1][1]) is list
+
     def flat(o):
         return [o.reshape(-1)] if isinstance(o, torch.Tensor) else [v for x in o for v in flat(x)]
 

@@ -48,9 +48,7 @@ def _copy_tracked_files(dest: Path) -> None:
     """Copy the working-tree state of git's tracked files: the build never writes into REPO."""
     if shutil.which("git") is None:
         pytest.skip("git not available: cannot list the repository's tracked files")
-    listing = subprocess.run(
-        ["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, text=True
-    )
+    listing = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, text=True)
     if listing.returncode != 0:
         pytest.skip(f"not a git checkout: {listing.stderr.strip()}")
     for name in filter(None, listing.stdout.split("\0")):
@@ -128,9 +126,7 @@ def test_wheel_top_level_txt_lists_only_tritonscale(wheel):
 
 
 def test_installed_package_imports_kernels_as_subpackage(tmp_path):
-    proc = _python(
-        "import tritonscale, tritonscale.kernels; print(tritonscale.kernels.__name__)", tmp_path
-    )
+    proc = _python("import tritonscale, tritonscale.kernels; print(tritonscale.kernels.__name__)", tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["tritonscale.kernels"]
 

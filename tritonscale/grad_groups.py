@@ -24,7 +24,9 @@ def collect_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Devi
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
             if not isinstance(param, torch.Tensor):
-                raise TypeError(f"param_groups[{g_index}]['params'][{p_index}] is a {type(param).__name__}, not a Tensor")
+                raise TypeError(
+                    f"param_groups[{g_index}]['params'][{p_index}] is a {type(param).__name__}, not a Tensor"
+                )
             grad = param.grad
             if grad is None:
                 continue

@@ -87,9 +87,7 @@ class GradScaler:
         self._enabled = enabled
         self._backend_name = check_backend_name(backend)
         if device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn(
-                "tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2
-            )
+            warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         self._init_scale = check_scale_value("init_scale", init_scale) if self._enabled else init_scale
         self._policy = (
@@ -392,8 +390,7 @@ class GradScaler:
             raise ScalerConfigError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
             )
         missing = [k for k in STATE_KEYS if k not in state_dict]
         if missing:
@@ -452,7 +449,12 @@ def _as_int(value: Any, name: str) -> int:
 
 
 def _check_max_norm(max_norm: float) -> float:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0 or not math.isfinite(max_norm):
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float))
+        or not max_norm > 0
+        or not math.isfinite(max_norm)
+    ):
         raise ValueError(f"max_norm must be a positive finite float, got {max_norm!r}")
     return float(max_norm)
 
