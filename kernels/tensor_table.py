@@ -52,8 +52,10 @@ class GradLayout:
         return self.first.device
 
 
-def _is_dense(t: torch.Tensor) -> bool:
+def is_dense(t: torch.Tensor) -> bool:
     """True when the elements of ``t`` fill exactly ``numel`` consecutive slots (any dim order)."""
+    if t.is_contiguous():
+        return True
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
         if stride != expected:
@@ -74,7 +76,7 @@ def validate_group(grads: list[torch.Tensor]) -> None:
             raise ValueError(f"gradients on mixed devices in one group: {device} and {g.device} (gradient {i})")
         if g.dtype != dtype:
             raise ValueError(f"gradients of mixed dtypes in one group: {dtype} and {g.dtype} (gradient {i})")
-        if not _is_dense(g):
+        if not is_dense(g):
             # .contiguous() would hand the kernel a copy and silently drop the in-place update.
             raise ValueError(
                 f"gradient {i} (shape {tuple(g.shape)}, stride {g.stride()}) is not dense; "
@@ -132,12 +134,14 @@ def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, 
     return hit
 
 
-def describe_grads(grads: list[torch.Tensor]) -> GradLayout | None:
+def describe_grads(grads: list[torch.Tensor], *, validate: bool = True) -> GradLayout | None:
     """Describe a non-empty list of same-device, same-dtype gradients for one launch per pass.
 
-    Returns None when the group holds no elements (nothing to launch).
+    Returns None when the group holds no elements (nothing to launch). ``validate=False`` skips
+    the checks of ``validate_group`` for callers that already made them.
     """
-    validate_group(grads)
+    if validate:
+        validate_group(grads)
     grads = [g for g in grads if g.numel() > 0]
     if not grads:
         return None

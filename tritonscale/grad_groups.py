@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from .kernels.tensor_table import validate_group
+from .kernels.tensor_table import SUPPORTED_DTYPES, is_dense
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
 
@@ -19,27 +19,31 @@ def collect_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Devi
 
     ``allow_fp16=False`` refuses float16 gradients the way torch.amp.GradScaler.unscale_ does
     (writing unscaled values back into fp16 loses them); passes that only read may allow them.
+    Runs once per step over every parameter, so the checks are the cheap ones first.
     """
     per_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
-            if not isinstance(param, torch.Tensor):
-                raise TypeError(
-                    f"param_groups[{g_index}]['params'][{p_index}] is a {type(param).__name__}, not a Tensor"
-                )
             grad = param.grad
             if grad is None:
                 continue
-            where = f"param_groups[{g_index}]['params'][{p_index}]"
-            if grad.is_sparse or grad.layout != torch.strided:
-                raise TypeError(f"{where} has a {grad.layout} gradient; tritonscale supports dense gradients only")
-            if not grad.is_floating_point():
-                raise TypeError(f"{where} has a non-floating gradient of dtype {grad.dtype}")
-            if not allow_fp16 and grad.dtype == torch.float16:
+            if grad.dtype not in SUPPORTED_DTYPES or grad.layout is not torch.strided or not is_dense(grad):
+                _raise_unsupported(f"param_groups[{g_index}]['params'][{p_index}]", grad)
+            if not allow_fp16 and grad.dtype is torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             per_device[grad.device][grad.dtype].append(grad)
-    groups = {device: list(by_dtype.values()) for device, by_dtype in per_device.items()}
-    for device_groups in groups.values():
-        for grads in device_groups:
-            validate_group(grads)
-    return groups
+    return {device: list(by_dtype.values()) for device, by_dtype in per_device.items()}
+
+
+def _raise_unsupported(where: str, grad: torch.Tensor) -> None:
+    if grad.layout is not torch.strided:
+        raise TypeError(f"{where} has a {grad.layout} gradient; tritonscale supports dense gradients only")
+    if not grad.is_floating_point():
+        raise TypeError(f"{where} has a non-floating gradient of dtype {grad.dtype}")
+    if grad.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{where} has a {grad.dtype} gradient; supported: float32, float16, bfloat16")
+    # .contiguous() would hand the kernels a copy and silently drop the in-place update.
+    raise ValueError(
+        f"{where}: gradient of shape {tuple(grad.shape)} and stride {grad.stride()} is not dense; "
+        "tritonscale updates gradients in place and will not work on a copy"
+    )

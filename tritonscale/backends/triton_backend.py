@@ -10,6 +10,12 @@ from ..kernels.launch_config import interpreting
 from .base import CheckResult
 
 
+def _layouts(groups: list[list[torch.Tensor]]) -> list:
+    # The controller validated every gradient (grad_groups.collect_grads) before any launch.
+    layouts = (describe_grads(grads, validate=False) for grads in groups)
+    return [layout for layout in layouts if layout is not None]
+
+
 class TritonBackend:
     name = "triton"
 
@@ -20,7 +26,7 @@ class TritonBackend:
         return device.type == "cuda" and not interpreting()
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-        layouts = [layout for layout in map(describe_grads, groups) if layout is not None]
+        layouts = _layouts(groups)
         for layout in layouts:  # one fused read+check+write launch per dtype group
             apply_factor_(layout, scale, invert=True, found_inf=found_inf)
 
@@ -28,7 +34,7 @@ class TritonBackend:
         self, groups: list[list[torch.Tensor]], scale: torch.Tensor, norm_type: float, max_norm: float | None
     ) -> CheckResult:
         code = norm_code(norm_type)
-        layouts = [layout for layout in map(describe_grads, groups) if layout is not None]
+        layouts = _layouts(groups)
         # Every group of the device writes its own columns of one partials buffer, so a single
         # finalize sees them all. An empty device still gets one all-zero column.
         columns = max(1, sum(layout.programs for layout in layouts))
