@@ -20,17 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp_convert import from_f32, to_f32
 from .launch_config import CHUNK, DEFAULT_BLOCK, PRUNE, size_class, streaming_configs
 from .tensor_table import GradLayout, chunk_span
 
 
 @triton.jit
 def _scale_block(p_g, o_g, m_g, factor, b_bad, WRITE, CHECK: tl.constexpr):
-    b_g = tl.load(p_g + o_g, mask=m_g, other=0.0).to(tl.float32)  # [BLOCK]
+    b_g = to_f32(tl.load(p_g + o_g, mask=m_g, other=0.0))  # [BLOCK]
     if CHECK:
         b_bad = b_bad | (b_g - b_g != 0)  # true for +-inf and NaN
     if WRITE:
-        tl.store(p_g + o_g, (b_g * factor).to(p_g.dtype.element_ty), mask=m_g)
+        tl.store(p_g + o_g, from_f32(b_g * factor, p_g.dtype.element_ty), mask=m_g)
     return b_bad
 
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp_convert import to_f32
 from .launch_config import CHUNK, NORM_INF, PRUNE, size_class, streaming_configs
 from .tensor_table import GradLayout, chunk_span
 
@@ -89,7 +90,7 @@ def check_pass_kernel(
         for block in range(pid, num_blocks, num_programs):
             o_g = block * BLOCK + o_block  # [BLOCK]
             m_g = o_g < num_items
-            b_g = tl.load(grad_ptr + o_g, mask=m_g, other=0.0).to(tl.float32)
+            b_g = to_f32(tl.load(grad_ptr + o_g, mask=m_g, other=0.0))
             b_acc, run_max, b_bad = _fold_block(b_g, b_acc, run_max, b_bad, NORM)
     else:
         for chunk in range(pid, num_items, num_programs):
@@ -97,7 +98,7 @@ def check_pass_kernel(
             for start in range(0, length, BLOCK):
                 o_g = start + o_block  # [BLOCK]
                 m_g = o_g < length
-                b_g = tl.load(p_chunk + o_g, mask=m_g, other=0.0).to(tl.float32)
+                b_g = to_f32(tl.load(p_chunk + o_g, mask=m_g, other=0.0))
                 b_acc, run_max, b_bad = _fold_block(b_g, b_acc, run_max, b_bad, NORM)
     tl.store(partials_ptr + pid, run_max)
     tl.store(partials_ptr + partials_stride + pid, tl.sum(b_acc, axis=0))

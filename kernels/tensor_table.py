@@ -84,15 +84,15 @@ def validate_group(grads: list[torch.Tensor]) -> None:
             )
 
 
-def _flat_base(grads: list[torch.Tensor]) -> torch.Tensor | None:
-    """The buffer to take as FLAT, if the group is one contiguous tensor or fills a flat buffer."""
-    if len(grads) == 1 and grads[0].is_contiguous():
-        return grads[0]
-    base = grads[0]._base
-    if base is None or getattr(base, FLAT_VIEWS_ATTR, None) != len(grads):
-        return None
-    if all(g._base is base for g in grads):
-        return base
+def _flat_base(grads: list[torch.Tensor], nonempty: list[torch.Tensor]) -> torch.Tensor | None:
+    """The buffer to take as FLAT: the group's one non-empty contiguous tensor, or the flat buffer
+    (tritonscale.flatten_grads_) that all of the group's gradients -- empty ones too -- are views of."""
+    base = grads[0]._base  # preferred: padded to a multiple of 16 elements, so loads vectorise
+    if base is not None and getattr(base, FLAT_VIEWS_ATTR, None) == len(grads):
+        if all(g._base is base for g in grads):
+            return base
+    if len(nonempty) == 1 and nonempty[0].is_contiguous():
+        return nonempty[0]
     return None
 
 
@@ -142,11 +142,12 @@ def describe_grads(grads: list[torch.Tensor], *, validate: bool = True) -> GradL
     """
     if validate:
         validate_group(grads)
-    grads = [g for g in grads if g.numel() > 0]
-    if not grads:
+    nonempty = [g for g in grads if g.numel() > 0]
+    if not nonempty:
         return None
+    base = _flat_base(grads, nonempty)
+    grads = nonempty
     cap = program_cap(grads[0].device)
-    base = _flat_base(grads)
     if base is not None:
         placeholder = _placeholder(base.device)
         numel = base.numel()

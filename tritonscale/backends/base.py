@@ -19,6 +19,10 @@ class CheckResult:
 
 
 class Backend(Protocol):
+    """Runs the passes for one device. ``groups`` must come from ``grad_groups.collect_grads``,
+    which has validated every gradient (dtype, layout, density): backends do not check again, since
+    that would walk every parameter a second time each step."""
+
     name: str
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None: ...
