@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .backends import Backend, CheckResult, check_backend_name, resolve_backend
+from .backends import CheckResult, check_backend_name, resolve_backend
 from .errors import ScalerConfigError
 from .grad_groups import DeviceGroups, collect_grads
 from .policy import (
@@ -89,16 +89,12 @@ class GradScaler:
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
-        self._init_scale = check_scale_value("init_scale", init_scale) if self._enabled else init_scale
-        self._policy = (
-            DynamicScalePolicy(growth_factor, backoff_factor, growth_interval)
-            if self._enabled
-            else DynamicScalePolicy.__new__(DynamicScalePolicy)
-        )
-        if not self._enabled:  # like torch, a disabled scaler keeps its arguments unchecked
-            self._policy.growth_factor = growth_factor
-            self._policy.backoff_factor = backoff_factor
-            self._policy.growth_interval = growth_interval
+        if self._enabled:
+            self._init_scale = check_scale_value("init_scale", init_scale)
+            self._policy = DynamicScalePolicy.checked(growth_factor, backoff_factor, growth_interval)
+        else:  # like torch, a disabled scaler keeps its arguments unchecked
+            self._init_scale = init_scale
+            self._policy = DynamicScalePolicy(growth_factor, backoff_factor, growth_interval)
         self._init_growth_tracker = 0
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
@@ -185,17 +181,20 @@ class GradScaler:
         devices = list(groups) or [scale_device]  # no gradients at all: a clean record, not an error
         return {d: torch.zeros((), dtype=torch.float32, device=d) for d in devices}
 
-    def _check_device(
-        self, groups: DeviceGroups, scale: torch.Tensor, norm_type: float, max_norm: float | None, funcname: str
-    ) -> tuple[torch.device, Backend, CheckResult]:
+    def _clip(
+        self, groups: DeviceGroups, scale: torch.Tensor | None, norm_type: float, max_norm: float
+    ) -> tuple[torch.device, CheckResult]:
+        """Check pass -> finalize -> apply pass on the one device holding ``groups``."""
         if len(groups) > 1:
-            raise NotImplementedError(
-                f"{funcname}() over gradients on several devices ({', '.join(map(str, groups))}) is not supported yet"
-            )
-        device = next(iter(groups), scale.device)
+            devices = ", ".join(map(str, groups))
+            raise NotImplementedError(f"clip_grad_norm_() over gradients on several devices ({devices})")
+        device = next(iter(groups), scale.device if scale is not None else torch.device("cpu"))
+        if scale is None:  # nothing to unscale: clip only
+            scale = torch.ones((), dtype=torch.float32, device=device)
         backend = resolve_backend(self._backend_name, device)
-        device_scale = scale.to(device, non_blocking=True)
-        return device, backend, backend.check(groups.get(device, []), device_scale, norm_type, max_norm)
+        result = backend.check(groups.get(device, []), scale.to(device, non_blocking=True), norm_type, max_norm)
+        backend.apply_(result)
+        return device, result
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
@@ -218,19 +217,13 @@ class GradScaler:
         norm_type = _check_norm_type(norm_type)
         if not self._enabled:
             # Nothing is unscaled, so float16 gradients are fine: this is plain clipping.
-            groups = collect_grads(optimizer, allow_fp16=True)
-            ones_device = next(iter(groups), torch.device("cpu"))
-            one = torch.ones((), dtype=torch.float32, device=ones_device)
-            _, backend, result = self._check_device(groups, one, norm_type, max_norm, "clip_grad_norm_")
-            backend.apply_(result)
+            _, result = self._clip(collect_grads(optimizer, allow_fp16=True), None, norm_type, max_norm)
             return result.norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._stage_for_unscale(optimizer, "clip_grad_norm_")
         already_unscaled = state["stage"] is OptState.UNSCALED
         groups = collect_grads(optimizer, allow_fp16=False)
-        pass_scale = torch.ones_like(scale) if already_unscaled else scale
-        device, backend, result = self._check_device(groups, pass_scale, norm_type, max_norm, "clip_grad_norm_")
-        backend.apply_(result)
+        device, result = self._clip(groups, None if already_unscaled else scale, norm_type, max_norm)
         if already_unscaled:
             found = state["found_inf_per_device"]
             found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
@@ -396,7 +389,7 @@ class GradScaler:
         if missing:
             raise ScalerConfigError(f"state_dict is missing {missing}; expected keys {list(STATE_KEYS)}")
         new_scale = check_scale_value("scale", _as_number(state_dict["scale"], "scale"))
-        policy = DynamicScalePolicy(
+        policy = DynamicScalePolicy.checked(
             _as_number(state_dict["growth_factor"], "growth_factor"),
             _as_number(state_dict["backoff_factor"], "backoff_factor"),
             _as_int(state_dict["growth_interval"], "growth_interval"),

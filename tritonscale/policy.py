@@ -61,10 +61,14 @@ class DynamicScalePolicy:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
 
-    def __post_init__(self) -> None:
-        self.growth_factor = check_growth_factor(self.growth_factor)
-        self.backoff_factor = check_backoff_factor(self.backoff_factor)
-        self.growth_interval = check_growth_interval(self.growth_interval)
+    @classmethod
+    def checked(cls, growth_factor: float, backoff_factor: float, growth_interval: int) -> DynamicScalePolicy:
+        """A policy whose knobs are validated (ScalerConfigError naming the bad one)."""
+        return cls(
+            check_growth_factor(growth_factor),
+            check_backoff_factor(backoff_factor),
+            check_growth_interval(growth_interval),
+        )
 
     def update_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Apply one step of the rule in place; ``found_inf`` > 0 means the step overflowed."""
