@@ -31,11 +31,11 @@ PROGRAMS_PER_SM = 4
 
 def interpreting() -> bool:
     """True when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from .apply_pass import apply_kernel
 
-    return isinstance(apply_kernel, InterpretedFunction)
+    # Compared by module, not isinstance: importing triton.runtime.interpreter needs numpy,
+    # which plain (torch-backend) use of tritonscale does not.
+    return type(apply_kernel).__module__ == "triton.runtime.interpreter"
 
 
 def autotune_enabled() -> bool:

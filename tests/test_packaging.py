@@ -161,3 +161,18 @@ def test_import_does_not_initialise_cuda(tmp_path):
     proc = _python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "0"], proc.stdout
+
+
+def test_torch_backend_step_runs_without_numpy(tmp_path):
+    # numpy is not a dependency: Triton's interpreter needs it, plain CPU use must not.
+    # (A fresh-clone run of the README's main job caught exactly this.)
+    result = _python(
+        "import sys; sys.modules['numpy'] = None\n"
+        "import torch, tritonscale\n"
+        "p = torch.nn.Parameter(torch.ones(4)); opt = torch.optim.SGD([p], lr=0.1)\n"
+        "s = tritonscale.GradScaler('cpu'); s.scale(p.sum()).backward()\n"
+        "print(float(s.clip_grad_norm_(opt, 1.0))); s.step(opt); s.update()\n",
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout.split()[-1]) == 2.0  # |(1, 1, 1, 1)| after unscaling
