@@ -364,3 +364,17 @@ def test_triton_launches_per_step_do_not_grow_with_tensor_count(monkeypatch, n_p
 
 def test_import_touches_no_gpu_and_exports():
     assert callable(tritonscale.GradScaler) and callable(tritonscale.flatten_grads_)
+
+
+def test_clip_over_several_devices_is_refused_before_anything_changes(backend):
+    # A second device without a GPU: the meta device. The error comes before any pass runs.
+    params, opt, scaler = tiny_setup(backend)
+    backward(params, scaler)
+    elsewhere = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    elsewhere.grad = torch.zeros(3, device="meta")
+    opt.add_param_group({"params": [elsewhere]})
+    before = [p.grad.clone() for p in params]
+    with pytest.raises(NotImplementedError, match="several devices"):
+        scaler.clip_grad_norm_(opt, 1.0)
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is tritonscale.OptState.READY
