@@ -8,6 +8,7 @@ Importing it touches no device.
 from .errors import ScalerConfigError
 from .flat_grads import flatten_grads_
 from .grad_scaler import GradScaler, OptState
+from .policy import LossScalePolicy
 
-__all__ = ["GradScaler", "OptState", "ScalerConfigError", "flatten_grads_"]
+__all__ = ["GradScaler", "LossScalePolicy", "OptState", "ScalerConfigError", "flatten_grads_"]
 __version__ = "0.1.0"

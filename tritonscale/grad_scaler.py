@@ -21,7 +21,11 @@ from .backends import CheckResult, check_backend_name, resolve_backend
 from .errors import ScalerConfigError
 from .grad_groups import DeviceGroups, collect_grads
 from .policy import (
-    DynamicScalePolicy,
+    COUNTER_NAMES,
+    NORM_AVERAGE,
+    NORM_COUNT,
+    UPDATES,
+    LossScalePolicy,
     check_backoff_factor,
     check_growth_factor,
     check_growth_interval,
@@ -29,7 +33,10 @@ from .policy import (
     check_scale_value,
 )
 
+#: torch.amp.GradScaler's state_dict keys; ours adds the policy knobs and counters.
 STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+#: Positional torch knobs: passed to the constructor, not inside ``policy``.
+TORCH_KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
 
 
 class OptState(Enum):
@@ -39,7 +46,10 @@ class OptState(Enum):
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
+    # found_inf_per_device: overflow flags (drive the policy); skip: the step's skip flag on the
+    # scale's device (overflow, unless the policy lets it through, or a norm spike); norm: the
+    # clip norm when clip_grad_norm_ ran.
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "skip": None, "norm": None}
 
 
 class _PerDevice:
@@ -82,6 +92,8 @@ class GradScaler:
         enabled: bool = True,
         *,
         backend: str = "auto",
+        policy: LossScalePolicy | None = None,
+        **knobs: Any,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -89,21 +101,28 @@ class GradScaler:
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
+        self._policy = _build_policy(policy, knobs, growth_factor, backoff_factor, growth_interval)
         if self._enabled:
             self._init_scale = check_scale_value("init_scale", init_scale)
-            self._policy = DynamicScalePolicy.checked(growth_factor, backoff_factor, growth_interval)
+            self._policy.validate()
         else:  # like torch, a disabled scaler keeps its arguments unchecked
             self._init_scale = init_scale
-            self._policy = DynamicScalePolicy(growth_factor, backoff_factor, growth_interval)
         self._init_growth_tracker = 0
+        self._init_counters = [self._policy.hysteresis, 0, 0, 0, 0]
+        self._init_norm_stats = [0.0, 0.0]
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
+        self._counters: torch.Tensor | None = None
+        self._norm_stats: torch.Tensor | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
 
     # ------------------------------------------------------------------ scale
     def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
+        # All policy state lives on the device at fixed addresses (updated in place only).
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
+        self._counters = torch.tensor(self._init_counters, dtype=torch.int32, device=device)
+        self._norm_stats = torch.tensor(self._init_norm_stats, dtype=torch.float32, device=device)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
@@ -265,11 +284,13 @@ class GradScaler:
                     found_infs[device] = result.found_inf
                 state["found_inf_per_device"] = found_infs
                 grad_scale = scale * getattr(optimizer, "grad_scale", 1)
+            elif state.get("grad_scale") is not None:  # clip_grad_norm_ folded its factor in here
+                grad_scale = state["grad_scale"]
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
-            found_inf = sum(t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values())
+            skip = self._skip_flag(state, scale.device)
             optimizer.grad_scale = grad_scale
-            optimizer.found_inf = found_inf
+            optimizer.found_inf = skip
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -281,10 +302,19 @@ class GradScaler:
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         retval = None
-        if not sum(v.item() for v in state["found_inf_per_device"].values()):  # the one host read
+        if not self._skip_flag(state, scale.device).item():  # the one host read
             retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
+
+    def _skip_flag(self, state: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """Decide on the device whether this optimizer's step is skipped; remember it for update()."""
+        found_inf = _combine([t.to(device, non_blocking=True) for t in state["found_inf_per_device"].values()])
+        if found_inf is None:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        norm = state["norm"].to(device, non_blocking=True) if state["norm"] is not None else None
+        state["skip"] = self._policy.skip_decision(found_inf.reshape(()), norm, self._norm_stats)
+        return state["skip"]
 
     # ---------------------------------------------------------------- update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -314,16 +344,41 @@ class GradScaler:
                     raise AssertionError(reason)
                 scale.copy_(new_scale.reshape(()))
         else:
-            found_infs = [
-                found_inf.to(device=scale.device, non_blocking=True)
-                for state in self._per_optimizer_states.values()
-                for found_inf in state["found_inf_per_device"].values()
-            ]
-            if not found_infs:
+            states = self._per_optimizer_states.values()
+            found_inf = _combine(
+                [t.to(scale.device, non_blocking=True) for st in states for t in st["found_inf_per_device"].values()]
+            )
+            if found_inf is None:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            found_inf_combined = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
-            self._policy.update_(scale, growth_tracker, found_inf_combined)
+            skips = [st["skip"] for st in states if st["skip"] is not None]
+            # An iteration whose optimizers did not step (unscale_ only) skipped what overflowed.
+            skipped = _combine(skips) if skips else self._policy.skip_decision(found_inf, None, self._norm_stats)
+            norms = [st["norm"] for st in states if st["norm"] is not None]
+            norm = norms[-1].to(scale.device, non_blocking=True) if norms else None
+            self._policy_update_(found_inf, skipped, norm)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    def _policy_update_(self, found_inf: torch.Tensor, skipped: torch.Tensor, norm: torch.Tensor | None) -> None:
+        policy, scale, counters = self._policy, self._scale, self._counters
+        if policy.needs_host_check():
+            # Opt-in checks that must stop or warn: one host read, before anything changes.
+            flags = int(policy.host_check_flags(scale, counters, found_inf, skipped).item())
+            step = int(counters[UPDATES].item())
+            if flags & 2:
+                raise RuntimeError(
+                    f"{policy.max_consecutive_skips} consecutive steps were skipped "
+                    f"(max_consecutive_skips={policy.max_consecutive_skips}); "
+                    f"loss scale {scale.item():g} at step {step}"
+                )
+            if flags & 1:
+                message = (
+                    f"an overflow at step {step} would take the loss scale below min_scale={policy.min_scale:g} "
+                    f"(scale {scale.item():g}, backoff_factor {policy.backoff_factor:g})"
+                )
+                if policy.on_min_scale == "raise":
+                    raise RuntimeError(message)
+                warnings.warn(message + "; holding it at min_scale", RuntimeWarning, stacklevel=3)
+        policy.update_(scale, self._growth_tracker, counters, self._norm_stats, found_inf, skipped, norm)
 
     # -------------------------------------------------------- knobs and state
     def get_scale(self) -> float:
@@ -363,20 +418,38 @@ class GradScaler:
         """The requested backend: "auto", "triton" or "torch"."""
         return self._backend_name
 
+    def _host_counters(self) -> list[int]:
+        return self._init_counters if self._counters is None else [int(v) for v in self._counters.tolist()]
+
+    def _host_norm_stats(self) -> list[float]:
+        return self._init_norm_stats if self._norm_stats is None else [float(v) for v in self._norm_stats.tolist()]
+
     def state_dict(self) -> dict[str, Any]:
-        """The same five entries as torch.amp.GradScaler.state_dict (empty when disabled)."""
+        """torch.amp.GradScaler's five entries, plus this scaler's policy knobs and counters.
+
+        torch.amp.GradScaler.load_state_dict reads its five keys and ignores the rest, so the
+        checkpoint loads there too. Empty when disabled. Reads device values (a host sync).
+        """
         if not self._enabled:
             return {}
+        knobs = {k: v for k, v in self._policy.knobs().items() if k not in TORCH_KNOBS}
+        norm_stats = self._host_norm_stats()
         return {
             "scale": self.get_scale(),
             "growth_factor": self._policy.growth_factor,
             "backoff_factor": self._policy.backoff_factor,
             "growth_interval": self._policy.growth_interval,
             "_growth_tracker": self._get_growth_tracker(),
+            "policy": knobs,
+            "counters": dict(zip(COUNTER_NAMES, self._host_counters())),
+            "norm_stats": {"average": norm_stats[NORM_AVERAGE], "count": norm_stats[NORM_COUNT]},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state_dict from this class or from torch.amp.GradScaler; validated before any change."""
+        """Load a state_dict from this class or from torch.amp.GradScaler; validated before any change.
+
+        Knobs and counters a torch checkpoint lacks keep this scaler's configured values.
+        """
         if not self._enabled:
             return
         if not isinstance(state_dict, abc.Mapping):
@@ -389,19 +462,41 @@ class GradScaler:
         if missing:
             raise ScalerConfigError(f"state_dict is missing {missing}; expected keys {list(STATE_KEYS)}")
         new_scale = check_scale_value("scale", _as_number(state_dict["scale"], "scale"))
-        policy = DynamicScalePolicy.checked(
-            _as_number(state_dict["growth_factor"], "growth_factor"),
-            _as_number(state_dict["backoff_factor"], "backoff_factor"),
-            _as_int(state_dict["growth_interval"], "growth_interval"),
-        )
+        knobs = dict(state_dict.get("policy", {}) or {})
+        unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()))
+        if unknown:
+            raise ScalerConfigError(f"state_dict['policy'] has unknown knobs {unknown}")
+        policy = LossScalePolicy(
+            **{
+                **self._policy.knobs(),
+                **knobs,
+                "growth_factor": _as_number(state_dict["growth_factor"], "growth_factor"),
+                "backoff_factor": _as_number(state_dict["backoff_factor"], "backoff_factor"),
+                "growth_interval": _as_int(state_dict["growth_interval"], "growth_interval"),
+            }
+        ).validate()
         tracker = check_growth_tracker(_as_int(state_dict["_growth_tracker"], "_growth_tracker"))
+        saved_counters = state_dict.get("counters", {}) or {}
+        counters = [policy.hysteresis, 0, 0, 0, 0]
+        for i, name in enumerate(COUNTER_NAMES):
+            if name in saved_counters:
+                counters[i] = check_growth_tracker(_as_int(saved_counters[name], f"counters.{name}"))
+        saved_norm = state_dict.get("norm_stats", {}) or {}
+        norm_stats = [
+            _as_number(saved_norm.get("average", 0.0), "norm_stats.average"),
+            _as_number(saved_norm.get("count", 0.0), "norm_stats.count"),
+        ]
+        # Everything is valid: only now change state.
         self._policy = policy
         self._init_scale = new_scale
         self._init_growth_tracker = tracker
+        self._init_counters = counters
+        self._init_norm_stats = norm_stats
         if self._scale is not None:
             self._scale.fill_(new_scale)
-        if self._growth_tracker is not None:
             self._growth_tracker.fill_(tracker)
+            self._counters.copy_(torch.tensor(counters, dtype=torch.int32))
+            self._norm_stats.copy_(torch.tensor(norm_stats, dtype=torch.float32))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -413,14 +508,44 @@ class GradScaler:
                 )
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_scale"] = None
-            state["_growth_tracker"] = None
+            state["_init_counters"] = self._host_counters()
+            state["_init_norm_stats"] = self._host_norm_stats()
+            for name in ("_scale", "_growth_tracker", "_counters", "_norm_stats"):
+                state[name] = None
         state["_per_optimizer_states"] = dict(state["_per_optimizer_states"])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["_per_optimizer_states"] = defaultdict(_fresh_optimizer_state, state["_per_optimizer_states"])
         self.__dict__.update(state)
+
+
+def _combine(flags: list[torch.Tensor]) -> torch.Tensor | None:
+    """Sum of 0-dim flags on one device (the way torch combines found_inf), None for none."""
+    if not flags:
+        return None
+    return flags[0].reshape(()) if len(flags) == 1 else torch.stack([f.reshape(()) for f in flags]).sum()
+
+
+def _build_policy(
+    policy: LossScalePolicy | None,
+    knobs: dict[str, Any],
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> LossScalePolicy:
+    unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()) | (set(knobs) & set(TORCH_KNOBS)))
+    if unknown:
+        raise TypeError(f"GradScaler got unexpected keyword arguments {unknown}")
+    torch_knobs = {"growth_factor": growth_factor, "backoff_factor": backoff_factor, "growth_interval": growth_interval}
+    if policy is None:
+        return LossScalePolicy(**torch_knobs, **knobs)
+    if not isinstance(policy, LossScalePolicy):
+        raise TypeError(f"policy must be a tritonscale.LossScalePolicy, got {type(policy).__name__}")
+    defaults = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+    if torch_knobs != defaults:
+        raise ScalerConfigError("with policy=..., set growth_factor/backoff_factor/growth_interval inside the policy")
+    return LossScalePolicy(**{**policy.knobs(), **knobs})
 
 
 def _as_number(value: Any, name: str) -> float:

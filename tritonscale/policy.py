@@ -1,42 +1,66 @@
-"""The dynamic loss-scale policy: validation of its knobs and the on-device update rule.
+"""Loss-scale policies: the knobs, their validation, and the one on-device update rule.
 
-Rule (torch.amp.GradScaler's, kept exactly so trajectories match step for step):
+Every policy other frameworks ship is a setting of these knobs (README, "Policies"):
 
-* a step with inf/NaN gradients: ``scale *= backoff_factor`` and the growth tracker resets to 0;
-* otherwise the tracker counts the good step; when it reaches ``growth_interval`` the scale is
-  multiplied by ``growth_factor`` (unless that would overflow float32, in which case the old scale
-  is kept) and the tracker resets to 0.
+* dynamic scaling (torch.amp.GradScaler): back off by ``backoff_factor`` on an overflow, grow by
+  ``growth_factor`` after ``growth_interval`` consecutive good steps -- the defaults, exactly torch's;
+* hysteresis (Megatron-LM's ``hysteresis``, DeepSpeed's ``delayed_shift``): back off only once
+  ``hysteresis`` overflows have been seen since the last growth; with ``consecutive_hysteresis``
+  (DeepSpeed) every good step restores the budget;
+* ``min_scale`` / ``max_scale`` clamps (Megatron, DeepSpeed, ColossalAI, apex), and what happens
+  when an overflow meets the floor: ``on_min_scale`` = "clamp", "warn" or "raise" (DeepSpeed's
+  ``raise_error_at_min_scale``); ``min_scale=None`` allows any scale, torch's behaviour;
+* ``max_consecutive_skips`` (MindSpore's ``bad_step_max``): raise after that many skipped steps in a row;
+* a fixed scale (``dynamic=False``; TensorFlow's and MindSpore's FixedLossScaleManager) that never
+  changes, with ``skip_on_overflow`` choosing whether an overflow skips the step (MindSpore's
+  ``drop_overflow_update``) or the step goes ahead;
+* a gradient-norm spike skip (Megatron-LM's ``grad_norm_skip_threshold``; OLMo-core's sync-free
+  skip step): ``skip_norm_above`` and/or ``skip_norm_factor`` times the running average of past
+  norms skip the step on the device like an overflow, without backing the scale off.
 
-The update is one in-place device op on (scale, tracker) driven by the device-side found_inf, so it
-never reads a device value on the host.
+The rule is written once, with torch tensor ops on the device-resident state (so it runs on any
+device, both backends share it, nothing branches on a device value, and every tensor is updated in
+place at a fixed address: the step can be captured in a CUDA graph). Only the opt-in checks that
+must stop training ("warn"/"raise" at the floor, ``max_consecutive_skips``) read one device value
+per update on the host.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from .errors import ScalerConfigError
 
+ON_MIN_SCALE = ("clamp", "warn", "raise")
+
+# Slots of the int32 counters tensor.
+HYSTERESIS_LEFT, CONSECUTIVE_SKIPS, SKIPPED_STEPS, LAST_SKIPPED, UPDATES = range(5)
+COUNTER_NAMES = ("hysteresis_left", "consecutive_skips", "skipped_steps", "last_skipped", "updates")
+# Slots of the float32 norm statistics tensor.
+NORM_AVERAGE, NORM_COUNT = range(2)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
 
 def check_scale_value(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ScalerConfigError(f"{name} must be a positive finite float, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
+    if not _is_number(value) or not (math.isfinite(value) and value > 0):
         raise ScalerConfigError(f"{name} must be a positive finite float, got {value!r}")
     return float(value)
 
 
 def check_growth_factor(value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1.0 or not math.isfinite(value):
+    if not _is_number(value) or not value > 1.0 or not math.isfinite(value):
         raise ScalerConfigError(f"The growth factor must be > 1.0 (and finite), got {value!r}")
     return float(value)
 
 
 def check_backoff_factor(value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+    if not _is_number(value) or not 0.0 < value < 1.0:
         raise ScalerConfigError(f"The backoff factor must be in (0, 1), got {value!r}")
     return float(value)
 
@@ -53,25 +77,194 @@ def check_growth_tracker(value: int) -> int:
     return value
 
 
+def _check_positive_int(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ScalerConfigError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _check_optional_scale(name: str, value: float | None) -> None:
+    if value is not None:
+        check_scale_value(name, value)
+
+
 @dataclass
-class DynamicScalePolicy:
-    """Backoff on overflow, growth after ``growth_interval`` consecutive good steps."""
+class LossScalePolicy:
+    """The knobs of the loss-scale rule. Defaults are torch.amp.GradScaler's behaviour exactly.
+
+    Example::
+
+        # Megatron-LM's DynamicGradScaler: floor 1, back off after 2 overflows
+        policy = LossScalePolicy(min_scale=1.0, hysteresis=2, growth_interval=1000)
+        scaler = tritonscale.GradScaler("cuda", policy=policy)
+    """
 
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    dynamic: bool = True
+    skip_on_overflow: bool = True
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: float | None = None
+    max_scale: float | None = None
+    on_min_scale: str = "clamp"
+    max_consecutive_skips: int | None = None
+    skip_norm_above: float | None = None
+    skip_norm_factor: float | None = None
+    norm_average_decay: float = 0.99
+    norm_warmup_steps: int = 10
+
+    def validate(self) -> LossScalePolicy:
+        """Raise ScalerConfigError naming the first bad knob; return self."""
+        self.growth_factor = check_growth_factor(self.growth_factor)
+        self.backoff_factor = check_backoff_factor(self.backoff_factor)
+        self.growth_interval = check_growth_interval(self.growth_interval)
+        _check_positive_int("hysteresis", self.hysteresis)
+        _check_optional_scale("min_scale", self.min_scale)
+        _check_optional_scale("max_scale", self.max_scale)
+        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
+            raise ScalerConfigError(f"min_scale {self.min_scale} is above max_scale {self.max_scale}")
+        if self.on_min_scale not in ON_MIN_SCALE:
+            raise ScalerConfigError(f"on_min_scale must be one of {ON_MIN_SCALE}, got {self.on_min_scale!r}")
+        _check_positive_int("max_consecutive_skips", self.max_consecutive_skips, allow_none=True)
+        _check_optional_scale("skip_norm_above", self.skip_norm_above)
+        if self.skip_norm_factor is not None and not (_is_number(self.skip_norm_factor) and self.skip_norm_factor > 1):
+            raise ScalerConfigError(f"skip_norm_factor must be a float > 1 or None, got {self.skip_norm_factor!r}")
+        if not (_is_number(self.norm_average_decay) and 0 < self.norm_average_decay < 1):
+            raise ScalerConfigError(f"norm_average_decay must be in (0, 1), got {self.norm_average_decay!r}")
+        _check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
+        for flag in ("dynamic", "skip_on_overflow", "consecutive_hysteresis"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ScalerConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        return self
+
+    # ------------------------------------------------------------- presets
+    @classmethod
+    def fixed(cls, skip_on_overflow: bool = True) -> LossScalePolicy:
+        """A scale that never changes (TensorFlow/MindSpore FixedLossScaleManager).
+
+        ``skip_on_overflow=False`` lets the step go ahead on inf/NaN (MindSpore's
+        ``drop_overflow_update=False``, TensorFlow's FixedLossScaleManager).
+        """
+        return cls(dynamic=False, skip_on_overflow=skip_on_overflow)
 
     @classmethod
-    def checked(cls, growth_factor: float, backoff_factor: float, growth_interval: int) -> DynamicScalePolicy:
-        """A policy whose knobs are validated (ScalerConfigError naming the bad one)."""
+    def tensorflow_exponential(
+        cls, incr_every_n_steps: int, decr_every_n_nan_or_inf: int = 2, incr_ratio: float = 2.0, decr_ratio: float = 0.8
+    ) -> LossScalePolicy:
+        """TensorFlow 1.x ExponentialUpdateLossScaleManager's knobs, expressed as this policy's.
+
+        Its bad-step counter resets on a good step and the scale never goes below 1.
+        """
         return cls(
-            check_growth_factor(growth_factor),
-            check_backoff_factor(backoff_factor),
-            check_growth_interval(growth_interval),
+            growth_factor=incr_ratio,
+            backoff_factor=decr_ratio,
+            growth_interval=incr_every_n_steps,
+            hysteresis=decr_every_n_nan_or_inf,
+            consecutive_hysteresis=True,
+            min_scale=1.0,
         )
 
-    def update_(self, scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor) -> None:
-        """Apply one step of the rule in place; ``found_inf`` > 0 means the step overflowed."""
-        torch._amp_update_scale_(
-            scale, growth_tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
-        )
+    # ------------------------------------------------------------ the rule
+    def has_norm_skip(self) -> bool:
+        return self.skip_norm_above is not None or self.skip_norm_factor is not None
+
+    def skip_decision(
+        self, found_inf: torch.Tensor, norm: torch.Tensor | None, norm_stats: torch.Tensor
+    ) -> torch.Tensor:
+        """float32 0-dim: 1.0 where the optimizer step must be skipped (decided on the device)."""
+        skip = found_inf > 0 if self.skip_on_overflow else torch.zeros_like(found_inf, dtype=torch.bool)
+        if norm is not None and self.has_norm_skip():
+            norm = norm.to(found_inf.device, torch.float32)
+            spike = torch.zeros_like(skip)
+            if self.skip_norm_above is not None:
+                spike = spike | (norm > self.skip_norm_above)
+            if self.skip_norm_factor is not None:
+                warmed_up = norm_stats[NORM_COUNT] >= self.norm_warmup_steps
+                spike = spike | (warmed_up & (norm > self.skip_norm_factor * norm_stats[NORM_AVERAGE]))
+            skip = skip | (spike & torch.isfinite(norm))
+        return skip.float()
+
+    def needs_host_check(self) -> bool:
+        """True when an update must read one device value: "warn"/"raise" at the floor, or a skip limit."""
+        floor_check = self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp"
+        return floor_check or self.max_consecutive_skips is not None
+
+    def _backs_off(self, counters: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+        return (found_inf > 0) & (counters[HYSTERESIS_LEFT] <= 1)
+
+    def _backed_off(self, scale: torch.Tensor) -> torch.Tensor:
+        # float32 * float64 factor, rounded once to float32: torch's _amp_update_scale_ arithmetic.
+        return (scale.double() * self.backoff_factor).float()
+
+    def host_check_flags(
+        self, scale: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor, skipped: torch.Tensor
+    ) -> torch.Tensor:
+        """int32 0-dim, computed before the update: bit 0 = this overflow hits the floor,
+        bit 1 = this skip reaches ``max_consecutive_skips``."""
+        flags = torch.zeros((), dtype=torch.int32, device=scale.device)
+        if self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp":
+            at_floor = self._backs_off(counters, found_inf) & (self._backed_off(scale) < self.min_scale)
+            flags = flags + at_floor.int()
+        if self.max_consecutive_skips is not None:
+            limit = (skipped > 0) & (counters[CONSECUTIVE_SKIPS] + 1 >= self.max_consecutive_skips)
+            flags = flags + 2 * limit.int()
+        return flags
+
+    def update_(
+        self,
+        scale: torch.Tensor,
+        growth_tracker: torch.Tensor,
+        counters: torch.Tensor,
+        norm_stats: torch.Tensor,
+        found_inf: torch.Tensor,
+        skipped: torch.Tensor,
+        norm: torch.Tensor | None,
+    ) -> None:
+        """One step of the rule, in place. ``found_inf`` > 0: the step overflowed (backs off);
+        ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes)."""
+        overflow = found_inf > 0
+        was_skipped = skipped > 0
+        if self.dynamic:
+            hysteresis_left = counters[HYSTERESIS_LEFT]
+            back_off = self._backs_off(counters, found_inf)
+            backed = self._backed_off(scale)
+            if self.min_scale is not None:
+                backed = torch.clamp(backed, min=self.min_scale)
+            successful = growth_tracker + 1
+            grow = ~overflow & (successful == self.growth_interval)
+            grown = (scale.double() * self.growth_factor).float()
+            grown = torch.where(torch.isfinite(grown), grown, scale)  # torch keeps the old scale
+            if self.max_scale is not None:
+                grown = torch.clamp(grown, max=self.max_scale)
+            scale.copy_(torch.where(back_off, backed, torch.where(grow, grown, scale)))
+            growth_tracker.copy_(torch.where(overflow | grow, torch.zeros_like(successful), successful))
+            # Megatron refills the hysteresis budget when the scale grows; DeepSpeed's
+            # consecutive_hysteresis on every good step.
+            refill = ~overflow if self.consecutive_hysteresis else grow
+            full = torch.full_like(hysteresis_left, self.hysteresis)
+            spent = torch.clamp(hysteresis_left - 1, min=0)
+            counters[HYSTERESIS_LEFT].copy_(torch.where(overflow, spent, torch.where(refill, full, hysteresis_left)))
+        consecutive = counters[CONSECUTIVE_SKIPS]
+        counters[CONSECUTIVE_SKIPS].copy_(torch.where(was_skipped, consecutive + 1, torch.zeros_like(consecutive)))
+        counters[SKIPPED_STEPS].add_(was_skipped.int())
+        counters[LAST_SKIPPED].copy_(was_skipped.int())
+        counters[UPDATES].add_(1)
+        if norm is not None and self.skip_norm_factor is not None:
+            norm = norm.to(scale.device, torch.float32)
+            take = ~was_skipped & torch.isfinite(norm)
+            count = norm_stats[NORM_COUNT]
+            # Bias-corrected start: the first norm is the average, then an exponential average.
+            decay = torch.where(count > 0, torch.full_like(count, self.norm_average_decay), torch.zeros_like(count))
+            average = decay * norm_stats[NORM_AVERAGE] + (1 - decay) * norm
+            norm_stats[NORM_AVERAGE].copy_(torch.where(take, average, norm_stats[NORM_AVERAGE]))
+            norm_stats[NORM_COUNT].add_(take.float())
+
+    def knobs(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def knob_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
