@@ -49,7 +49,8 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     # found_inf_per_device: overflow flags (drive the policy); skip: the step's skip flag on the
     # scale's device (overflow, unless the policy lets it through, or a norm spike); norm: the
     # clip norm when clip_grad_norm_ ran.
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "skip": None, "norm": None}
+    # grad_scale: what clip_grad_norm_ folded into a fused optimizer's step.
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "skip": None, "norm": None, "grad_scale": None}
 
 
 class _PerDevice:
@@ -93,11 +94,13 @@ class GradScaler:
         *,
         backend: str = "auto",
         policy: LossScalePolicy | None = None,
+        fold_into_optimizer: bool = True,
         **knobs: Any,
     ) -> None:
         self._device = device
         self._enabled = enabled
         self._backend_name = check_backend_name(backend)
+        self._fold = bool(fold_into_optimizer)
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
@@ -201,9 +204,9 @@ class GradScaler:
         return {d: torch.zeros((), dtype=torch.float32, device=d) for d in devices}
 
     def _clip(
-        self, groups: DeviceGroups, scale: torch.Tensor | None, norm_type: float, max_norm: float
+        self, groups: DeviceGroups, scale: torch.Tensor | None, norm_type: float, max_norm: float, apply: bool
     ) -> tuple[torch.device, CheckResult]:
-        """Check pass -> finalize -> apply pass on the one device holding ``groups``."""
+        """Check pass -> finalize (-> apply pass) on the one device holding ``groups``."""
         if len(groups) > 1:
             devices = ", ".join(map(str, groups))
             raise NotImplementedError(f"clip_grad_norm_() over gradients on several devices ({devices})")
@@ -212,7 +215,8 @@ class GradScaler:
             scale = torch.ones((), dtype=torch.float32, device=device)
         backend = resolve_backend(self._backend_name, device)
         result = backend.check(groups.get(device, []), scale.to(device, non_blocking=True), norm_type, max_norm)
-        backend.apply_(result)
+        if apply:
+            backend.apply_(result)
         return device, result
 
     def clip_grad_norm_(
@@ -236,18 +240,26 @@ class GradScaler:
         norm_type = _check_norm_type(norm_type)
         if not self._enabled:
             # Nothing is unscaled, so float16 gradients are fine: this is plain clipping.
-            _, result = self._clip(collect_grads(optimizer, allow_fp16=True), None, norm_type, max_norm)
+            _, result = self._clip(collect_grads(optimizer, allow_fp16=True), None, norm_type, max_norm, True)
             return result.norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._stage_for_unscale(optimizer, "clip_grad_norm_")
         already_unscaled = state["stage"] is OptState.UNSCALED
-        groups = collect_grads(optimizer, allow_fp16=False)
-        device, result = self._clip(groups, None if already_unscaled else scale, norm_type, max_norm)
+        # A fused optimizer divides by grad_scale itself: hand it scale / clip_coef and leave the
+        # gradients unwritten (read once here, once by the optimizer). We then never store unscaled
+        # values in the gradients' own dtype, so float16 gradients are fine on that path.
+        fold = self._fold and getattr(optimizer, "_step_supports_amp_scaling", False)
+        groups = collect_grads(optimizer, allow_fp16=fold)
+        pass_scale = torch.ones_like(scale) if already_unscaled else scale
+        device, result = self._clip(groups, pass_scale, norm_type, max_norm, apply=not fold)
+        if fold:
+            state["grad_scale"] = pass_scale / result.clip_coef.to(scale.device, non_blocking=True)
         if already_unscaled:
             found = state["found_inf_per_device"]
             found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
         else:
             state["found_inf_per_device"] = {device: result.found_inf}
+        state["norm"] = result.norm
         state["stage"] = OptState.UNSCALED
         return result.norm
 

@@ -14,7 +14,8 @@ class CheckResult:
 
     found_inf: torch.Tensor  # 1.0 if any gradient was +-inf or NaN
     norm: torch.Tensor  # total norm of the unscaled gradients
-    factor: torch.Tensor  # inv_scale * clip_coef: what apply_ multiplies by
+    clip_coef: torch.Tensor  # min(max_norm / (norm + 1e-6), 1), or 1 without clipping
+    factor: torch.Tensor  # inv_scale * clip_coef (1 on overflow): what apply_ multiplies by
     plan: Any  # backend-private description of the gradients, reused by apply_
 
 

@@ -48,6 +48,7 @@ class TorchBackend:
         found_inf = (~torch.isfinite(raw)).float()
         norm = (raw * inv_scale).reshape(())
         if max_norm is None:
+            clip_coef = torch.ones_like(norm)
             factor = inv_scale.reshape(())
         else:
             # torch.nn.utils.clip_grad_norm_'s coefficient, op for op.
@@ -55,7 +56,7 @@ class TorchBackend:
             factor = (inv_scale * clip_coef).reshape(())
         # As in the kernels' finalize: an overflowed step leaves its gradients untouched.
         factor = torch.where(found_inf > 0, torch.ones_like(factor), factor)
-        return CheckResult(found_inf=found_inf, norm=norm, factor=factor, plan=groups)
+        return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=groups)
 
     def apply_(self, result: CheckResult) -> None:
         for grads in result.plan:

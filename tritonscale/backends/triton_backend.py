@@ -44,7 +44,7 @@ class TritonBackend:
             check_pass(layout, partials[:, start:], code)
             start += layout.programs
         result = finalize(partials, columns, scale, code, max_norm)
-        return CheckResult(found_inf=result[0], norm=result[1], factor=result[3], plan=layouts)
+        return CheckResult(found_inf=result[0], norm=result[1], clip_coef=result[2], factor=result[3], plan=layouts)
 
     def apply_(self, result: CheckResult) -> None:
         for layout in result.plan:
