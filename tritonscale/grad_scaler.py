@@ -21,6 +21,7 @@ from .backends import CheckResult, check_backend_name, resolve_backend
 from .errors import ScalerConfigError
 from .grad_groups import DeviceGroups, collect_grads
 from .policy import (
+    CONSECUTIVE_SKIPS,
     COUNTER_NAMES,
     NORM_AVERAGE,
     NORM_COUNT,
@@ -377,19 +378,19 @@ class GradScaler:
             flags = int(policy.host_check_flags(scale, counters, found_inf, skipped).item())
             step = int(counters[UPDATES].item())
             if flags & 2:
+                in_a_row = int(counters[CONSECUTIVE_SKIPS].item()) + 1
                 raise RuntimeError(
-                    f"{policy.max_consecutive_skips} consecutive steps were skipped "
-                    f"(max_consecutive_skips={policy.max_consecutive_skips}); "
-                    f"loss scale {scale.item():g} at step {step}"
+                    f"{in_a_row} consecutive steps were skipped, more than "
+                    f"max_consecutive_skips={policy.max_consecutive_skips}; loss scale {scale.item():g} at step {step}"
                 )
             if flags & 1:
                 message = (
-                    f"an overflow at step {step} would take the loss scale below min_scale={policy.min_scale:g} "
-                    f"(scale {scale.item():g}, backoff_factor {policy.backoff_factor:g})"
+                    f"overflow at step {step} with the loss scale already at min_scale={policy.min_scale:g} "
+                    f"(scale {scale.item():g}): it cannot back off further"
                 )
                 if policy.on_min_scale == "raise":
                     raise RuntimeError(message)
-                warnings.warn(message + "; holding it at min_scale", RuntimeWarning, stacklevel=3)
+                warnings.warn(message + "; holding it there and skipping the step", RuntimeWarning, stacklevel=3)
         policy.update_(scale, self._growth_tracker, counters, self._norm_stats, found_inf, skipped, norm)
 
     # -------------------------------------------------------- knobs and state

@@ -6,11 +6,14 @@ Every policy other frameworks ship is a setting of these knobs (README, "Policie
   ``growth_factor`` after ``growth_interval`` consecutive good steps -- the defaults, exactly torch's;
 * hysteresis (Megatron-LM's ``hysteresis``, DeepSpeed's ``delayed_shift``): back off only once
   ``hysteresis`` overflows have been seen since the last growth; with ``consecutive_hysteresis``
-  (DeepSpeed) every good step restores the budget;
+  (DeepSpeed) every good step restores the budget, with ``hysteresis_refill_on_backoff``
+  (TensorFlow's ExponentialUpdateLossScaleManager) every backoff does too;
 * ``min_scale`` / ``max_scale`` clamps (Megatron, DeepSpeed, ColossalAI, apex), and what happens
-  when an overflow meets the floor: ``on_min_scale`` = "clamp", "warn" or "raise" (DeepSpeed's
-  ``raise_error_at_min_scale``); ``min_scale=None`` allows any scale, torch's behaviour;
-* ``max_consecutive_skips`` (MindSpore's ``bad_step_max``): raise after that many skipped steps in a row;
+  when an overflow meets a scale already at the floor: ``on_min_scale`` = "clamp", "warn" or
+  "raise" (DeepSpeed's ``raise_error_at_min_scale``); ``min_scale=None`` (the default, torch's
+  behaviour) allows any scale, also below 1;
+* ``max_consecutive_skips`` (MindSpore's ``bad_step_max``): raise when more than that many steps in
+  a row were skipped;
 * a fixed scale (``dynamic=False``; TensorFlow's and MindSpore's FixedLossScaleManager) that never
   changes, with ``skip_on_overflow`` choosing whether an overflow skips the step (MindSpore's
   ``drop_overflow_update``) or the step goes ahead;
@@ -107,6 +110,7 @@ class LossScalePolicy:
     skip_on_overflow: bool = True
     hysteresis: int = 1
     consecutive_hysteresis: bool = False
+    hysteresis_refill_on_backoff: bool = False
     min_scale: float | None = None
     max_scale: float | None = None
     on_min_scale: str = "clamp"
@@ -135,7 +139,7 @@ class LossScalePolicy:
         if not (_is_number(self.norm_average_decay) and 0 < self.norm_average_decay < 1):
             raise ScalerConfigError(f"norm_average_decay must be in (0, 1), got {self.norm_average_decay!r}")
         _check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
-        for flag in ("dynamic", "skip_on_overflow", "consecutive_hysteresis"):
+        for flag in ("dynamic", "skip_on_overflow", "consecutive_hysteresis", "hysteresis_refill_on_backoff"):
             if not isinstance(getattr(self, flag), bool):
                 raise ScalerConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         return self
@@ -156,14 +160,15 @@ class LossScalePolicy:
     ) -> LossScalePolicy:
         """TensorFlow 1.x ExponentialUpdateLossScaleManager's knobs, expressed as this policy's.
 
-        Its bad-step counter resets on a good step and the scale never goes below 1.
+        Its bad steps need not be consecutive: the counter is refilled when the scale grows or backs
+        off, not on a good step; a backoff never goes below 1.
         """
         return cls(
             growth_factor=incr_ratio,
             backoff_factor=decr_ratio,
             growth_interval=incr_every_n_steps,
             hysteresis=decr_every_n_nan_or_inf,
-            consecutive_hysteresis=True,
+            hysteresis_refill_on_backoff=True,
             min_scale=1.0,
         )
 
@@ -202,14 +207,15 @@ class LossScalePolicy:
     def host_check_flags(
         self, scale: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor, skipped: torch.Tensor
     ) -> torch.Tensor:
-        """int32 0-dim, computed before the update: bit 0 = this overflow hits the floor,
-        bit 1 = this skip reaches ``max_consecutive_skips``."""
+        """int32 0-dim, computed before the update: bit 0 = an overflow would back off a scale already
+        at ``min_scale`` (DeepSpeed's raise_error_at_min_scale condition), bit 1 = this skip makes
+        more than ``max_consecutive_skips`` in a row (MindSpore's bad_step_max condition)."""
         flags = torch.zeros((), dtype=torch.int32, device=scale.device)
         if self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp":
-            at_floor = self._backs_off(counters, found_inf) & (self._backed_off(scale) < self.min_scale)
+            at_floor = self._backs_off(counters, found_inf) & (scale <= self.min_scale)
             flags = flags + at_floor.int()
         if self.max_consecutive_skips is not None:
-            limit = (skipped > 0) & (counters[CONSECUTIVE_SKIPS] + 1 >= self.max_consecutive_skips)
+            limit = (skipped > 0) & (counters[CONSECUTIVE_SKIPS] + 1 > self.max_consecutive_skips)
             flags = flags + 2 * limit.int()
         return flags
 
@@ -242,10 +248,12 @@ class LossScalePolicy:
             scale.copy_(torch.where(back_off, backed, torch.where(grow, grown, scale)))
             growth_tracker.copy_(torch.where(overflow | grow, torch.zeros_like(successful), successful))
             # Megatron refills the hysteresis budget when the scale grows; DeepSpeed's
-            # consecutive_hysteresis on every good step.
+            # consecutive_hysteresis on every good step; TensorFlow also after each backoff.
             refill = ~overflow if self.consecutive_hysteresis else grow
             full = torch.full_like(hysteresis_left, self.hysteresis)
             spent = torch.clamp(hysteresis_left - 1, min=0)
+            if self.hysteresis_refill_on_backoff:
+                spent = torch.where(back_off, full, spent)
             counters[HYSTERESIS_LEFT].copy_(torch.where(overflow, spent, torch.where(refill, full, hysteresis_left)))
         consecutive = counters[CONSECUTIVE_SKIPS]
         counters[CONSECUTIVE_SKIPS].copy_(torch.where(was_skipped, consecutive + 1, torch.zeros_like(consecutive)))

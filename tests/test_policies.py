@@ -1,0 +1,409 @@
+"""Loss-scale policies against hand-written references of the systems they come from.
+
+Each reference below restates, in plain Python, the update rule of one framework's loss scaler
+(read from its source; the README names the file). tritonscale.GradScaler is driven through its
+real API -- backward, inf/NaN injected into a gradient, clip/step/update -- and its scale must
+follow the reference step for step. All factors are powers of two or exact in float32, so the
+comparison is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import tritonscale
+from tritonscale import GradScaler, LossScalePolicy, ScalerConfigError
+
+
+# ------------------------------------------------------------------ references
+class MegatronRef:  # megatron/core/optimizer/grad_scaler.py, DynamicGradScaler.update
+    def __init__(self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis):
+        self.scale, self.min_scale = initial_scale, min_scale
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+
+    def update(self, found_inf):
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.growth_tracker = 0
+                self.hysteresis_tracker = self.hysteresis
+                self.scale = self.scale * self.growth_factor
+
+
+class DeepSpeedRef:  # deepspeed/runtime/fp16/loss_scaler.py, DynamicLossScaler.update_scale
+    # The growth test is the one DeepSpeed shipped for years: (cur_iter - last_overflow_iter) %
+    # scale_window == 0, i.e. after every scale_window good steps. Newer releases test
+    # stable_interval = that - 1 > 0, which delays the first growth after an overflow by one step.
+    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis, raise_at_min=False):
+        self.scale, self.scale_factor, self.scale_window, self.min_scale = init_scale, 2.0, scale_window, min_scale
+        self.raise_at_min = raise_at_min
+        self.delayed_shift, self.cur_hysteresis = delayed_shift, delayed_shift
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.scale == self.min_scale and self.raise_at_min:
+                    raise RuntimeError("at min scale")  # raise_error_at_min_scale
+                self.scale = max(self.scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+class TensorFlowExponentialRef:  # tensorflow/contrib/mixed_precision/.../loss_scale_manager.py
+    def __init__(self, init_loss_scale, incr_every_n_steps, decr_every_n_nan_or_inf=2, incr_ratio=2.0, decr_ratio=0.5):
+        self.scale, self.incr_n, self.decr_n = init_loss_scale, incr_every_n_steps, decr_every_n_nan_or_inf
+        self.incr_ratio, self.decr_ratio = incr_ratio, decr_ratio
+        self.good, self.bad = 0, 0
+
+    def update(self, overflow):
+        if not overflow:
+            if self.good + 1 >= self.incr_n:
+                new = self.scale * self.incr_ratio
+                self.scale = new if math.isfinite(new) else self.scale
+                self.good, self.bad = 0, 0
+            else:
+                self.good += 1
+        else:
+            if self.bad + 1 >= self.decr_n:
+                self.scale = max(1.0, self.scale * self.decr_ratio)
+                self.good, self.bad = 0, 0
+            else:
+                self.bad += 1
+                self.good = 0
+
+
+class MindSporeRef:  # mindspore/train/loss_scale_manager.py, DynamicLossScaleManager.update_loss_scale
+    def __init__(self, init_loss_scale, scale_factor, scale_window, bad_step_max):
+        self.scale, self.factor, self.window = init_loss_scale, scale_factor, scale_window
+        self.bad_step_max = bad_step_max
+        self.cur_iter, self.last_overflow_iter, self.bad_step = 1, 0, 0
+
+    def update(self, overflow):
+        if overflow:
+            self.scale = max(self.scale / self.factor, 1)
+            self.last_overflow_iter = self.cur_iter
+            self.bad_step += 1
+        else:
+            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                self.scale *= self.factor
+            self.bad_step = 0
+        if self.bad_step > self.bad_step_max:
+            raise RuntimeError("too many bad steps")
+        self.cur_iter += 1
+
+
+class ApexRef:  # apex/amp/scaler.py, LossScaler.update_scale (dynamic)
+    def __init__(self, init_scale=2.0**16, scale_window=2000, min_loss_scale=None, max_loss_scale=2.0**24):
+        self.scale, self.window, self.min, self.max = init_scale, scale_window, min_loss_scale, max_loss_scale
+        self.unskipped = 0
+
+    def update(self, overflow):
+        if overflow:
+            self.scale = max(self.min, self.scale / 2.0) if self.min else self.scale / 2.0
+            self.unskipped = 0
+        else:
+            self.unskipped += 1
+        if self.unskipped == self.window:
+            self.scale = min(self.max, self.scale * 2.0)
+            self.unskipped = 0
+
+
+# ------------------------------------------------------------------ harness
+def overflow_pattern(seed, steps=120, p=0.3):
+    rng = random.Random(seed)
+    # Bursts as well as isolated overflows, so hysteresis budgets are both spent and refilled.
+    out = []
+    while len(out) < steps:
+        out += [rng.random() < p] * rng.choice([1, 1, 1, 2, 3])
+    return out[:steps]
+
+
+class Loop:
+    """A one-parameter training loop whose gradient is made inf on request."""
+
+    def __init__(self, scaler, backend, clip=False):
+        self.param = torch.nn.Parameter(torch.ones(8))
+        self.opt = torch.optim.SGD([self.param], lr=1e-3)
+        self.scaler, self.clip = scaler, clip
+
+    def step(self, overflow, grad_value=1.0):
+        self.opt.zero_grad()
+        self.scaler.scale((self.param * grad_value).sum()).backward()
+        if overflow:
+            self.param.grad[3] = math.inf
+        norm = self.scaler.clip_grad_norm_(self.opt, 1e6) if self.clip else None
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        return norm
+
+
+def follow(scaler, ref, pattern, backend, clip=False):
+    loop = Loop(scaler, backend, clip)
+    for i, overflow in enumerate(pattern):
+        loop.step(overflow)
+        ref.update(overflow)
+        assert scaler.get_scale() == ref.scale, f"step {i}: {scaler.get_scale()} != {ref.scale}"
+    return loop
+
+
+SEEDS = [0, 1, 2]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_megatron_dynamic_grad_scaler(seed, hysteresis):
+    scaler = GradScaler(
+        "cpu", init_scale=2.0**8, growth_interval=4, min_scale=1.0, hysteresis=hysteresis, backend="torch"
+    )
+    ref = MegatronRef(2.0**8, 1.0, 2.0, 0.5, 4, hysteresis)
+    follow(scaler, ref, overflow_pattern(seed, p=0.5), "torch")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("consecutive", [False, True], ids=["delayed_shift", "consecutive_hysteresis"])
+def test_deepspeed_dynamic_loss_scaler(seed, consecutive):
+    scaler = GradScaler(
+        "cpu", init_scale=2.0**10, growth_interval=3, min_scale=1.0, hysteresis=2,
+        consecutive_hysteresis=consecutive, backend="torch",
+    )  # fmt: skip
+    ref = DeepSpeedRef(2.0**10, scale_window=3, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=consecutive)
+    follow(scaler, ref, overflow_pattern(seed), "torch")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_tensorflow_exponential_update(seed):
+    policy = LossScalePolicy.tensorflow_exponential(incr_every_n_steps=3, decr_every_n_nan_or_inf=2, decr_ratio=0.5)
+    scaler = GradScaler("cpu", init_scale=2.0**6, policy=policy, backend="torch")
+    follow(scaler, TensorFlowExponentialRef(2.0**6, 3, 2, 2.0, 0.5), overflow_pattern(seed, p=0.6), "torch")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_apex_dynamic_loss_scaler_with_max(seed):
+    scaler = GradScaler("cpu", init_scale=2.0**20, growth_interval=2, max_scale=2.0**24, backend="torch")
+    follow(scaler, ApexRef(2.0**20, scale_window=2, max_loss_scale=2.0**24), overflow_pattern(seed, p=0.15), "torch")
+
+
+def test_mindspore_bad_step_max_raises_naming_limit_scale_and_step(backend):
+    # MindSpore raises once more than bad_step_max overflows happened in a row.
+    scaler = GradScaler("cpu", init_scale=2.0**5, growth_interval=2, min_scale=1.0, max_consecutive_skips=3,
+                        backend=backend)  # fmt: skip
+    ref = MindSporeRef(2.0**5, 2.0, 2, bad_step_max=3)
+    loop = Loop(scaler, backend)
+    pattern = [False, True, True, False, True, True, True, True]
+    for i, overflow in enumerate(pattern):
+        if i == len(pattern) - 1:
+            with pytest.raises(RuntimeError, match="too many"):
+                ref.update(overflow)
+            before = scaler.state_dict()
+            with pytest.raises(
+                RuntimeError,
+                match=r"4 consecutive steps were skipped, more than max_consecutive_skips=3; loss scale 1 at step 7",
+            ):
+                loop.step(overflow)
+            del before["counters"]  # the raising update changed nothing
+            after = scaler.state_dict()
+            del after["counters"]
+            assert after == before
+        else:
+            loop.step(overflow)
+            ref.update(overflow)
+            assert scaler.get_scale() == ref.scale
+
+
+def test_fixed_scale_never_changes_and_skips_overflows(backend):
+    scaler = GradScaler("cpu", init_scale=128.0, policy=LossScalePolicy.fixed(), backend=backend)
+    loop = Loop(scaler, backend)
+    for overflow in overflow_pattern(5, steps=30, p=0.4):
+        before = loop.param.detach().clone()
+        loop.step(overflow)
+        assert scaler.get_scale() == 128.0
+        assert torch.equal(loop.param, before) == overflow  # skipped exactly on overflow
+
+
+def test_fixed_scale_that_lets_overflowed_steps_through(backend):
+    scaler = GradScaler("cpu", init_scale=1.0, policy=LossScalePolicy.fixed(skip_on_overflow=False), backend=backend)
+    loop = Loop(scaler, backend)
+    loop.step(overflow=True)
+    assert scaler.get_scale() == 1.0
+    assert math.isinf(loop.param[3].item()) or math.isnan(loop.param[3].item())  # the step went ahead
+
+
+@pytest.mark.parametrize("mode", ["clamp", "warn", "raise"])
+def test_what_happens_at_the_floor(backend, mode):
+    scaler = GradScaler("cpu", init_scale=4.0, min_scale=1.0, on_min_scale=mode, backend=backend)
+    loop = Loop(scaler, backend)
+    loop.step(True)
+    loop.step(True)
+    assert scaler.get_scale() == 1.0  # 4 -> 2 -> 1: reaching the floor is fine
+    if mode == "raise":
+        with pytest.raises(RuntimeError, match="already at min_scale=1"):
+            loop.step(True)
+    elif mode == "warn":
+        with pytest.warns(RuntimeWarning, match="already at min_scale=1"):
+            loop.step(True)
+    else:
+        loop.step(True)
+    assert scaler.get_scale() == 1.0
+
+
+def test_default_has_no_floor_like_torch(backend):
+    scaler = GradScaler("cpu", init_scale=1.0, backend=backend)
+    loop = Loop(scaler, backend)
+    for _ in range(3):
+        loop.step(True)
+    assert scaler.get_scale() == 0.125
+
+
+def test_growth_is_capped_by_max_scale(backend):
+    scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=1, max_scale=2.0**6, backend=backend)
+    loop = Loop(scaler, backend)
+    scales = []
+    for _ in range(4):
+        loop.step(False)
+        scales.append(scaler.get_scale())
+    assert scales == [2.0**5, 2.0**6, 2.0**6, 2.0**6]
+
+
+# --------------------------------------------------------- gradient-norm spikes
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adamw"])
+def test_norm_spike_above_threshold_is_skipped_without_backoff(backend, fused):
+    scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=1000, skip_norm_above=10.0, backend=backend)
+    param = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([param], lr=0.1, fused=fused) if fused else torch.optim.SGD([param], lr=0.1)
+    for grad_value, spike in [(1.0, False), (100.0, True), (2.0, False), (6.0, True)]:
+        before = param.detach().clone()
+        opt.zero_grad()
+        scaler.scale((param * grad_value).sum()).backward()
+        norm = scaler.clip_grad_norm_(opt, 1e9)
+        assert float(norm) == pytest.approx(2 * grad_value)  # |(g, g, g, g)| = 2g
+        scaler.step(opt)
+        scaler.update()
+        assert torch.equal(param, before) == spike
+        assert scaler.get_scale() == 2.0**4  # a spike is not an overflow
+    assert scaler.state_dict()["counters"]["skipped_steps"] == 2
+
+
+def test_norm_spike_relative_to_running_average(backend):
+    scaler = GradScaler("cpu", init_scale=1.0, skip_norm_factor=3.0, norm_warmup_steps=3, backend=backend)
+    loop = Loop(scaler, backend, clip=True)
+    # |g| of 8 equal entries: sqrt(8) * value. Warm-up takes 3 norms; then 5x the average skips.
+    for value, skipped in [(1.0, False), (5.0, False), (1.0, False), (1.0, False), (8.0, True), (1.2, False)]:
+        before = loop.param.detach().clone()
+        loop.opt.zero_grad()
+        loop.scaler.scale((loop.param * value).sum()).backward()
+        loop.scaler.clip_grad_norm_(loop.opt, 1e9)
+        loop.scaler.step(loop.opt)
+        loop.scaler.update()
+        assert torch.equal(loop.param, before) == skipped, value
+    stats = scaler.state_dict()["norm_stats"]
+    assert stats["count"] == 5  # the skipped norm did not enter the average
+
+
+# ------------------------------------------------------------- state & errors
+def test_policy_knobs_and_trackers_survive_state_dict(backend):
+    kw = dict(init_scale=2.0**8, growth_interval=3, min_scale=2.0, hysteresis=3, backend=backend)
+    a = GradScaler("cpu", **kw)
+    loop = Loop(a, backend)
+    pattern = overflow_pattern(7, steps=40, p=0.5)
+    for overflow in pattern[:17]:
+        loop.step(overflow)
+    saved = a.state_dict()
+    assert saved["policy"]["hysteresis"] == 3 and saved["policy"]["min_scale"] == 2.0
+    b = GradScaler("cpu", backend=backend)  # default knobs: all come from the checkpoint
+    b.load_state_dict(saved)
+    loop_b = Loop(b, backend)
+    for overflow in pattern[17:]:
+        loop.step(overflow)
+        loop_b.step(overflow)
+        assert a.get_scale() == b.get_scale()
+    assert a.state_dict() == b.state_dict()
+
+
+def test_torch_state_dict_loads_with_configured_knobs():
+    theirs = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    ours = GradScaler("cpu", hysteresis=2, min_scale=1.0)
+    ours.load_state_dict(theirs.state_dict())
+    sd = ours.state_dict()
+    assert sd["scale"] == 512.0 and sd["growth_interval"] == 7
+    assert sd["policy"]["hysteresis"] == 2 and sd["counters"]["hysteresis_left"] == 2
+
+
+@pytest.mark.parametrize(
+    "knobs, match",
+    [
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"min_scale": -1.0}, "min_scale"),
+        ({"min_scale": 8.0, "max_scale": 4.0}, "above max_scale"),
+        ({"on_min_scale": "ignore"}, "on_min_scale"),
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
+        ({"skip_norm_factor": 0.5}, "skip_norm_factor"),
+        ({"dynamic": "yes"}, "dynamic"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, dict) else "",
+)
+def test_bad_policy_knobs_raise(knobs, match):
+    with pytest.raises(ScalerConfigError, match=match):
+        GradScaler("cpu", **knobs)
+
+
+def test_unknown_keyword_and_conflicting_policy_arguments():
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        GradScaler("cpu", hysterisis=2)
+    with pytest.raises(ScalerConfigError, match="inside the policy"):
+        GradScaler("cpu", growth_interval=5, policy=LossScalePolicy())
+
+
+def test_policy_update_is_device_resident_and_in_place(backend):
+    scaler = GradScaler("cpu", hysteresis=2, skip_norm_factor=2.0, backend=backend)
+    loop = Loop(scaler, backend, clip=True)
+    loop.step(False)
+    addresses = [t.data_ptr() for t in (scaler._scale, scaler._growth_tracker, scaler._counters, scaler._norm_stats)]
+    for overflow in (True, False, True, True, False):
+        loop.step(overflow)
+    # Fixed addresses: the step can be captured in a CUDA graph.
+    assert addresses == [
+        t.data_ptr() for t in (scaler._scale, scaler._growth_tracker, scaler._counters, scaler._norm_stats)
+    ]
+    assert tritonscale.GradScaler is GradScaler
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_deepspeed_raise_error_at_min_scale(seed):
+    # DeepSpeed raises when an overflow would back off a scale already at min_scale.
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=3, min_scale=1.0, hysteresis=2, on_min_scale="raise",
+                        backend="torch")  # fmt: skip
+    ref = DeepSpeedRef(8.0, scale_window=3, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False,
+                       raise_at_min=True)  # fmt: skip
+    loop = Loop(scaler, "torch")
+    for overflow in overflow_pattern(seed, p=0.7):
+        try:
+            ref.update(overflow)
+        except RuntimeError:
+            with pytest.raises(RuntimeError, match="already at min_scale"):
+                loop.step(overflow)
+            return
+        loop.step(overflow)
+        assert scaler.get_scale() == ref.scale
+    pytest.fail("the pattern never reached the floor")
