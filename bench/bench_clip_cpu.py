@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from timing import interleaved, machine, split_sizes
 
 import tritonscale
 
@@ -41,14 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def quantiles(samples: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(samples, n=5) if len(samples) > 1 else [samples[0]] * 4
-    return {"median_ms": statistics.median(samples) * 1e3, "q20_ms": q[0] * 1e3, "q80_ms": q[3] * 1e3}
-
-
 def bench_point(numel: int, n_tensors: int, dtype: torch.dtype, repeats: int) -> dict:
     torch.manual_seed(0)
-    sizes = [numel // n_tensors + (1 if i < numel % n_tensors else 0) for i in range(n_tensors)]
+    sizes = split_sizes(numel, n_tensors)
     params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in sizes]
     saved = [torch.randn(s).mul_(2.0**16).to(dtype) for s in sizes]  # scaled gradients
     opt = torch.optim.SGD(params, lr=0.0)
@@ -68,24 +61,20 @@ def bench_point(numel: int, n_tensors: int, dtype: torch.dtype, repeats: int) ->
     def ours_section():
         ours.clip_grad_norm_(opt, 1.0)
 
-    times = {"torch": [], "tritonscale": []}
-    variants = [("torch", torch_section, theirs), ("tritonscale", ours_section, ours)]
-    for rep in range(repeats + 1):
-        for name, fn, scaler in variants if rep % 2 == 0 else variants[::-1]:
-            torch._foreach_copy_(grads, saved)
-            start = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - start
-            scaler.update()
-            if rep > 0:  # the first round is warm-up
-                times[name].append(elapsed)
+    scalers = {"torch": theirs, "tritonscale": ours}
+    timed = interleaved(
+        {"torch": torch_section, "tritonscale": ours_section},
+        repeats,
+        reset=lambda: torch._foreach_copy_(grads, saved),
+        after=lambda name: scalers[name].update(),
+    )
     bytes_per = torch.finfo(dtype).bits // 8
     point = {
         "numel": numel,
         "tensors": n_tensors,
         "dtype": str(dtype).replace("torch.", ""),
-        "torch": quantiles(times["torch"]),
-        "tritonscale": quantiles(times["tritonscale"]),
+        "torch": timed["torch"],
+        "tritonscale": timed["tritonscale"],
         "bytes_model": {"torch": 5 * numel * bytes_per, "tritonscale": 3 * numel * bytes_per},
     }
     point["ratio"] = point["torch"]["median_ms"] / point["tritonscale"]["median_ms"]
@@ -95,15 +84,10 @@ def bench_point(numel: int, n_tensors: int, dtype: torch.dtype, repeats: int) ->
 def main(argv=None) -> int:
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    machine = {
-        "processor": platform.processor() or platform.machine(),
-        "cpus": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+    info = machine()
     print(
         f"unscale+clip section, {args.dtype}, {args.tensors} tensors, torch {torch.__version__}, "
-        f"{machine['cpus']} threads; median ms [20%, 80%]"
+        f"{info['threads']} threads; median ms [20%, 80%]"
     )
     print(f"{'elements':>10} {'torch ms':>22} {'tritonscale ms':>22} {'ratio':>6} {'bytes torch/ours':>18}")
     points = []
@@ -117,7 +101,7 @@ def main(argv=None) -> int:
             f"{p['bytes_model']['torch'] / 2**20:>8.0f}/{p['bytes_model']['tritonscale'] / 2**20:.0f} MiB"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "points": points}, indent=2))
+    args.out.write_text(json.dumps({"machine": info, "points": points}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))  # the scripts import their shared helpers (bench/timing.py) by name
 
 
 def load(name: str):
