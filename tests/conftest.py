@@ -27,6 +27,25 @@ def backend(request) -> str:
     return request.param
 
 
+SYNCING = ("item", "__bool__", "tolist", "__float__", "__int__", "__index__", "numpy")
+
+
+@pytest.fixture
+def forbid_host_reads(monkeypatch):
+    """Make every Tensor->host read raise while the fixture's flag is on."""
+    armed = {"on": False}
+    for name in SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def guard(self, *a, _name=name, _original=original, **k):
+            if armed["on"]:
+                raise AssertionError(f"host read Tensor.{_name} inside the step")
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, guard)
+    return armed
+
+
 def pytest_collection_modifyitems(config, items):
     # The GPU tier runs compiled kernels on a real device; everything else runs anywhere.
     if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0":

@@ -5,10 +5,19 @@ clip run as one fused multi-tensor pass, with the scale kept on the device (no h
 Importing it touches no device.
 """
 
+from .diagnostics import ScaleHistory, nonfinite_grads
 from .errors import ScalerConfigError
 from .flat_grads import flatten_grads_
 from .grad_scaler import GradScaler, OptState
 from .policy import LossScalePolicy
 
-__all__ = ["GradScaler", "LossScalePolicy", "OptState", "ScalerConfigError", "flatten_grads_"]
+__all__ = [
+    "GradScaler",
+    "LossScalePolicy",
+    "OptState",
+    "ScaleHistory",
+    "ScalerConfigError",
+    "flatten_grads_",
+    "nonfinite_grads",
+]
 __version__ = "0.1.0"

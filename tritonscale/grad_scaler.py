@@ -23,8 +23,11 @@ from .grad_groups import DeviceGroups, collect_grads
 from .policy import (
     CONSECUTIVE_SKIPS,
     COUNTER_NAMES,
+    HYSTERESIS_LEFT,
+    LAST_SKIPPED,
     NORM_AVERAGE,
     NORM_COUNT,
+    SKIPPED_STEPS,
     UPDATES,
     LossScalePolicy,
     check_backoff_factor,
@@ -119,6 +122,8 @@ class GradScaler:
         self._counters: torch.Tensor | None = None
         self._norm_stats: torch.Tensor | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+        self._last_found_inf: torch.Tensor | None = None
+        self._last_norm: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ scale
     def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
@@ -369,6 +374,7 @@ class GradScaler:
             norms = [st["norm"] for st in states if st["norm"] is not None]
             norm = norms[-1].to(scale.device, non_blocking=True) if norms else None
             self._policy_update_(found_inf, skipped, norm)
+            self._last_found_inf, self._last_norm = found_inf, norm
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
     def _policy_update_(self, found_inf: torch.Tensor, skipped: torch.Tensor, norm: torch.Tensor | None) -> None:
@@ -392,6 +398,42 @@ class GradScaler:
                     raise RuntimeError(message)
                 warnings.warn(message + "; holding it there and skipping the step", RuntimeWarning, stacklevel=3)
         policy.update_(scale, self._growth_tracker, counters, self._norm_stats, found_inf, skipped, norm)
+
+    # ------------------------------------------------------------ diagnostics
+    def stats(self) -> dict[str, torch.Tensor]:
+        """This scaler's per-step statistics as 0-dim device tensors -- no host sync.
+
+        ``scale``, ``growth_tracker``, ``norm`` (the last clip_grad_norm_'s, NaN if none),
+        ``found_inf`` (last update's overflow flag), ``skipped`` (last step skipped, 0/1),
+        ``skipped_steps`` (total), ``consecutive_skips`` and ``hysteresis_left``.
+
+        Example::
+
+            stats = scaler.stats()
+            writer.add_scalar("loss_scale", stats["scale"], step)  # the logger syncs, not the step
+        """
+        scale, tracker = self._check_scale_growth_tracker("stats")
+        nan = torch.full((), float("nan"), device=scale.device)
+        return {
+            "scale": scale,
+            "growth_tracker": tracker,
+            "norm": self._last_norm if self._last_norm is not None else nan,
+            "found_inf": self._last_found_inf if self._last_found_inf is not None else torch.zeros_like(scale),
+            "skipped": self._counters[LAST_SKIPPED],
+            "skipped_steps": self._counters[SKIPPED_STEPS],
+            "consecutive_skips": self._counters[CONSECUTIVE_SKIPS],
+            "hysteresis_left": self._counters[HYSTERESIS_LEFT],
+        }
+
+    def last_step_skipped(self) -> bool:
+        """Whether the last completed iteration skipped its step (a host read).
+
+        For LR schedulers: ``if not scaler.last_step_skipped(): scheduler.step()``. The device
+        flag, for loops that must not sync, is ``scaler.stats()["skipped"]``.
+        """
+        if not self._enabled or self._counters is None:
+            return False
+        return bool(self._counters[LAST_SKIPPED].item())
 
     # -------------------------------------------------------- knobs and state
     def get_scale(self) -> float:

@@ -1,0 +1,95 @@
+"""Diagnostics: device-side stats without syncs, non-finite gradient names, history and plot."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tritonscale
+from tritonscale import GradScaler, ScaleHistory, nonfinite_grads
+
+
+def run_steps(scaler, model, opt, pattern, history=None):
+    for bad in pattern:
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        if bad:
+            model[1].weight.grad[0, 0] = math.nan
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        if history is not None:
+            history.record(scaler)
+
+
+def make(backend, fused=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+    return model, opt, GradScaler("cpu", init_scale=64.0, backend=backend)
+
+
+def test_stats_are_device_tensors_read_without_sync(backend, forbid_host_reads):
+    model, opt, scaler = make(backend)
+    run_steps(scaler, model, opt, [False, True, True])
+    forbid_host_reads["on"] = True
+    stats = scaler.stats()  # must not read anything on the host
+    forbid_host_reads["on"] = False
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
+    assert float(stats["scale"]) == 16.0 and int(stats["skipped_steps"]) == 2
+    assert int(stats["consecutive_skips"]) == 2 and int(stats["skipped"]) == 1
+    assert float(stats["found_inf"]) == 1.0 and math.isnan(float(stats["norm"]))
+    assert scaler.last_step_skipped()
+    run_steps(scaler, model, opt, [False])
+    assert not scaler.last_step_skipped() and int(scaler.stats()["consecutive_skips"]) == 0
+    assert float(scaler.stats()["norm"]) > 0
+
+
+def test_nonfinite_grads_names_the_culprits():
+    model, _, _ = make("torch")
+    model(torch.ones(1, 4)).sum().backward()
+    assert nonfinite_grads(model) == []
+    model[1].weight.grad[1, 2] = math.inf
+    model[0].bias.grad[0] = math.nan
+    assert nonfinite_grads(model) == ["0.bias", "1.weight"]
+    assert nonfinite_grads(model.named_parameters()) == ["0.bias", "1.weight"]
+    assert nonfinite_grads(list(model.parameters())) == ["1", "2"]
+
+
+def test_skipped_clip_step_keeps_the_culprits_visible(backend):
+    model, opt, scaler = make(backend)
+    run_steps(scaler, model, opt, [False])
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    model[1].weight.grad[0, 0] = math.inf
+    scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped() and nonfinite_grads(model) == ["1.weight"]
+
+
+def test_lr_scheduler_stays_in_step_with_skipped_steps(backend):
+    model, opt, scaler = make(backend)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    pattern = [False, True, False, True, True, False]
+    for bad in pattern:
+        run_steps(scaler, model, opt, [bad])
+        if not scaler.last_step_skipped():
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** pattern.count(False))
+
+
+def test_history_records_without_sync_and_plots(backend, tmp_path, forbid_host_reads):
+    model, opt, scaler = make(backend, fused=True)  # a fused optimizer: the whole loop is sync-free
+    history = ScaleHistory()
+    forbid_host_reads["on"] = True
+    run_steps(scaler, model, opt, [False, False, True, False, True, True, False, False], history)
+    forbid_host_reads["on"] = False
+    data = history.to_lists()
+    assert len(history) == 8 and data["skipped"] == [0, 0, 1, 0, 1, 1, 0, 0]
+    assert data["scale"] == [64.0, 64.0, 32.0, 32.0, 16.0, 8.0, 8.0, 8.0]
+    path = history.plot(tmp_path / "history.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    assert tritonscale.ScaleHistory is ScaleHistory
