@@ -245,8 +245,10 @@ class GradScaler:
         max_norm = _check_max_norm(max_norm)
         norm_type = _check_norm_type(norm_type)
         if not self._enabled:
-            # Nothing is unscaled, so float16 gradients are fine: this is plain clipping.
+            # Scaling is off (a bf16 run): plain clipping, float16 gradients included, but the
+            # inf/NaN check still runs and the following step() skips on it.
             _, result = self._clip(collect_grads(optimizer, allow_fp16=True), None, norm_type, max_norm, True)
+            self._per_optimizer_states[id(optimizer)]["skip"] = result.found_inf
             return result.norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._stage_for_unscale(optimizer, "clip_grad_norm_")
@@ -283,7 +285,7 @@ class GradScaler:
             scaler.update()
         """
         if not self._enabled:
-            return optimizer.step(*args, **kwargs)
+            return self._step_unscaled(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale, _ = self._check_scale_growth_tracker("step")
@@ -325,6 +327,21 @@ class GradScaler:
         state["stage"] = OptState.STEPPED
         return retval
 
+    def _step_unscaled(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """step() of a disabled scaler: torch's plain step, unless clip_grad_norm_ found inf/NaN."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        if state is None or state["skip"] is None:
+            return optimizer.step(*args, **kwargs)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.found_inf = state["skip"]  # skip on the device; grad_scale stays unset
+            try:
+                return optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.found_inf
+        if state["skip"].item():  # the one host read, as in the enabled path
+            return None
+        return optimizer.step(*args, **kwargs)
+
     def _skip_flag(self, state: dict[str, Any], device: torch.device) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update()."""
         found_inf = _combine([t.to(device, non_blocking=True) for t in state["found_inf_per_device"].values()])
@@ -346,6 +363,7 @@ class GradScaler:
             scaler.update()
         """
         if not self._enabled:
+            self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
