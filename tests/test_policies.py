@@ -407,3 +407,19 @@ def test_deepspeed_raise_error_at_min_scale(seed):
         loop.step(overflow)
         assert scaler.get_scale() == ref.scale
     pytest.fail("the pattern never reached the floor")
+
+
+@pytest.mark.slow
+def test_compiled_rule_equals_eager_rule():
+    # On a GPU the rule runs through torch.compile (one fused kernel); here inductor compiles it for
+    # the CPU (~30 s), which checks the same traced graph against the eager ops.
+    kw = dict(init_scale=2.0**8, growth_interval=3, min_scale=1.0, hysteresis=2, skip_norm_factor=4.0,
+              norm_warmup_steps=2, backend="torch")  # fmt: skip
+    eager, compiled = GradScaler("cpu", **kw), GradScaler("cpu", compile_policy=True, **kw)
+    loops = [Loop(eager, "torch", clip=True), Loop(compiled, "torch", clip=True)]
+    rng = random.Random(3)
+    for overflow in overflow_pattern(3, steps=25, p=0.4):
+        value = rng.choice([1.0, 1.0, 2.0, 20.0])
+        for loop in loops:
+            loop.step(overflow, grad_value=value)
+        assert eager.state_dict() == compiled.state_dict()
