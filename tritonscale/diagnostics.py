@@ -73,8 +73,14 @@ class ScaleHistory:
         return {name: table[:, i].tolist() for i, name in enumerate(STAT_NAMES)}
 
     def plot(self, path: str | Path, title: str = "loss scale, gradient norm and skipped steps") -> Path:
-        """Save a figure of scale, gradient norm (log axes) and skipped steps to ``path`` (PNG)."""
-        import matplotlib
+        """Save a figure of scale, gradient norm (log axes) and skipped steps to ``path`` (PNG).
+
+        Needs matplotlib (``pip install tritonscale[plot]``).
+        """
+        try:
+            import matplotlib
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError("ScaleHistory.plot needs matplotlib: pip install 'tritonscale[plot]'") from e
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
