@@ -6,7 +6,7 @@ vectorisation, would go unnoticed until it reached a GPU. These tests lower ever
 Triton's real pipeline (ptxas for CUDA, the LLVM AMDGPU backend for ROCm) and check the output.
 
 ``conftest.py`` sets ``TRITON_INTERPRET=1`` at import, so the compiles run once per module in a
-subprocess (``compile_helper.py``) whose environment lacks it; the tests here only read its JSON.
+subprocess (``bench/aot_compile.py``) whose environment lacks it; the tests here only read its JSON.
 
 Signatures mirror what Triton's launcher specialises for real launches: it marks a pointer
 ``tt.divisibility=16`` when its address is 16-byte aligned (true of torch allocations and of
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK, streaming_configs
 
-HELPER = Path(__file__).with_name("compile_helper.py")
+HELPER = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
 
 TARGETS = {
     "sm90": ["cuda", 90, 32],

@@ -1,4 +1,4 @@
-"""Ahead-of-time compile Triton kernels for GPU targets; driven by tests/test_compile_targets.py.
+"""Ahead-of-time compile of the Triton kernels for GPU targets (tests and bench/kernel_report.py).
 
 Not a test module. It must run in a process WITHOUT ``TRITON_INTERPRET``: under the interpreter
 ``@triton.jit`` produces ``InterpretedFunction`` objects that cannot be lowered, and the test
@@ -42,6 +42,7 @@ _AMD_FIELDS = (
     "vgpr_spill_count",
     "sgpr_spill_count",
     "private_segment_fixed_size",
+    "group_segment_fixed_size",
 )
 # cuobjdump --dump-resource-usage line for a function: "REG:80 STACK:0 SHARED:0 LOCAL:0 ...".
 _CUDA_FIELDS = re.compile(r"\b(REG|STACK|SHARED|LOCAL):(\d+)")
@@ -155,7 +156,7 @@ def compile_case(case: dict) -> tuple[str, dict]:
 
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit("compile_helper: TRITON_INTERPRET is set; kernels would be interpreted, not compiled")
+        sys.exit("aot_compile: TRITON_INTERPRET is set; kernels would be interpreted, not compiled")
     cases = json.load(sys.stdin)
     # Compiles are CPU-bound and independent; the parent imports nothing heavy before forking.
     workers = max(1, min(len(cases), os.cpu_count() or 1))
