@@ -106,7 +106,8 @@ class GradScaler:
         self._enabled = enabled
         self._backend_name = check_backend_name(backend)
         self._fold = bool(fold_into_optimizer)
-        # The rule is ~40 tiny torch ops; torch.compile fuses them into one kernel on a GPU.
+        # The rule is ~10-40 tiny torch ops (more with hysteresis or norm skips); torch.compile
+        # fuses them into one kernel on a GPU.
         self._compile_policy = compile_policy
         self._compiled: dict[str, Any] = {}
         if device == "cuda" and enabled and not torch.cuda.is_available():
@@ -423,7 +424,7 @@ class GradScaler:
 
     def _rule(self, name: str) -> Any:
         """The policy method ``name``, compiled by torch.compile where that is on (default: on
-        CUDA devices, where the ~40 small ops of the rule otherwise cost ~40 launches)."""
+        CUDA devices, where the rule's ~10-40 small ops would otherwise each cost a launch)."""
         method = getattr(self._policy, name)
         use = self._compile_policy if self._compile_policy is not None else self._scale.device.type == "cuda"
         if not use:

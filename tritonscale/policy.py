@@ -198,11 +198,29 @@ class LossScalePolicy:
         return floor_check or self.max_consecutive_skips is not None
 
     def _backs_off(self, counters: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-        return (found_inf > 0) & (counters[HYSTERESIS_LEFT] <= 1)
+        """bool 0-dim: this overflow backs the scale off (with hysteresis, once the budget is spent)."""
+        overflow = found_inf > 0
+        return overflow if self.hysteresis == 1 else overflow & (counters[HYSTERESIS_LEFT] <= 1)
 
-    def _backed_off(self, scale: torch.Tensor) -> torch.Tensor:
-        # float32 * float64 factor, rounded once to float32: torch's _amp_update_scale_ arithmetic.
-        return (scale.double() * self.backoff_factor).float()
+    def _hysteresis_update_(
+        self, growth_tracker: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor
+    ) -> torch.Tensor:
+        """Spend or refill the hysteresis budget; return the float32 flag "back off now"."""
+        left = counters[HYSTERESIS_LEFT]
+        overflow = found_inf > 0
+        back_off = self._backs_off(counters, found_inf)
+        grow = ~overflow & (growth_tracker + 1 == self.growth_interval)
+        # Megatron refills the budget when the scale grows; DeepSpeed's consecutive_hysteresis on
+        # every good step; TensorFlow also after each backoff.
+        refill = ~overflow if self.consecutive_hysteresis else grow
+        full = torch.full_like(left, self.hysteresis)
+        spent = torch.clamp(left - 1, min=0)
+        if self.hysteresis_refill_on_backoff:
+            spent = torch.where(back_off, full, spent)
+        left.copy_(torch.where(overflow, spent, torch.where(refill, full, left)))
+        # An overflow the budget absorbs still restarts the growth count: -1 here, +1 in the update.
+        growth_tracker.copy_(torch.where(overflow & ~back_off, torch.full_like(growth_tracker, -1), growth_tracker))
+        return back_off.float()
 
     def host_check_flags(
         self, scale: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor, skipped: torch.Tensor
@@ -231,34 +249,22 @@ class LossScalePolicy:
     ) -> None:
         """One step of the rule, in place. ``found_inf`` > 0: the step overflowed (backs off);
         ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes)."""
-        overflow = found_inf > 0
         was_skipped = skipped > 0
         if self.dynamic:
-            hysteresis_left = counters[HYSTERESIS_LEFT]
-            back_off = self._backs_off(counters, found_inf)
-            backed = self._backed_off(scale)
-            if self.min_scale is not None:
-                backed = torch.clamp(backed, min=self.min_scale)
-            successful = growth_tracker + 1
-            grow = ~overflow & (successful == self.growth_interval)
-            grown = (scale.double() * self.growth_factor).float()
-            grown = torch.where(torch.isfinite(grown), grown, scale)  # torch keeps the old scale
-            if self.max_scale is not None:
-                grown = torch.clamp(grown, max=self.max_scale)
-            scale.copy_(torch.where(back_off, backed, torch.where(grow, grown, scale)))
-            growth_tracker.copy_(torch.where(overflow | grow, torch.zeros_like(successful), successful))
-            # Megatron refills the hysteresis budget when the scale grows; DeepSpeed's
-            # consecutive_hysteresis on every good step; TensorFlow also after each backoff.
-            refill = ~overflow if self.consecutive_hysteresis else grow
-            full = torch.full_like(hysteresis_left, self.hysteresis)
-            spent = torch.clamp(hysteresis_left - 1, min=0)
-            if self.hysteresis_refill_on_backoff:
-                spent = torch.where(back_off, full, spent)
-            counters[HYSTERESIS_LEFT].copy_(torch.where(overflow, spent, torch.where(refill, full, hysteresis_left)))
-        consecutive = counters[CONSECUTIVE_SKIPS]
-        counters[CONSECUTIVE_SKIPS].copy_(torch.where(was_skipped, consecutive + 1, torch.zeros_like(consecutive)))
-        counters[SKIPPED_STEPS].add_(was_skipped.int())
-        counters[LAST_SKIPPED].copy_(was_skipped.int())
+            back_off = found_inf.float()
+            if self.hysteresis > 1:
+                back_off = self._hysteresis_update_(growth_tracker, counters, found_inf)
+            # The growth/backoff arithmetic is torch's own kernel (one launch): torch's rule by
+            # construction, float32 scale times float64 factor rounded once, non-finite growth kept out.
+            torch._amp_update_scale_(
+                scale, growth_tracker, back_off, self.growth_factor, self.backoff_factor, self.growth_interval
+            )
+            if self.min_scale is not None or self.max_scale is not None:
+                scale.clamp_(min=self.min_scale, max=self.max_scale)
+        skipped_int = was_skipped.int()
+        counters[CONSECUTIVE_SKIPS].mul_(skipped_int).add_(skipped_int)  # +1 on a skip, 0 after a step
+        counters[SKIPPED_STEPS].add_(skipped_int)
+        counters[LAST_SKIPPED].copy_(skipped_int)
         counters[UPDATES].add_(1)
         if norm is not None and self.skip_norm_factor is not None:
             norm = norm.to(scale.device, torch.float32)
