@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
-from timing import interleaved, machine, split_sizes
+from timing import describe, interleaved, machine, split_sizes
 
 import tritonscale
 
@@ -65,7 +65,7 @@ def bench_point(numel: int, n_tensors: int, dtype: torch.dtype, repeats: int) ->
     timed = interleaved(
         {"torch": torch_section, "tritonscale": ours_section},
         repeats,
-        reset=lambda: torch._foreach_copy_(grads, saved),
+        reset=lambda name: torch._foreach_copy_(grads, saved),
         after=lambda name: scalers[name].update(),
     )
     bytes_per = torch.finfo(dtype).bits // 8
@@ -85,10 +85,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
     info = machine()
-    print(
-        f"unscale+clip section, {args.dtype}, {args.tensors} tensors, torch {torch.__version__}, "
-        f"{info['threads']} threads; median ms [20%, 80%]"
-    )
+    print(f"unscale+clip section, {args.dtype}, {args.tensors} tensors, on {describe(info)}; median ms [20%, 80%]")
     print(f"{'elements':>10} {'torch ms':>22} {'tritonscale ms':>22} {'ratio':>6} {'bytes torch/ours':>18}")
     points = []
     for numel in args.sizes:

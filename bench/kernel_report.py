@@ -115,10 +115,13 @@ def widest(ops: list[str]) -> str:
     return "scalar" if ops else "-"
 
 
-def main(argv=None) -> int:
+def main(argv=None, progress=None) -> int:
+    """Compile and report; ``progress(done, total)`` is called once the compiles are done (run_all's bar)."""
     args = parse_args(argv)
     cases = build_cases(args.targets, args.dtypes)
     results = compile_all(cases)
+    if progress is not None:
+        progress(1, 1)
     rows = []
     print(f"{'kernel':<44} {'regs':>5} {'spills':>6} {'shared':>7} {'loads':>7} {'stores':>7}")
     for case in cases:

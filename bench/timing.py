@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -17,18 +19,21 @@ def quantiles(samples: list[float]) -> dict[str, float]:
 
 
 def interleaved(
-    variants: dict[str, Callable[[], None]], repeats: int, reset: Callable[[], None], after: Callable[[str], None]
+    variants: dict[str, Callable[[], None]],
+    repeats: int,
+    reset: Callable[[str], None],
+    after: Callable[[str], None] = lambda name: None,
 ) -> dict[str, dict[str, float]]:
     """Time each variant ``repeats`` times, alternating the order (ABBA) so drift hits both.
 
-    ``reset`` runs untimed before every call (restore the gradients); ``after(name)`` runs
+    ``reset(name)`` runs untimed before every call (restore the gradients); ``after(name)`` runs
     untimed after it (e.g. the scaler's update). The first round is warm-up.
     """
     times: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants)
     for rep in range(repeats + 1):
         for name in order if rep % 2 == 0 else order[::-1]:
-            reset()
+            reset(name)
             start = time.perf_counter()
             variants[name]()
             elapsed = time.perf_counter() - start
@@ -38,13 +43,42 @@ def interleaved(
     return {name: quantiles(samples) for name, samples in times.items()}
 
 
-def machine() -> dict[str, object]:
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device | None = None) -> dict[str, object]:
+    """What a result was measured on: device, CPU, threads and library versions (for the JSON files)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # the torch backend needs no triton
+        triton_version = None
+    on_gpu = device is not None and device.type == "cuda"
     return {
-        "processor": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        "processor": cpu_model(),
+        "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "triton": triton_version,
         "python": platform.python_version(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
     }
+
+
+def describe(info: dict[str, object]) -> str:
+    """One line for titles and table headers: ``cpu (AMD EPYC, 2 threads), torch 2.13.0+cpu``."""
+    where = f"{info['device']}" if info["device"] != "cpu" else f"cpu ({info['processor']}, {info['threads']} threads)"
+    return f"{where}, torch {info['torch']}" + (f", triton {info['triton']}" if info["triton"] else "")
 
 
 def split_sizes(numel: int, n_tensors: int) -> list[int]:

@@ -1,12 +1,15 @@
-"""Each benchmark / demo entry point runs once at a tiny size, so none of them rots.
+"""Each benchmark / experiment entry point runs once at a tiny size, so none of them rots.
 
-Benchmarks are not tests: nothing here looks at a time.
+Benchmarks are not tests: nothing here looks at a time. What is checked is what the scripts claim
+besides times -- the experiments follow torch's trajectory, every point and variant is written.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,18 +18,73 @@ sys.path.insert(0, str(BENCH))  # the scripts import their shared helpers (bench
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A bench/ script as a module (registered in sys.modules, as its dataclasses need)."""
+    return importlib.import_module(name)
 
 
-def test_train_demo_runs_and_follows_torch(capsys):
-    # Exit code 0 means the scale trajectory was identical to torch.amp.GradScaler's.
-    assert load("train_demo").main(["--steps", "8", "--width", "16", "--growth-interval", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "scale trajectory identical to torch: True" in out
-    assert "yes" in out  # the high initial scale makes at least one step overflow
+def test_run_all_quick_writes_every_result(tmp_path):
+    # The README's main job as a user runs it: its own process, without the interpreter that
+    # conftest.py sets (there "auto" would run the kernels through it, at ~1 ms a program).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "run_all.py"), "--quick", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "%" in done.stderr  # the progress bar
+    for name in ("experiments/experiments.png", "experiments/experiments.json", "sweep/sweep.png",
+                 "sweep/sweep.json", "kernel_report.json"):  # fmt: skip
+        assert (tmp_path / name).stat().st_size > 0
+        assert str(tmp_path / name) in out  # the main job says where its results are
+
+    experiments = json.loads((tmp_path / "experiments/experiments.json").read_text())["results"]
+    assert [r["experiment"] for r in experiments] == ["lm-fp16", "lm-bf16", "mlp-fp16", "overflow"]
+    for r in experiments:
+        assert r["same_scales"] and r["same_skipped_steps"], r["experiment"]
+        assert r["steps"] == 3 and all(len(s["loss"]) == 3 for s in r["runs"].values())
+    overflow = experiments[-1]
+    # init_scale 2**24 overflows the first steps: both skip them, the policy run too.
+    assert overflow["skipped_steps"]["torch"] == overflow["skipped_steps"]["tritonscale"] >= 1
+    assert len(overflow["runs"]) == 3
+
+    sweep = json.loads((tmp_path / "sweep/sweep.json").read_text())
+    assert sweep["machine"]["device"] == "cpu" and sweep["machine"]["torch"] and sweep["machine"]["triton"]
+    assert {(p["dtype"], p["layout"]) for p in sweep["points"]} == {
+        (d, lay) for d in ("float32", "bfloat16", "float16") for lay in ("flat", "200")
+    }
+    for p in sweep["points"]:
+        variants = (
+            ("fold", "copy") if p["dtype"] == "float16" else ("torch", "tritonscale", "torch-fused", "fold", "copy")
+        )
+        assert all(p[v]["median_ms"] > 0 and p[v]["bytes"] > 0 for v in variants)
+
+    kernels = json.loads((tmp_path / "kernel_report.json").read_text())
+    assert kernels and all(row["ok"] and row["spills"] == 0 for row in kernels)
+
+
+def test_experiments_with_the_triton_kernels_follow_torch(tmp_path):
+    # The real kernels (through the interpreter) in the experiment loop, fused optimizer and not.
+    experiments = load("experiments")
+    for optimizer in ("fused", "foreach"):
+        argv = ["--backend", "triton", "--steps", "3", "--only", "mlp-fp16", "overflow", "--d-model", "32",
+                "--optimizer", optimizer, "--out", str(tmp_path)]  # fmt: skip
+        assert experiments.main(argv) == 0
+        results = json.loads((tmp_path / "experiments.json").read_text())["results"]
+        for r in results:
+            assert r["same_scales"] and r["same_skipped_steps"]
+            assert r["max_rel_loss_diff"] < 1e-3, (optimizer, r["experiment"], r["max_rel_loss_diff"])
+
+
+def test_sweep_bytes_model():
+    sweep = load("sweep")
+    import torch
+
+    n = 1000
+    model = {v: sweep.bytes_model(v, "sgd", n, torch.float32) for v in sweep.VARIANTS}
+    # torch: unscale_ rw + norm r + clip rw + SGD (grad r, momentum rw, param rw) = 10 passes of 4 bytes.
+    assert model == {"torch": 40 * n, "tritonscale": 32 * n, "torch-fused": 48 * n, "fold": 36 * n, "copy": 8 * n}
+    assert sweep.bytes_model("tritonscale", "adamw", n, torch.bfloat16) == (3 + 7) * 2 * n
 
 
 def test_bench_clip_cpu_writes_json(tmp_path):

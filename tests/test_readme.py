@@ -30,6 +30,6 @@ def test_ci_runs_the_readme_test_command():
     commands = [line.strip() for block in code_blocks("bash") for line in block.splitlines() if line.strip()]
     assert len(commands) == 2, "exactly two set-up-included commands: main job and tests"
     main_job, tests = commands
-    assert "bench/train_demo.py" in main_job and tests.endswith("pytest")
+    assert "bench/run_all.py" in main_job and tests.endswith("pytest")
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in [line.strip() for line in ci]
