@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--unfused", choices=["sgd", "adamw"], default="sgd", help="optimizer of the first two variants"
     )
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path("out/sweep"))
     parser.add_argument("--progress", default=None, help=argparse.SUPPRESS)  # set by run_all
     return parser.parse_args(argv)
