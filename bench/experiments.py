@@ -39,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import figures
 import torch
 from timing import describe, machine
 
@@ -326,11 +327,7 @@ def summarize(name: str, setting: Setting, runs: list[Run]) -> dict:
 
 
 def plot(results: list[dict], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, axes = plt.subplots(len(results), 4, figsize=(18, 3.2 * len(results)), squeeze=False)
     styles = {"torch": dict(color="tab:blue", lw=2.2, alpha=0.6), "tritonscale": dict(color="tab:orange", lw=1.0)}
     for row, result in zip(axes, results):
@@ -357,12 +354,7 @@ def plot(results: list[dict], path: Path, title: str) -> Path:
             ax.set_xlabel("step")
             ax.grid(True, alpha=0.3)
         row[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path, title)
 
 
 def main(argv=None, progress=None) -> int:

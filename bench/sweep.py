@@ -43,6 +43,7 @@ import json
 import sys
 from pathlib import Path
 
+import figures
 import torch
 from timing import describe, interleaved, machine, split_sizes
 
@@ -207,11 +208,7 @@ def bench_point(numel: int, dtype: torch.dtype, layout: str, device: torch.devic
 
 def plot(points: list[dict], path: Path, title: str) -> Path:
     """Per dtype (rows): median time vs size for each layout, and the speed-ups vs size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     dtypes = sorted({p["dtype"] for p in points}, key=list(DTYPES).index)
     layouts = [lay for lay in LAYOUTS if any(p["layout"] == lay for p in points)]
     swept = [lay for lay in layouts if lay != "2000x4K"]  # 2000x4K is one point: speed-up panel only
@@ -258,12 +255,7 @@ def plot(points: list[dict], path: Path, title: str) -> Path:
             ax.text(0.5, 0.5, "no torch baseline:\ntorch.amp.GradScaler refuses\nfloat16 gradients", ha="center",
                     va="center", transform=ax.transAxes)  # fmt: skip
             ax.set_axis_off()
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path, title)
 
 
 def main(argv=None, progress=None) -> int:
