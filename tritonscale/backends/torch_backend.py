@@ -6,7 +6,9 @@ read+write of gradient memory, against torch's unscale_ (read+write) + norm (rea
 
 Like torch, the norm accumulates in float32, so a finite gradient whose square overflows float32
 (|g| above ~1.8e19 before unscaling) reads as an overflow here; the Triton kernels scale each block
-by a power of two and do not have this limit. Nothing here reads a device value on the host.
+by a power of two and do not have this limit. For bfloat16 gradients on CPU each tensor's norm is
+rounded to bfloat16, as torch's clip_grad_norm_ does (see ``_rounds_norm_to_bf16``); the Triton
+kernels keep it in float32. Nothing here reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -21,10 +23,24 @@ def _inv_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
-def _raw_total_norm(grads: list[torch.Tensor], ord: float) -> torch.Tensor:
-    """float32 0-dim norm of the raw gradients; inf/NaN when some element is inf/NaN."""
-    norms = torch._foreach_norm(grads, ord, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms), ord)
+def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
+    # bfloat16 on CPU: the native-dtype norm accumulates in float32 and rounds its result once to
+    # bfloat16 (torch's own clip_grad_norm_ precision, relative error <= 2**-9 per tensor), while
+    # the float32-output norm upcasts every tensor first and runs ~3x slower (2.2 vs 6.8 ms over
+    # 16M elements on the 2-core development machine). bfloat16 has float32's range, so nothing
+    # finite overflows either way. float16 (max 65504) always needs the float32 result.
+    return grads[0].dtype is torch.bfloat16 and grads[0].device.type == "cpu"
+
+
+def _raw_total_norm(groups: list[list[torch.Tensor]], ord: float) -> torch.Tensor:
+    """float32 0-dim norm of the raw gradients (same-dtype groups); inf/NaN when an element is."""
+    per_group = []
+    for grads in groups:
+        if _rounds_norm_to_bf16(grads):
+            per_group.append(torch.stack(torch._foreach_norm(grads, ord)).float())
+        else:
+            per_group.append(torch.stack(torch._foreach_norm(grads, ord, dtype=torch.float32)))
+    return torch.linalg.vector_norm(torch.cat(per_group), ord)
 
 
 class TorchBackend:
@@ -39,10 +55,10 @@ class TorchBackend:
         self, groups: list[list[torch.Tensor]], scale: torch.Tensor, norm_type: float, max_norm: float | None
     ) -> CheckResult:
         ord = float(norm_type)
-        grads = [g for group in groups for g in group if g.numel() > 0]
+        nonempty = [grads for grads in ([g for g in group if g.numel() > 0] for group in groups) if grads]
         inv_scale = _inv_scale(scale)
-        if grads:
-            raw = _raw_total_norm(grads, ord)
+        if nonempty:
+            raw = _raw_total_norm(nonempty, ord)
         else:
             raw = torch.zeros((), dtype=torch.float32, device=scale.device)
         found_inf = (~torch.isfinite(raw)).float()
