@@ -6,7 +6,7 @@ besides times -- the experiments follow torch's trajectory, every point and vari
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
