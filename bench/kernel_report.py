@@ -56,7 +56,7 @@ def build_cases(targets: list[str], dtypes: list[str]) -> list[dict]:
     # Imported here: the report process itself may run under the interpreter; only names are needed.
     from tritonscale.kernels.apply_pass import apply_kernel
     from tritonscale.kernels.check_pass import check_pass_kernel
-    from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK, streaming_configs
+    from tritonscale.kernels.launch_config import CHUNK, FINALIZE_NUM_WARPS, streaming_configs
 
     default = streaming_configs()[0]
     check_fn = getattr(check_pass_kernel, "fn", check_pass_kernel)
@@ -67,10 +67,10 @@ def build_cases(targets: list[str], dtypes: list[str]) -> list[dict]:
                 common = {"FLAT": flat, "ALIGNED": aligned, "CHUNK_SIZE": CHUNK}
                 divisible = ["grad_ptr", "num_items"] if flat else []
                 check = {**common, "NORM": 2, "BLOCK": default.kwargs["BLOCK"]}
-                apply = {**common, "INVERT": False, "CHECK": False, "BLOCK": DEFAULT_BLOCK}
+                apply = {**common, "INVERT": False, "CHECK": False, "BLOCK": default.kwargs["BLOCK"]}
                 for kernel, fn, constexprs, warps in (
                     ("check_pass", check_fn, check, default.num_warps),
-                    ("apply_pass", apply_kernel, apply, 8),
+                    ("apply_pass", apply_kernel, apply, default.num_warps),
                 ):
                     cases.append({
                         "id": f"{kernel}-{target}-{dtype}-{layout}",
@@ -91,7 +91,7 @@ def build_cases(targets: list[str], dtypes: list[str]) -> list[dict]:
             "signature": _signature(finalize_kernel.arg_names, "fp32", constexprs),
             "constexprs": constexprs,
             "divisible": [],
-            "num_warps": 4,
+            "num_warps": FINALIZE_NUM_WARPS,
         })  # fmt: skip
     return cases
 

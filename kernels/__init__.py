@@ -1,5 +1,8 @@
 """Triton kernels of tritonscale, shipped as ``tritonscale.kernels``.
 
+In the source tree this package is the top-level ``kernels/`` directory; pyproject.toml maps it
+into ``tritonscale`` (a top-level package named ``kernels`` would clash with the PyPI one).
+
 Data flow of one step, one file each:
 
 * ``check_pass``  -- read-only pass over the gradients: per-program partial norms and inf/NaN flags.
@@ -8,14 +11,16 @@ Data flow of one step, one file each:
 * ``apply_pass``  -- multiplies the gradients in place by that factor (optionally checking for
   inf/NaN in the same pass, which is what a plain ``unscale_`` needs).
 
-``tensor_table`` describes any number of gradient tensors to one launch; ``launch_config`` holds
-block sizes, program counts and the autotune configurations.
+Beside them: ``tensor_table`` describes any number of gradient tensors to one launch;
+``launch_config`` holds block sizes, program counts and the autotune configurations;
+``supported`` the accepted dtypes, layouts and norm types; ``jit_helpers`` the shared
+``@triton.jit`` helpers and the interpreter switch (a leaf module).
 """
 
 from .apply_pass import apply_factor_
 from .check_pass import check_pass
 from .finalize import finalize
-from .launch_config import NORM_INF, norm_code
+from .supported import NORM_INF, norm_code
 from .tensor_table import GradLayout, describe_grads
 
 __all__ = [

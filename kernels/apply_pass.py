@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp_convert import from_f32, to_f32
-from .launch_config import CHUNK, DEFAULT_BLOCK, PRUNE, size_class, streaming_configs
-from .tensor_table import GradLayout, chunk_span
+from .jit_helpers import chunk_span, from_f32, to_f32
+from .launch_config import CHUNK, DEFAULT_BLOCK, DEFAULT_NUM_WARPS, PRUNE, size_class, streaming_configs
+from .tensor_table import GradLayout
 
 
 @triton.jit
@@ -123,5 +123,5 @@ def apply_factor_(
             ALIGNED=layout.aligned,
             CHUNK_SIZE=CHUNK,
             BLOCK=DEFAULT_BLOCK,
-            num_warps=8,
+            num_warps=DEFAULT_NUM_WARPS,
         )

@@ -24,19 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp_convert import to_f32
-from .launch_config import CHUNK, NORM_INF, PRUNE, size_class, streaming_configs
-from .tensor_table import GradLayout, chunk_span
+from .jit_helpers import chunk_span, pow2_inverse, to_f32
+from .launch_config import CHUNK, PRUNE, size_class, streaming_configs
+from .supported import NORM_CODES
+from .tensor_table import GradLayout
 
 PARTIAL_ROWS = 3
-
-
-@triton.jit
-def pow2_inverse(x):
-    """2**-floor(log2 x), clamped to stay a normal float32 (x = 0 gives 2**126)."""
-    e = tl.floor(tl.log2(tl.maximum(x, 1.1754944e-38)))  # below the smallest normal: same clamp, no log2(0)
-    e = tl.minimum(tl.maximum(e, -126.0), 126.0)
-    return tl.exp2(-e)
 
 
 @triton.jit
@@ -117,8 +110,10 @@ def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> Non
         raise ValueError(f"partials has {partials.shape[1]} columns, the pass needs {layout.programs}")
     if partials.device != layout.device:
         raise ValueError(f"partials on {partials.device}, gradients on {layout.device}")
-    if norm not in (1, 2, NORM_INF):
-        raise ValueError(f"norm code must be 1, 2 or {NORM_INF} (inf), got {norm}")
+    if norm not in NORM_CODES.values():
+        raise ValueError(
+            f"norm code must be one of {sorted(NORM_CODES.values())} (see supported.norm_code), got {norm}"
+        )
     check_pass_kernel[(layout.programs,)](
         layout.first,
         layout.tensors,

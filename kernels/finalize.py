@@ -22,10 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .check_pass import PARTIAL_ROWS, pow2_inverse
+from .check_pass import PARTIAL_ROWS
+from .jit_helpers import pow2_inverse
+from .launch_config import FINALIZE_MAX_BLOCK, FINALIZE_NUM_WARPS
 
 RESULT_FIELDS = ("found_inf", "norm", "clip_coef", "factor")
-_MAX_BLOCK_P = 4096
 
 
 @triton.jit
@@ -97,7 +98,7 @@ def finalize(
     if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != partials.device:
         raise ValueError("scale must be a 1-element float32 tensor on the partials' device")
     result = torch.empty(len(RESULT_FIELDS), dtype=torch.float32, device=partials.device)
-    block_p = min(triton.next_power_of_2(num_partials), _MAX_BLOCK_P)
+    block_p = min(triton.next_power_of_2(num_partials), FINALIZE_MAX_BLOCK)
     finalize_kernel[(1,)](
         partials,
         num_partials,
@@ -108,6 +109,6 @@ def finalize(
         NORM=norm,
         HAS_CLIP=max_norm is not None,
         BLOCK_P=block_p,
-        num_warps=4,
+        num_warps=FINALIZE_NUM_WARPS,
     )
     return result

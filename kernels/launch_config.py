@@ -10,18 +10,22 @@ processes (within a process they always are: the autotune cache fixes the config
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 import triton
 
+from .jit_helpers import INTERPRETING
+
 #: Elements per chunk row of the pointer table (see tensor_table).
 CHUNK = 65536
-#: Code passed to the kernels for the max-abs (infinity) norm; 1 and 2 are passed as themselves.
-NORM_INF = 0
-#: Default block for the interpreter and for kernels that are not autotuned.
+#: Default block and warps of the streaming passes: the interpreter's, the TABLE apply launch's
+#: (never autotuned), and the first autotune candidate.
 DEFAULT_BLOCK = 4096
+DEFAULT_NUM_WARPS = 8
+#: finalize is one program over the partials: it loops in blocks of at most this many columns.
+FINALIZE_MAX_BLOCK = 4096
+FINALIZE_NUM_WARPS = 4
 #: Largest number of programs (hence partials) per group under the interpreter, where programs run
 #: one after another (~1 ms each): keeps CPU tests fast.
 INTERPRETER_PROGRAMS = 4
@@ -29,27 +33,8 @@ INTERPRETER_PROGRAMS = 4
 PROGRAMS_PER_SM = 4
 
 
-def interpreting() -> bool:
-    """True when the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    from .apply_pass import apply_kernel
-
-    # Compared by module, not isinstance: importing triton.runtime.interpreter needs numpy,
-    # which plain (torch-backend) use of tritonscale does not.
-    return type(apply_kernel).__module__ == "triton.runtime.interpreter"
-
-
 def autotune_enabled() -> bool:
-    return not interpreting() and os.environ.get("TRITONSCALE_AUTOTUNE", "1") != "0"
-
-
-def norm_code(norm_type: float) -> int:
-    """Map a torch-style ``norm_type`` (1, 2 or inf) to the kernels' constexpr code."""
-    norm_type = float(norm_type)
-    if norm_type == math.inf:
-        return NORM_INF
-    if norm_type in (1.0, 2.0):
-        return int(norm_type)
-    raise ValueError(f"norm_type must be 1, 2 or inf, got {norm_type!r}")
+    return not INTERPRETING and os.environ.get("TRITONSCALE_AUTOTUNE", "1") != "0"
 
 
 @functools.cache
@@ -76,7 +61,7 @@ def _first_config_only(configs, named_args, **kwargs):
 def streaming_configs() -> list[triton.Config]:
     """Candidate configs for the streaming passes; the first one is the default."""
     return [
-        triton.Config({"BLOCK": DEFAULT_BLOCK}, num_warps=8),
+        triton.Config({"BLOCK": DEFAULT_BLOCK}, num_warps=DEFAULT_NUM_WARPS),
         triton.Config({"BLOCK": 1024}, num_warps=4),
         triton.Config({"BLOCK": 2048}, num_warps=4),
         triton.Config({"BLOCK": 2048}, num_warps=8),

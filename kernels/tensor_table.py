@@ -24,11 +24,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from .launch_config import CHUNK, program_cap
+from .supported import is_supported_grad, raise_unsupported_grad
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Attribute set on a buffer made by tritonscale.flatten_grads_: the number of gradient views in it.
 FLAT_VIEWS_ATTR = "_tritonscale_flat_views"
 _TABLE_CACHE_SIZE = 16
@@ -52,36 +51,16 @@ class GradLayout:
         return self.first.device
 
 
-def is_dense(t: torch.Tensor) -> bool:
-    """True when the elements of ``t`` fill exactly ``numel`` consecutive slots (any dim order)."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def validate_group(grads: list[torch.Tensor]) -> None:
     """Raise a clear error for gradients the kernels cannot update in place (nothing is touched)."""
     device, dtype = grads[0].device, grads[0].dtype
     for i, g in enumerate(grads):
-        if g.is_sparse or g.layout != torch.strided:
-            raise TypeError(f"gradient {i} has layout {g.layout}; only dense (strided) gradients are supported")
-        if g.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"gradient {i} has dtype {g.dtype}; supported: float32, float16, bfloat16")
+        if not is_supported_grad(g):
+            raise_unsupported_grad(g, f"gradient {i}")
         if g.device != device:
             raise ValueError(f"gradients on mixed devices in one group: {device} and {g.device} (gradient {i})")
         if g.dtype != dtype:
             raise ValueError(f"gradients of mixed dtypes in one group: {dtype} and {g.dtype} (gradient {i})")
-        if not is_dense(g):
-            # .contiguous() would hand the kernel a copy and silently drop the in-place update.
-            raise ValueError(
-                f"gradient {i} (shape {tuple(g.shape)}, stride {g.stride()}) is not dense; "
-                "tritonscale updates gradients in place and will not work on a copy"
-            )
 
 
 def _flat_base(grads: list[torch.Tensor], nonempty: list[torch.Tensor]) -> torch.Tensor | None:
@@ -157,19 +136,3 @@ def describe_grads(grads: list[torch.Tensor], *, validate: bool = True) -> GradL
     num_chunks = chunks.shape[0]
     numel = sum(g.numel() for g in grads)
     return GradLayout(grads[0], False, num_chunks, tensors, chunks, min(num_chunks, cap), numel, aligned)
-
-
-@triton.jit
-def chunk_span(tensors_ptr, chunks_ptr, chunk, elem_ptr, CHUNK_SIZE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Pointer to the first element of chunk row ``chunk`` and the number of elements in it."""
-    owner = tl.load(chunks_ptr + 2 * chunk)
-    start = tl.load(chunks_ptr + 2 * chunk + 1)
-    address = tl.load(tensors_ptr + 2 * owner)
-    numel = tl.load(tensors_ptr + 2 * owner + 1)
-    p_chunk = address.to(tl.pointer_type(elem_ptr.dtype.element_ty)) + start
-    length = tl.minimum(numel - start, CHUNK_SIZE)
-    if ALIGNED:
-        # Checked on the host when the table was built (start is a multiple of CHUNK_SIZE).
-        p_chunk = tl.multiple_of(p_chunk, 16)
-        length = tl.multiple_of(length, 16)
-    return p_chunk, length

@@ -25,7 +25,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK, streaming_configs
+from tritonscale.kernels.launch_config import (
+    CHUNK,
+    DEFAULT_BLOCK,
+    DEFAULT_NUM_WARPS,
+    FINALIZE_MAX_BLOCK,
+    FINALIZE_NUM_WARPS,
+    streaming_configs,
+)
 
 HELPER = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
 
@@ -82,7 +89,7 @@ def _grad_signature(args: tuple[str, ...], dtype: str, num_items: str) -> dict[s
     return {name: sig[name] for name in args}  # keep declaration order
 
 
-def _case(case_id, kernel, target, signature, constexprs, *, padded=True, num_warps=8):
+def _case(case_id, kernel, target, signature, constexprs, *, padded=True, num_warps=DEFAULT_NUM_WARPS):
     divisible = [name for name, ty in signature.items() if ty.startswith("*")]
     if padded and "num_items" in signature:
         divisible.append("num_items")
@@ -112,11 +119,11 @@ def check_case(
     padded=True,
     num_items="i32",
     block=DEFAULT_BLOCK,
-    num_warps=8,
+    num_warps=DEFAULT_NUM_WARPS,
 ):
     layout = _layout(flat, aligned)
     suffix = ("" if padded else "-unpadded") + ("-i64" if num_items == "i64" else "")
-    if (block, num_warps) != (DEFAULT_BLOCK, 8):
+    if (block, num_warps) != (DEFAULT_BLOCK, DEFAULT_NUM_WARPS):
         suffix += f"-B{block}w{num_warps}"
     return _case(
         f"check-{target}-{dtype}-{layout}-{NORMS[norm]}{suffix}",
@@ -139,12 +146,12 @@ def apply_case(
     invert=False,
     padded=True,
     block=DEFAULT_BLOCK,
-    num_warps=8,
+    num_warps=DEFAULT_NUM_WARPS,
 ):
     layout = _layout(flat, aligned)
     mode = ("check" if check else "nocheck") + ("-invert" if invert else "")
     suffix = "" if padded else "-unpadded"
-    if (block, num_warps) != (DEFAULT_BLOCK, 8):
+    if (block, num_warps) != (DEFAULT_BLOCK, DEFAULT_NUM_WARPS):
         suffix += f"-B{block}w{num_warps}"
     return _case(
         f"apply-{target}-{dtype}-{layout}-{mode}{suffix}",
@@ -172,7 +179,7 @@ def finalize_case(target, norm, has_clip=True, block_p=FINALIZE_BLOCK_P):
         target,
         dict(_FINALIZE_SIG),
         {"NORM": norm, "HAS_CLIP": has_clip, "BLOCK_P": block_p},
-        num_warps=4,
+        num_warps=FINALIZE_NUM_WARPS,
     )
 
 
@@ -208,8 +215,8 @@ def _build_cases() -> list[dict]:
         block, warps = config.kwargs["BLOCK"], config.num_warps
         cases.append(check_case("sm90", "fp32", True, block=block, num_warps=warps))
         cases.append(apply_case("sm90", "fp32", True, block=block, num_warps=warps))
-    # The largest finalize block (finalize() caps BLOCK_P at 4096).
-    cases.append(finalize_case("sm90", 2, block_p=4096))
+    # The largest finalize block (finalize() caps BLOCK_P there).
+    cases.append(finalize_case("sm90", 2, block_p=FINALIZE_MAX_BLOCK))
     return cases
 
 

@@ -3,6 +3,9 @@
 ``tritonscale.GradScaler`` is a drop-in for ``torch.amp.GradScaler`` whose unscale / inf-check /
 clip run as one fused multi-tensor pass, with the scale kept on the device (no host sync).
 Importing it touches no device.
+
+The Triton kernels are ``tritonscale.kernels``; in the source tree that package is the top-level
+``kernels/`` directory, which pyproject.toml maps into this package.
 """
 
 from .diagnostics import ScaleHistory, nonfinite_grads

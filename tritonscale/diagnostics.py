@@ -12,7 +12,30 @@ from pathlib import Path
 
 import torch
 
+from .policy import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
+
 STAT_NAMES = ("scale", "norm", "found_inf", "skipped", "skipped_steps", "consecutive_skips", "growth_tracker")
+
+
+def device_stats(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    counters: torch.Tensor,
+    last_found_inf: torch.Tensor | None,
+    last_norm: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """``GradScaler.stats()``: views of the scaler's device state, nothing read on the host."""
+    nan = torch.full((), float("nan"), device=scale.device)
+    return {
+        "scale": scale,
+        "growth_tracker": growth_tracker,
+        "norm": last_norm if last_norm is not None else nan,
+        "found_inf": last_found_inf if last_found_inf is not None else torch.zeros_like(scale),
+        "skipped": counters[LAST_SKIPPED],
+        "skipped_steps": counters[SKIPPED_STEPS],
+        "consecutive_skips": counters[CONSECUTIVE_SKIPS],
+        "hysteresis_left": counters[HYSTERESIS_LEFT],
+    }
 
 
 def nonfinite_grads(params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor]) -> list[str]:

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from .kernels.tensor_table import SUPPORTED_DTYPES, is_dense
+from .kernels.supported import is_supported_grad, raise_unsupported_grad
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
 
@@ -27,23 +27,9 @@ def collect_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> Devi
             grad = param.grad
             if grad is None:
                 continue
-            if grad.dtype not in SUPPORTED_DTYPES or grad.layout is not torch.strided or not is_dense(grad):
-                _raise_unsupported(f"param_groups[{g_index}]['params'][{p_index}]", grad)
+            if not is_supported_grad(grad):
+                raise_unsupported_grad(grad, f"param_groups[{g_index}]['params'][{p_index}]")
             if not allow_fp16 and grad.dtype is torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             per_device[grad.device][grad.dtype].append(grad)
     return {device: list(by_dtype.values()) for device, by_dtype in per_device.items()}
-
-
-def _raise_unsupported(where: str, grad: torch.Tensor) -> None:
-    if grad.layout is not torch.strided:
-        raise TypeError(f"{where} has a {grad.layout} gradient; tritonscale supports dense gradients only")
-    if not grad.is_floating_point():
-        raise TypeError(f"{where} has a non-floating gradient of dtype {grad.dtype}")
-    if grad.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{where} has a {grad.dtype} gradient; supported: float32, float16, bfloat16")
-    # .contiguous() would hand the kernels a copy and silently drop the in-place update.
-    raise ValueError(
-        f"{where}: gradient of shape {tuple(grad.shape)} and stride {grad.stride()} is not dense; "
-        "tritonscale updates gradients in place and will not work on a copy"
-    )

@@ -31,7 +31,9 @@ per update on the host.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, fields
+from enum import IntFlag
 
 import torch
 
@@ -44,6 +46,13 @@ HYSTERESIS_LEFT, CONSECUTIVE_SKIPS, SKIPPED_STEPS, LAST_SKIPPED, UPDATES = range
 COUNTER_NAMES = ("hysteresis_left", "consecutive_skips", "skipped_steps", "last_skipped", "updates")
 # Slots of the float32 norm statistics tensor.
 NORM_AVERAGE, NORM_COUNT = range(2)
+
+
+class HostCheck(IntFlag):
+    """Bits of ``LossScalePolicy.host_check_flags``: the opt-in conditions that stop or warn."""
+
+    AT_MIN_SCALE = 1  # an overflow would back off a scale already at min_scale
+    TOO_MANY_SKIPS = 2  # this skip makes more than max_consecutive_skips in a row
 
 
 def _is_number(value: object) -> bool:
@@ -225,17 +234,39 @@ class LossScalePolicy:
     def host_check_flags(
         self, scale: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor, skipped: torch.Tensor
     ) -> torch.Tensor:
-        """int32 0-dim, computed before the update: bit 0 = an overflow would back off a scale already
-        at ``min_scale`` (DeepSpeed's raise_error_at_min_scale condition), bit 1 = this skip makes
-        more than ``max_consecutive_skips`` in a row (MindSpore's bad_step_max condition)."""
+        """int32 0-dim ``HostCheck`` bits, computed before the update: AT_MIN_SCALE is DeepSpeed's
+        raise_error_at_min_scale condition, TOO_MANY_SKIPS MindSpore's bad_step_max condition."""
         flags = torch.zeros((), dtype=torch.int32, device=scale.device)
         if self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp":
             at_floor = self._backs_off(counters, found_inf) & (scale <= self.min_scale)
-            flags = flags + at_floor.int()
+            flags = flags + int(HostCheck.AT_MIN_SCALE) * at_floor.int()
         if self.max_consecutive_skips is not None:
             limit = (skipped > 0) & (counters[CONSECUTIVE_SKIPS] + 1 > self.max_consecutive_skips)
-            flags = flags + 2 * limit.int()
+            flags = flags + int(HostCheck.TOO_MANY_SKIPS) * limit.int()
         return flags
+
+    def act_on_host_checks(self, flags: HostCheck, scale: torch.Tensor, counters: torch.Tensor) -> None:
+        """Raise or warn for the conditions in ``flags`` (read once on the host, before the update).
+
+        The warning points at the caller of ``GradScaler.update()``.
+        """
+        if not flags:
+            return
+        step = int(counters[UPDATES].item())
+        if flags & HostCheck.TOO_MANY_SKIPS:
+            in_a_row = int(counters[CONSECUTIVE_SKIPS].item()) + 1
+            raise RuntimeError(
+                f"{in_a_row} consecutive steps were skipped, more than "
+                f"max_consecutive_skips={self.max_consecutive_skips}; loss scale {scale.item():g} at step {step}"
+            )
+        if flags & HostCheck.AT_MIN_SCALE:
+            message = (
+                f"overflow at step {step} with the loss scale already at min_scale={self.min_scale:g} "
+                f"(scale {scale.item():g}): it cannot back off further"
+            )
+            if self.on_min_scale == "raise":
+                raise RuntimeError(message)
+            warnings.warn(message + "; holding it there and skipping the step", RuntimeWarning, stacklevel=4)
 
     def update_(
         self,

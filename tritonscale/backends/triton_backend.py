@@ -6,7 +6,7 @@ import torch
 
 from ..kernels import apply_factor_, check_pass, describe_grads, finalize, norm_code
 from ..kernels.check_pass import PARTIAL_ROWS
-from ..kernels.launch_config import interpreting
+from ..kernels.jit_helpers import INTERPRETING
 from .base import CheckResult
 
 
@@ -22,8 +22,8 @@ class TritonBackend:
     @staticmethod
     def supports(device: torch.device) -> bool:
         if device.type == "cpu":
-            return interpreting()
-        return device.type == "cuda" and not interpreting()
+            return INTERPRETING
+        return device.type == "cuda" and not INTERPRETING
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         layouts = _layouts(groups)

@@ -1,0 +1,84 @@
+"""kernels/supported.py: each input rule has one definition, and its messages come from it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tritonscale.kernels.supported import (
+    NORM_CODES,
+    SUPPORTED_DTYPES,
+    check_max_norm,
+    check_norm_type,
+    is_supported_grad,
+    norm_code,
+    raise_unsupported_grad,
+)
+from tritonscale.kernels.tensor_table import validate_group
+
+from tritonscale.grad_groups import collect_grads
+
+
+def test_norm_types_map_to_distinct_kernel_codes():
+    assert set(NORM_CODES) == {1.0, 2.0, math.inf}
+    assert len(set(NORM_CODES.values())) == len(NORM_CODES)
+    for norm_type, code in NORM_CODES.items():
+        assert norm_code(norm_type) == code and check_norm_type(norm_type) == norm_type
+    for bad in (0, 3.0, -1.0, math.nan, "2", None):
+        with pytest.raises(ValueError, match="norm_type must be 1, 2 or inf"):
+            check_norm_type(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.inf, math.nan, True, "1.0", None])
+def test_max_norm_must_be_positive_finite(bad):
+    with pytest.raises(ValueError, match="max_norm must be a positive finite float"):
+        check_max_norm(bad)
+    assert check_max_norm(3) == 3.0 and isinstance(check_max_norm(3), float)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn])
+def test_unsupported_dtype_message_lists_the_supported_dtypes(dtype):
+    grad = torch.zeros(4, dtype=dtype)
+    assert not is_supported_grad(grad)
+    with pytest.raises(TypeError) as info:
+        raise_unsupported_grad(grad, "gradient 3")
+    message = str(info.value)
+    assert message.startswith("gradient 3 ")
+    named = message.split("supported: ")[1].split(", ")
+    assert named == [str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES]
+
+
+@pytest.mark.parametrize(
+    "grad, supported",
+    [
+        (torch.zeros(5, 4), True),
+        (torch.zeros(5, 4).t(), True),  # dense in another dimension order
+        (torch.zeros(5, 4, dtype=torch.bfloat16), True),
+        (torch.zeros(10, 4)[::2], False),  # strided: a copy would drop the in-place update
+        (torch.zeros(4).to_sparse(), False),
+        (torch.zeros(4, dtype=torch.int32), False),
+    ],
+    ids=["contiguous", "transposed", "bf16", "strided", "sparse", "int"],
+)
+def test_the_controller_and_the_tensor_table_apply_the_same_rule(grad, supported):
+    # The same gradient is accepted or refused by both callers of the rule, with the same error type.
+    assert is_supported_grad(grad) is supported
+    param = torch.nn.Parameter(torch.zeros(grad.shape, dtype=torch.float32))
+    param.grad_dtype = None  # let the parameter hold a gradient of another dtype or layout
+    param.grad = grad
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    if supported:
+        collect_grads(optimizer, allow_fp16=True)
+        validate_group([grad])
+        return
+    errors = []
+    for call, where in (
+        (lambda: collect_grads(optimizer, allow_fp16=True), "param_groups[0]['params'][0]"),
+        (lambda: validate_group([grad]), "gradient 0"),
+    ):
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        assert str(info.value).startswith(where)
+        errors.append((type(info.value), str(info.value).removeprefix(where)))
+    assert errors[0] == errors[1]

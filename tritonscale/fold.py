@@ -1,0 +1,55 @@
+"""The fold: handing the unscale, the clip and the skip to a fused optimizer's own step.
+
+torch's fused optimizers (Adam, AdamW, SGD and Adagrad with ``fused=True``) set
+``_step_supports_amp_scaling`` and read two attributes while they step: ``grad_scale`` (they
+divide each gradient by it, in the same pass that updates the parameter) and ``found_inf`` (they
+skip the whole update on the device when it is nonzero). The scaler sets both for one ``step``
+call and removes them after, as torch.amp.GradScaler does; with ``grad_scale = scale / clip_coef``
+the clip rides along and the gradients are never written by the scaler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .optimizer_record import OptState
+
+
+def takes_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """True for optimizers that divide by ``grad_scale`` and skip on ``found_inf`` themselves."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def folded_grad_scale(scale: torch.Tensor, clip_coef: torch.Tensor) -> torch.Tensor:
+    """What clip_grad_norm_ hands a fused optimizer: dividing by ``scale / clip_coef`` unscales and
+    clips in the optimizer's own pass (about 1 ulp from torch's unscale-then-clip)."""
+    return scale / clip_coef.to(scale.device, non_blocking=True)
+
+
+def grad_scale_for_step(
+    optimizer: torch.optim.Optimizer, scale: torch.Tensor, stage: OptState, folded: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The ``grad_scale`` a fused optimizer's step gets: the loss scale when nothing was unscaled
+    yet (times the optimizer's own ``grad_scale``, as torch does), the factor clip_grad_norm_
+    folded in, or the optimizer's own (None: the gradients hold their true values already)."""
+    if stage is OptState.READY:
+        return scale * getattr(optimizer, "grad_scale", 1)
+    if folded is not None:
+        return folded
+    return getattr(optimizer, "grad_scale", None)
+
+
+def step_with_amp_attributes(
+    optimizer: torch.optim.Optimizer, attributes: dict[str, torch.Tensor | None], *args: Any, **kwargs: Any
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` with ``attributes`` (``grad_scale``, ``found_inf``) set on
+    the optimizer for that call only; they are removed again, also when the step raises."""
+    for name, value in attributes.items():
+        setattr(optimizer, name, value)
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        for name in attributes:
+            delattr(optimizer, name)

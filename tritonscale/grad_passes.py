@@ -1,0 +1,77 @@
+"""The gradient passes of one step, per device, through the chosen backend.
+
+``collect_grads`` (grad_groups.py) hands over ``{device: [same-dtype gradient lists]}``; these
+functions run check pass -> finalize (-> apply pass) on each device and return the device-side
+results (found_inf, norm, clip coefficient). Nothing here reads a device value on the host, and
+nothing knows about optimizers or stages: that is the controller's (grad_scaler.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import CheckResult, resolve_backend
+from .grad_groups import DeviceGroups
+
+
+class PerDevice:
+    """Copies of one device tensor (the scale), made on demand, non-blocking, for each device that asks."""
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self._copies: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device not in self._copies:
+            self._copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
+        return self._copies[device]
+
+
+def _zero_found_infs(groups: DeviceGroups, scale_device: torch.device) -> dict[torch.device, torch.Tensor]:
+    devices = list(groups) or [scale_device]  # no gradients at all: a clean record, not an error
+    return {d: torch.zeros((), dtype=torch.float32, device=d) for d in devices}
+
+
+def unscale_grads_(groups: DeviceGroups, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
+    """g <- g / scale in place, one fused read+check+write pass per group; found_inf per device."""
+    found_infs = _zero_found_infs(groups, scale.device)
+    per_device_scale = PerDevice(scale)
+    for device, device_groups in groups.items():
+        resolve_backend(backend, device).unscale_(device_groups, per_device_scale.get(device), found_infs[device])
+    return found_infs
+
+
+def check_grads(groups: DeviceGroups, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
+    """Read-only inf/NaN check of the still-scaled gradients (a fused optimizer divides them
+    itself); found_inf per device. No cross-device reduction is needed for found_inf."""
+    found_infs = _zero_found_infs(groups, scale.device)
+    for device, device_groups in groups.items():
+        result = resolve_backend(backend, device).check(device_groups, scale.to(device, non_blocking=True), 2.0, None)
+        found_infs[device] = result.found_inf
+    return found_infs
+
+
+def clip_grads(
+    groups: DeviceGroups,
+    scale: torch.Tensor | None,
+    norm_type: float,
+    max_norm: float,
+    *,
+    apply: bool,
+    backend: str,
+) -> tuple[torch.device, CheckResult]:
+    """Check pass -> finalize (-> apply pass, with ``apply``) on the one device holding ``groups``.
+
+    ``scale`` None: nothing to unscale, clip only. Returns the device and its results.
+    """
+    if len(groups) > 1:
+        devices = ", ".join(map(str, groups))
+        raise NotImplementedError(f"clip_grad_norm_() over gradients on several devices ({devices})")
+    device = next(iter(groups), scale.device if scale is not None else torch.device("cpu"))
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=device)
+    runner = resolve_backend(backend, device)
+    result = runner.check(groups.get(device, []), scale.to(device, non_blocking=True), norm_type, max_norm)
+    if apply:
+        runner.apply_(result)
+    return device, result

@@ -1,0 +1,195 @@
+"""The scaler's state: where it lives, how it is saved, loaded and pickled.
+
+The loss scale and the policy's trackers exist in two forms:
+
+* ``HostState``: Python numbers. What a fresh scaler starts from, what ``state_dict()`` and a
+  pickle hold, and what ``load_state_dict`` validates before anything changes.
+* ``DeviceState``: the same four values as device tensors, made at the first ``scale()`` and from
+  then on updated in place at fixed addresses (so a step can be captured in a CUDA graph).
+
+``state_dict()`` is torch.amp.GradScaler's five keys plus this library's policy knobs, counters
+and norm statistics; torch's scaler loads it (it reads its five keys), and ours loads torch's.
+"""
+
+from __future__ import annotations
+
+from collections import abc
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from .errors import ScalerConfigError
+from .policy import COUNTER_NAMES, NORM_AVERAGE, NORM_COUNT, LossScalePolicy, check_growth_tracker, check_scale_value
+
+#: torch.amp.GradScaler's default ``init_scale`` (its other defaults are LossScalePolicy's).
+TORCH_INIT_SCALE = 2.0**16
+#: torch.amp.GradScaler's state_dict keys; ours adds "policy", "counters" and "norm_stats".
+STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+#: The knobs torch's constructor and state_dict carry themselves (not inside ``policy``).
+TORCH_KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
+
+
+@dataclass
+class HostState:
+    """The loss scale and the policy's trackers as Python numbers."""
+
+    scale: float
+    growth_tracker: int
+    counters: list[int]  # COUNTER_NAMES order
+    norm_stats: list[float]  # [average, count]
+
+    @classmethod
+    def initial(cls, scale: float, policy: LossScalePolicy) -> HostState:
+        """Where a fresh scaler starts: a full hysteresis budget, every other tracker at zero."""
+        return cls(scale, 0, [policy.hysteresis] + [0] * (len(COUNTER_NAMES) - 1), [0.0, 0.0])
+
+    def to_device(self, device: torch.device) -> DeviceState:
+        return DeviceState(
+            scale=torch.full((), self.scale, dtype=torch.float32, device=device),
+            growth_tracker=torch.full((), self.growth_tracker, dtype=torch.int32, device=device),
+            counters=torch.tensor(self.counters, dtype=torch.int32, device=device),
+            norm_stats=torch.tensor(self.norm_stats, dtype=torch.float32, device=device),
+        )
+
+
+@dataclass
+class DeviceState:
+    """The loss scale and the trackers on the device; only ever updated in place."""
+
+    scale: torch.Tensor  # float32 0-dim
+    growth_tracker: torch.Tensor  # int32 0-dim
+    counters: torch.Tensor  # int32 [len(COUNTER_NAMES)]
+    norm_stats: torch.Tensor  # float32 [2]
+
+    def to_host(self) -> HostState:
+        """Read every value back (a host sync)."""
+        return HostState(
+            scale=float(self.scale.item()),
+            growth_tracker=int(self.growth_tracker.item()),
+            counters=[int(v) for v in self.counters.tolist()],
+            norm_stats=[float(v) for v in self.norm_stats.tolist()],
+        )
+
+    def load_(self, host: HostState) -> None:
+        """Overwrite every value in place (the addresses stay)."""
+        loaded = host.to_device(self.scale.device)
+        for field in fields(self):
+            getattr(self, field.name).copy_(getattr(loaded, field.name))
+
+
+def set_scale_(scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
+    """``update(new_scale)``: a positive finite float, or a 1-element tensor on the scale's device
+    type that does not require grad (torch.amp.GradScaler's contract and messages)."""
+    if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+        scale.fill_(check_scale_value("new_scale", new_scale))
+        return
+    reason = (
+        "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+        "torch.FloatTensor with requires_grad=False."
+    )
+    if not isinstance(new_scale, torch.Tensor):
+        raise AssertionError(reason)
+    if new_scale.device.type != scale.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
+        raise AssertionError(reason)
+    scale.copy_(new_scale.reshape(()))
+
+
+def policy_from_torch_args(
+    policy: LossScalePolicy | None,
+    knobs: dict[str, Any],
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> LossScalePolicy:
+    """The policy of ``GradScaler(..., growth_factor, backoff_factor, growth_interval, policy=, **knobs)``.
+
+    torch's three knobs come positionally or by keyword, the others as keywords or inside
+    ``policy``; setting torch's knobs both ways is refused rather than silently merged.
+    """
+    unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()) | (set(knobs) & set(TORCH_KNOBS)))
+    if unknown:
+        raise TypeError(f"GradScaler got unexpected keyword arguments {unknown}")
+    torch_knobs = {"growth_factor": growth_factor, "backoff_factor": backoff_factor, "growth_interval": growth_interval}
+    if policy is None:
+        return LossScalePolicy(**torch_knobs, **knobs)
+    if not isinstance(policy, LossScalePolicy):
+        raise TypeError(f"policy must be a tritonscale.LossScalePolicy, got {type(policy).__name__}")
+    defaults = {name: getattr(LossScalePolicy, name) for name in TORCH_KNOBS}
+    if torch_knobs != defaults:
+        raise ScalerConfigError("with policy=..., set growth_factor/backoff_factor/growth_interval inside the policy")
+    return LossScalePolicy(**{**policy.knobs(), **knobs})
+
+
+def to_state_dict(policy: LossScalePolicy, host: HostState) -> dict[str, Any]:
+    """torch's five entries, then the other policy knobs, the counters and the norm statistics."""
+    return {
+        "scale": host.scale,
+        "growth_factor": policy.growth_factor,
+        "backoff_factor": policy.backoff_factor,
+        "growth_interval": policy.growth_interval,
+        "_growth_tracker": host.growth_tracker,
+        "policy": {k: v for k, v in policy.knobs().items() if k not in TORCH_KNOBS},
+        "counters": dict(zip(COUNTER_NAMES, host.counters)),
+        "norm_stats": {"average": host.norm_stats[NORM_AVERAGE], "count": host.norm_stats[NORM_COUNT]},
+    }
+
+
+def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScalePolicy, HostState]:
+    """Validate a state_dict of this class or of torch.amp.GradScaler; change nothing.
+
+    Knobs and counters a torch checkpoint lacks keep ``current``'s configured values.
+    """
+    if not isinstance(state_dict, abc.Mapping):
+        raise ScalerConfigError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    if len(state_dict) == 0:
+        raise RuntimeError(
+            "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+        )
+    missing = [k for k in STATE_KEYS if k not in state_dict]
+    if missing:
+        raise ScalerConfigError(f"state_dict is missing {missing}; expected keys {list(STATE_KEYS)}")
+    scale = check_scale_value("scale", _as_number(state_dict["scale"], "scale"))
+    knobs = dict(state_dict.get("policy", {}) or {})
+    unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()))
+    if unknown:
+        raise ScalerConfigError(f"state_dict['policy'] has unknown knobs {unknown}")
+    policy = LossScalePolicy(
+        **{
+            **current.knobs(),
+            **knobs,
+            "growth_factor": _as_number(state_dict["growth_factor"], "growth_factor"),
+            "backoff_factor": _as_number(state_dict["backoff_factor"], "backoff_factor"),
+            "growth_interval": _as_int(state_dict["growth_interval"], "growth_interval"),
+        }
+    ).validate()
+    host = HostState.initial(scale, policy)
+    host.growth_tracker = check_growth_tracker(_as_int(state_dict["_growth_tracker"], "_growth_tracker"))
+    saved_counters = state_dict.get("counters", {}) or {}
+    for i, name in enumerate(COUNTER_NAMES):
+        if name in saved_counters:
+            host.counters[i] = check_growth_tracker(_as_int(saved_counters[name], f"counters.{name}"))
+    saved_norm = state_dict.get("norm_stats", {}) or {}
+    host.norm_stats = [
+        _as_number(saved_norm.get("average", 0.0), "norm_stats.average"),
+        _as_number(saved_norm.get("count", 0.0), "norm_stats.count"),
+    ]
+    return policy, host
+
+
+def _as_number(value: Any, name: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ScalerConfigError(f"state_dict[{name!r}] must be a number, got {value!r}")
+    return float(value)
+
+
+def _as_int(value: Any, name: str) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScalerConfigError(f"state_dict[{name!r}] must be an int, got {value!r}")
+    return value
