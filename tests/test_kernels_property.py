@@ -32,7 +32,7 @@ from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK
 import tritonscale
 from tritonscale.backends import TorchBackend, TritonBackend
 
-from conftest import NORM_RTOL, TORCH_BACKEND_NORM_RTOL  # the one tolerance table  # isort: skip
+from tolerances import NORM_RTOL, TORCH_BACKEND_NORM_RTOL  # the one tolerance table  # isort: skip
 
 # Added to every norm comparison: half a unit in the last place of the smallest float32 subnormal,
 # the rounding of a norm that is itself subnormal (only the subnormal tests get near it).
