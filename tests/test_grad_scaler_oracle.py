@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import NORM_RTOL
+from tolerances import NORM_RTOL
 
 import tritonscale
 
