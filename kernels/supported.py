@@ -75,4 +75,8 @@ def check_max_norm(max_norm: float) -> float:
     """``max_norm`` as a float once it is a positive finite number (finalize takes it as float32)."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
         raise ValueError(f"max_norm must be a positive finite float, got {max_norm!r}")
-    return float(max_norm)
+    try:
+        return float(max_norm)
+    except OverflowError:  # an int beyond the float range, such as 10**400
+        bits = max_norm.bit_length()
+        raise ValueError(f"max_norm must be a positive finite float, got an int of {bits} bits") from None

@@ -99,6 +99,8 @@ def from_deepspeed(
         return _state(_number(fields["cur_scale"]), 0, 2.0, 0.5, 2000, knobs, 1)
     _require(fields, ("cur_iter", "last_overflow_iter", "scale_window"), "DeepSpeed dynamic loss-scaler state")
     window = int(fields["scale_window"])
+    if window < 1:
+        raise ScalerConfigError(f"DeepSpeed loss-scaler state has scale_window={window}; it must be >= 1")
     factor = float(fields.get("scale_factor", 2.0))
     hysteresis = int(fields.get("delayed_shift", hysteresis))
     knobs = {

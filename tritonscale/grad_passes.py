@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import CheckResult, resolve_backend
+from .backends import CheckResult, inverse_scale, resolve_backend
 from .grad_groups import DeviceGroups
 
 
@@ -27,14 +27,14 @@ class PerDevice:
         return self._copies[device]
 
 
-def _zero_found_infs(groups: DeviceGroups, scale_device: torch.device) -> dict[torch.device, torch.Tensor]:
-    devices = list(groups) or [scale_device]  # no gradients at all: a clean record, not an error
-    return {d: torch.zeros((), dtype=torch.float32, device=d) for d in devices}
+def _zero_found_infs(groups: DeviceGroups) -> dict[torch.device, torch.Tensor]:
+    # No gradients, no entry: as in torch, a step with no inf check recorded is an error.
+    return {d: torch.zeros((), dtype=torch.float32, device=d) for d in groups}
 
 
 def unscale_grads_(groups: DeviceGroups, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
     """g <- g / scale in place, one fused read+check+write pass per group; found_inf per device."""
-    found_infs = _zero_found_infs(groups, scale.device)
+    found_infs = _zero_found_infs(groups)
     per_device_scale = PerDevice(scale)
     for device, device_groups in groups.items():
         resolve_backend(backend, device).unscale_(device_groups, per_device_scale.get(device), found_infs[device])
@@ -44,7 +44,7 @@ def unscale_grads_(groups: DeviceGroups, scale: torch.Tensor, backend: str) -> d
 def check_grads(groups: DeviceGroups, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
     """Read-only inf/NaN check of the still-scaled gradients (a fused optimizer divides them
     itself); found_inf per device. No cross-device reduction is needed for found_inf."""
-    found_infs = _zero_found_infs(groups, scale.device)
+    found_infs = _zero_found_infs(groups)
     for device, device_groups in groups.items():
         result = resolve_backend(backend, device).check(device_groups, scale.to(device, non_blocking=True), 2.0, None)
         found_infs[device] = result.found_inf
@@ -58,11 +58,15 @@ def clip_grads(
     max_norm: float,
     *,
     apply: bool,
+    unscale_on_overflow: bool = False,
     backend: str,
 ) -> tuple[torch.device, CheckResult]:
     """Check pass -> finalize (-> apply pass, with ``apply``) on the one device holding ``groups``.
 
-    ``scale`` None: nothing to unscale, clip only. Returns the device and its results.
+    ``scale`` None: nothing to unscale, clip only. On inf/NaN the gradients are left as they came
+    (the step is skipped); with ``unscale_on_overflow`` (a policy whose overflowed steps go ahead)
+    they are unscaled, not clipped -- what ``unscale_`` leaves -- and ``clip_coef`` reads 1, so a
+    fold hands the optimizer the plain scale. Returns the device and its results.
     """
     if len(groups) > 1:
         devices = ", ".join(map(str, groups))
@@ -71,7 +75,12 @@ def clip_grads(
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=device)
     runner = resolve_backend(backend, device)
-    result = runner.check(groups.get(device, []), scale.to(device, non_blocking=True), norm_type, max_norm)
+    scale = scale.to(device, non_blocking=True)
+    result = runner.check(groups.get(device, []), scale, norm_type, max_norm)
+    if unscale_on_overflow:
+        overflow = result.found_inf > 0
+        result.clip_coef = torch.where(overflow, torch.ones_like(result.clip_coef), result.clip_coef)
+        result.factor = torch.where(overflow, inverse_scale(scale).reshape(()), result.factor)
     if apply:
         runner.apply_(result)
     return device, result

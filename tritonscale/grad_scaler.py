@@ -93,7 +93,7 @@ class GradScaler:
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
         if self._enabled:
             init_scale = check_scale_value("init_scale", init_scale)
-            self._policy.validate()
+            self._policy.validate().check_scale_in_bounds("init_scale", init_scale)
         # Like torch, a disabled scaler keeps its arguments unchecked.
         self._host = HostState.initial(init_scale, self._policy)  # the values until the first scale()
         self._tensors: DeviceState | None = None  # ... and from then on, on the device
@@ -209,21 +209,31 @@ class GradScaler:
             return result.norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         record = self._record_for_unscale(optimizer, "clip_grad_norm_")
-        already_unscaled = record.stage is OptState.UNSCALED
         # A fused optimizer divides by grad_scale itself: hand it scale / clip_coef and leave the
         # gradients unwritten (read once here, once by the optimizer). We then never store unscaled
         # values in the gradients' own dtype, so float16 gradients are fine on that path.
         fold = self._fold and takes_amp_scaling(optimizer)
         groups = collect_grads(optimizer, allow_fp16=fold)
-        pass_scale = torch.ones_like(scale) if already_unscaled else scale
-        device, result = clip_grads(groups, pass_scale, norm_type, max_norm, apply=not fold, backend=self._backend_name)
-        if fold:
-            record.grad_scale = folded_grad_scale(pass_scale, result.clip_coef)
-        found = record.found_inf_per_device
-        if already_unscaled:
-            found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
+        # What the gradients still have to be divided by: the scale, nothing after unscale_ or an
+        # applied clip, or what an earlier clip folded in (so a second clip sees true values).
+        if record.stage is OptState.READY:
+            pending = scale
         else:
-            record.found_inf_per_device = {device: result.found_inf}
+            pending = record.grad_scale if record.grad_scale is not None else torch.ones_like(scale)
+        device, result = clip_grads(
+            groups,
+            pending,
+            norm_type,
+            max_norm,
+            apply=not fold,
+            unscale_on_overflow=not self._policy.skip_on_overflow,
+            backend=self._backend_name,
+        )
+        if fold:
+            record.grad_scale = folded_grad_scale(pending, result.clip_coef)
+        if groups:  # no gradients, no inf check: torch's step() then raises, as after unscale_
+            found = record.found_inf_per_device
+            found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
         record.norm = result.norm
         record.stage = OptState.UNSCALED
         return result.norm
@@ -256,7 +266,8 @@ class GradScaler:
                 groups = collect_grads(optimizer, allow_fp16=True)
                 record.found_inf_per_device = check_grads(groups, scale, self._backend_name)
             grad_scale = grad_scale_for_step(optimizer, scale, record.stage, record.grad_scale)
-            skip = self._skip_flag(record, scale.device)
+            # No gradients: torch steps a fused optimizer all the same; update() then raises.
+            skip = self._skip_flag(record, scale.device, required=False)
             retval = step_with_amp_attributes(optimizer, {"grad_scale": grad_scale, "found_inf": skip}, *args, **kwargs)
             record.stage = OptState.STEPPED
             return retval
@@ -270,8 +281,9 @@ class GradScaler:
         return retval
 
     def _step_unscaled(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """step() of a disabled scaler: torch's plain step, unless clip_grad_norm_ found inf/NaN."""
-        record = self._per_optimizer_states.get(id(optimizer))
+        """step() of a disabled scaler: torch's plain step, unless the clip_grad_norm_ just before it
+        found inf/NaN. That finding is spent by this step: no update() is needed to clear it."""
+        record = self._per_optimizer_states.pop(id(optimizer), None)
         if record is None or record.skip is None:
             return optimizer.step(*args, **kwargs)
         if takes_amp_scaling(optimizer):  # skip on the device; grad_scale stays unset
@@ -280,11 +292,16 @@ class GradScaler:
             return None
         return optimizer.step(*args, **kwargs)
 
-    def _skip_flag(self, record: OptimizerRecord, device: torch.device) -> torch.Tensor:
-        """Decide on the device whether this optimizer's step is skipped; remember it for update()."""
+    def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
+        """Decide on the device whether this optimizer's step is skipped; remember it for update().
+
+        ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0.
+        """
         found_inf = combine_flags([t.to(device, non_blocking=True) for t in record.found_inf_per_device.values()])
         if found_inf is None:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
+            if required:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
         norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
         record.skip = skip_decision(found_inf.reshape(()), norm, self._norm_stats)

@@ -31,6 +31,7 @@ per update on the host.
 from __future__ import annotations
 
 import math
+import struct
 import warnings
 from dataclasses import asdict, dataclass, fields
 from enum import IntFlag
@@ -59,10 +60,33 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: The device state's int32 counters (growth tracker, counters) hold values below this.
+INT32_LIMIT = 2**31
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32 (inf past the float32 range), as the device state stores it."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def check_scale_value(name: str, value: float) -> float:
+    """A loss scale (or a bound on one): positive and finite, also once rounded to float32."""
     if not _is_number(value) or not (math.isfinite(value) and value > 0):
         raise ScalerConfigError(f"{name} must be a positive finite float, got {value!r}")
+    stored = as_float32(float(value))
+    if not (math.isfinite(stored) and stored > 0):
+        raise ScalerConfigError(f"{name}={value!r} rounds to {stored!r} in float32, where the scale is kept")
     return float(value)
+
+
+def check_counter(name: str, value: int, limit: int = INT32_LIMIT) -> int:
+    """A tracker kept in an int32 device counter: an int in [0, limit)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise ScalerConfigError(f"{name} must be an int in [0, {limit}), got {value!r}")
+    return value
 
 
 def check_growth_factor(value: float) -> float:
@@ -80,12 +104,6 @@ def check_backoff_factor(value: float) -> float:
 def check_growth_interval(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ScalerConfigError(f"The growth interval must be an int >= 1, got {value!r}")
-    return value
-
-
-def check_growth_tracker(value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ScalerConfigError(f"_growth_tracker must be an int >= 0, got {value!r}")
     return value
 
 
@@ -152,6 +170,15 @@ class LossScalePolicy:
             if not isinstance(getattr(self, flag), bool):
                 raise ScalerConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         return self
+
+    def check_scale_in_bounds(self, name: str, scale: float) -> float:
+        """``scale`` within [min_scale, max_scale]: a scale outside would be used as is until the
+        first update clamps it, so it is refused where it is set (constructor, load_state_dict)."""
+        if self.min_scale is not None and scale < self.min_scale:
+            raise ScalerConfigError(f"{name}={scale!r} is below min_scale={self.min_scale!r}")
+        if self.max_scale is not None and scale > self.max_scale:
+            raise ScalerConfigError(f"{name}={scale!r} is above max_scale={self.max_scale!r}")
+        return scale
 
     # ------------------------------------------------------------- presets
     @classmethod

@@ -13,6 +13,7 @@ and norm statistics; torch's scaler loads it (it reads its five keys), and ours 
 
 from __future__ import annotations
 
+import math
 from collections import abc
 from dataclasses import dataclass, fields
 from typing import Any
@@ -20,7 +21,20 @@ from typing import Any
 import torch
 
 from .errors import ScalerConfigError
-from .policy import COUNTER_NAMES, NORM_AVERAGE, NORM_COUNT, LossScalePolicy, check_growth_tracker, check_scale_value
+from .policy import (
+    CONSECUTIVE_SKIPS,
+    COUNTER_NAMES,
+    HYSTERESIS_LEFT,
+    INT32_LIMIT,
+    LAST_SKIPPED,
+    NORM_AVERAGE,
+    NORM_COUNT,
+    SKIPPED_STEPS,
+    LossScalePolicy,
+    as_float32,
+    check_counter,
+    check_scale_value,
+)
 
 #: torch.amp.GradScaler's default ``init_scale`` (its other defaults are LossScalePolicy's).
 TORCH_INIT_SCALE = 2.0**16
@@ -138,7 +152,11 @@ def to_state_dict(policy: LossScalePolicy, host: HostState) -> dict[str, Any]:
 def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScalePolicy, HostState]:
     """Validate a state_dict of this class or of torch.amp.GradScaler; change nothing.
 
-    Knobs and counters a torch checkpoint lacks keep ``current``'s configured values.
+    Every value is checked before anything is built from it: its type, the range of the device
+    dtype that will hold it (float32 scale, int32 counters), and the invariants the policy's rule
+    keeps (a hysteresis budget within [0, hysteresis], a 0/1 skip flag, a scale within
+    [min_scale, max_scale], ...). Knobs and counters a torch checkpoint lacks keep ``current``'s
+    configured values.
     """
     if not isinstance(state_dict, abc.Mapping):
         raise ScalerConfigError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -150,31 +168,63 @@ def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScal
     if missing:
         raise ScalerConfigError(f"state_dict is missing {missing}; expected keys {list(STATE_KEYS)}")
     scale = check_scale_value("scale", _as_number(state_dict["scale"], "scale"))
-    knobs = dict(state_dict.get("policy", {}) or {})
+    knobs = _section(state_dict, "policy")
     unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()))
     if unknown:
         raise ScalerConfigError(f"state_dict['policy'] has unknown knobs {unknown}")
-    policy = LossScalePolicy(
-        **{
-            **current.knobs(),
-            **knobs,
-            "growth_factor": _as_number(state_dict["growth_factor"], "growth_factor"),
-            "backoff_factor": _as_number(state_dict["backoff_factor"], "backoff_factor"),
-            "growth_interval": _as_int(state_dict["growth_interval"], "growth_interval"),
-        }
-    ).validate()
+    try:
+        policy = LossScalePolicy(
+            **{
+                **current.knobs(),
+                **knobs,
+                "growth_factor": _as_number(state_dict["growth_factor"], "growth_factor"),
+                "backoff_factor": _as_number(state_dict["backoff_factor"], "backoff_factor"),
+                "growth_interval": _as_int(state_dict["growth_interval"], "growth_interval"),
+            }
+        ).validate()
+    except ScalerConfigError as error:
+        raise ScalerConfigError(f"state_dict: {error}") from None
+    policy.check_scale_in_bounds("state_dict['scale']", scale)
     host = HostState.initial(scale, policy)
-    host.growth_tracker = check_growth_tracker(_as_int(state_dict["_growth_tracker"], "_growth_tracker"))
-    saved_counters = state_dict.get("counters", {}) or {}
+    # Good steps since the last growth: at growth_interval the scale grows and the count restarts.
+    host.growth_tracker = check_counter(
+        "state_dict['_growth_tracker']",
+        _as_int(state_dict["_growth_tracker"], "_growth_tracker"),
+        min(policy.growth_interval, INT32_LIMIT),
+    )
+    saved_counters = _section(state_dict, "counters")
+    unknown = sorted(set(saved_counters) - set(COUNTER_NAMES))
+    if unknown:
+        raise ScalerConfigError(f"state_dict['counters'] has unknown entries {unknown}; expected {list(COUNTER_NAMES)}")
+    limits = {HYSTERESIS_LEFT: policy.hysteresis + 1, LAST_SKIPPED: 2}  # the rest: the int32 range
     for i, name in enumerate(COUNTER_NAMES):
         if name in saved_counters:
-            host.counters[i] = check_growth_tracker(_as_int(saved_counters[name], f"counters.{name}"))
-    saved_norm = state_dict.get("norm_stats", {}) or {}
+            value = _as_int(saved_counters[name], f"counters.{name}")
+            host.counters[i] = check_counter(f"state_dict['counters'][{name!r}]", value, limits.get(i, INT32_LIMIT))
+    if host.counters[CONSECUTIVE_SKIPS] > host.counters[SKIPPED_STEPS] and "skipped_steps" in saved_counters:
+        raise ScalerConfigError(
+            f"state_dict['counters']: consecutive_skips={host.counters[CONSECUTIVE_SKIPS]} is more than "
+            f"skipped_steps={host.counters[SKIPPED_STEPS]}"
+        )
+    saved_norm = _section(state_dict, "norm_stats")
     host.norm_stats = [
         _as_number(saved_norm.get("average", 0.0), "norm_stats.average"),
         _as_number(saved_norm.get("count", 0.0), "norm_stats.count"),
     ]
+    for name, value in zip(("average", "count"), host.norm_stats):
+        if not (math.isfinite(value) and value >= 0 and math.isfinite(as_float32(value))):
+            raise ScalerConfigError(f"state_dict['norm_stats'][{name!r}] must be a finite number >= 0, got {value!r}")
     return policy, host
+
+
+def _section(state_dict: abc.Mapping, key: str) -> abc.Mapping:
+    """One of our own sections (``policy``, ``counters``, ``norm_stats``): a dict, or absent (torch's)."""
+    section = state_dict.get(key)
+    if section is None:
+        return {}
+    if not isinstance(section, abc.Mapping):
+        raise ScalerConfigError(f"state_dict[{key!r}] must be a dict, got {type(section).__name__}: {section!r}")
+    return section
 
 
 def _as_number(value: Any, name: str) -> float:

@@ -8,6 +8,12 @@ from typing import Any, Protocol
 import torch
 
 
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale with torch.amp.GradScaler's rounding: the reciprocal in float64, then float32
+    (the kernels' finalize computes it the same way)."""
+    return scale.double().reciprocal().float()
+
+
 @dataclass
 class CheckResult:
     """Device-side results of the check pass + finalize for one device (0-dim fp32 tensors)."""

@@ -4,9 +4,12 @@ The check is one norm pass over the raw gradients that also catches inf/NaN (the
 the norm); the apply is one ``_foreach_mul_`` by the combined factor. That is one read plus one
 read+write of gradient memory, against torch's unscale_ (read+write) + norm (read) + clip (read+write).
 
-Like torch, the norm accumulates in float32, so a finite gradient whose square overflows float32
-(|g| above ~1.8e19 before unscaling) reads as an overflow here; the Triton kernels scale each block
-by a power of two and do not have this limit. For bfloat16 gradients on CPU each tensor's norm is
+Each tensor's norm accumulates in float32, as torch's does; the per-tensor norms are combined in
+float64, so many tensors whose norms are each in range cannot overflow the total. A single tensor
+whose scaled norm leaves the float32 range (a finite |g| above ~1.8e19 before unscaling, for the
+2-norm) still reads as an overflow here: the step is skipped and the scale backs off, which brings
+the scaled gradients back into range (README, "Differences from torch"). The Triton kernels scale
+each block by a power of two and do not have this limit. For bfloat16 gradients on CPU each tensor's norm is
 rounded to bfloat16, as torch's clip_grad_norm_ does (see ``_rounds_norm_to_bf16``); the Triton
 kernels keep it in float32. Nothing here reads a device value on the host.
 """
@@ -15,12 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CheckResult
-
-
-def _inv_scale(scale: torch.Tensor) -> torch.Tensor:
-    # Same rounding as torch.amp.GradScaler: reciprocal in float64, then float32.
-    return scale.double().reciprocal().float()
+from .base import CheckResult, inverse_scale
 
 
 def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
@@ -33,21 +31,22 @@ def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
 
 
 def _raw_total_norm(groups: list[list[torch.Tensor]], ord: float) -> torch.Tensor:
-    """float32 0-dim norm of the raw gradients (same-dtype groups); inf/NaN when an element is."""
+    """float64 0-dim norm of the raw gradients (same-dtype groups); inf/NaN when an element is
+    (or when one tensor's float32 norm overflows)."""
     per_group = []
     for grads in groups:
         if _rounds_norm_to_bf16(grads):
             per_group.append(torch.stack(torch._foreach_norm(grads, ord)).float())
         else:
             per_group.append(torch.stack(torch._foreach_norm(grads, ord, dtype=torch.float32)))
-    return torch.linalg.vector_norm(torch.cat(per_group), ord)
+    return torch.linalg.vector_norm(torch.cat(per_group).double(), ord)
 
 
 class TorchBackend:
     name = "torch"
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-        inv_scale = _inv_scale(scale)
+        inv_scale = inverse_scale(scale)
         for grads in groups:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
@@ -56,13 +55,13 @@ class TorchBackend:
     ) -> CheckResult:
         ord = float(norm_type)
         nonempty = [grads for grads in ([g for g in group if g.numel() > 0] for group in groups) if grads]
-        inv_scale = _inv_scale(scale)
+        inv_scale = inverse_scale(scale)
         if nonempty:
             raw = _raw_total_norm(nonempty, ord)
         else:
-            raw = torch.zeros((), dtype=torch.float32, device=scale.device)
+            raw = torch.zeros((), dtype=torch.float64, device=scale.device)
         found_inf = (~torch.isfinite(raw)).float()
-        norm = (raw * inv_scale).reshape(())
+        norm = (raw * inv_scale.double()).float().reshape(())  # one rounding, in range once unscaled
         if max_norm is None:
             clip_coef = torch.ones_like(norm)
             factor = inv_scale.reshape(())
