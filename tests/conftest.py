@@ -14,7 +14,10 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's d
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-BACKENDS = ["torch", "triton"]
+from tritonscale.backends import BACKENDS as BACKEND_CHOICES  # noqa: E402
+
+# Every concrete backend ("auto" picks one of them).
+BACKENDS = [name for name in BACKEND_CHOICES if name != "auto"]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -17,10 +17,10 @@ import pickle
 
 import pytest
 import torch
-from conftest import NORM_RTOL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scaler_twins import is_torch_scaler, make_params, scaled_backward, torch_clip
+from tolerances import NORM_RTOL
 
 import tritonscale
 
@@ -150,13 +150,10 @@ def run_sequence(backend, fused, ops):
     # SGD path: unscale-then-clip on both sides, only the norm's summation order differs (~1e-7).
     # Fold path: the fused optimizer divides by scale/clip_coef instead: ~1 ulp in each gradient.
     tol = {"rtol": 1e-5, "atol": 1e-6} if fused else {"rtol": 1e-6, "atol": 1e-7}
-    folded = False  # ours' clip_grad_norm_ already folded into this iteration's step
-    unconsumed = False  # ... and no step has divided the gradients it left scaled
+    unconsumed = False  # ours' clip_grad_norm_ folded, and no step has divided the gradients it left scaled
     ops = expand(ops)
     for i, op in enumerate(ops):
         where = f"op {i} {op[0]} in {[o[0] for o in ops[: i + 1]]}"
-        if fused and op[0] == "clip" and folded:
-            continue  # a second fold in one iteration is issue 10 item 1 (strict xfail in the matrix)
         if op[0] == "backward" and stage(theirs) == "UNSCALED":
             # torch requires unscale_ after all of an iteration's gradients are accumulated. Past that
             # contract the two differ on purpose: ours' clip_grad_norm_ after unscale_ still checks the
@@ -169,11 +166,10 @@ def run_sequence(backend, fused, ops):
         else:
             assert isinstance(error, type(their_error)), f"{where}: torch raised {their_error!r}, ours {error!r}"
         if fused and op[0] == "clip" and error is None:
-            folded = unconsumed = True
+            unconsumed = True
         if op[0] in ("step", "zero_grad") and error is None:
             unconsumed = False
         if op[0] in ("update", "round_trip", "pickle") and error is None:
-            folded = False
             if unconsumed:
                 # The fold leaves the gradients scaled until the optimizer's step divides them
                 # (README, on purpose); a step that raised or never came leaves them so, where torch's

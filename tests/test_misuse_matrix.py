@@ -11,6 +11,7 @@ bitwise unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 import re
@@ -20,11 +21,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import BACKENDS, NORM_RTOL
 from scaler_twins import Snapshot, clip, make_params, scaled_backward
+from tolerances import NORM_RTOL
 
 import tritonscale
 from tritonscale import LossScalePolicy, ScalerConfigError
+from tritonscale.backends import BACKENDS
+
+CONCRETE_BACKENDS = tuple(name for name in BACKENDS if name != "auto")
 
 INIT_SCALE = 2.0**10
 LR = 0.1
@@ -70,7 +74,7 @@ class Case:
     match: str | None = None
     check: Callable[[Ctx], None] | None = None
     xfail: str | None = None
-    xfail_backends: tuple = tuple(BACKENDS)
+    xfail_backends: tuple = CONCRETE_BACKENDS
 
 
 def like(id, arrange, act, phrase=None, **kw) -> Case:
@@ -173,7 +177,6 @@ ORDER_CASES = [
         backward,
         lambda c: c.scaler.step(c.other),
         "No inf checks were recorded for this optimizer.",
-        xfail="issue 10 item 6: an optimizer with no gradients steps silently (torch: AssertionError)",
     ),
     like(
         "second_fused_optimizer_without_gradients_then_update",
@@ -181,25 +184,12 @@ ORDER_CASES = [
         update,
         NO_CHECKS_FOR_UPDATE,
         other_fused=True,
-        xfail="issue 10 item 6: with fused optimizers torch's update() raises 'No inf checks were recorded'",
     ),
 ]
 for _case in list(ORDER_CASES):  # the same orders with a fused optimizer (the fold path)
     if _case.id in {"step_with_closure"} or "second" in _case.id or "before_scale" in _case.id:
         continue
-    ORDER_CASES.append(
-        Case(**{**_case.__dict__, "id": _case.id + "-fused", "fused": True})
-        if _case.id != "clip_twice_is_idempotent"
-        else Case(
-            **{
-                **_case.__dict__,
-                "id": _case.id + "-fused",
-                "fused": True,
-                "xfail": "issue 10 item 1: a second clip_grad_norm_ with a fused optimizer treats still-scaled "
-                "gradients as unscaled",
-            }
-        )
-    )
+    ORDER_CASES.append(Case(**{**_case.__dict__, "id": _case.id + "-fused", "fused": True}))
 
 # -------------------------------------------------------------------- bad arguments
 # torch.nn.utils.clip_grad_norm_ validates nothing (max_norm=-1 flips every gradient's sign,
@@ -216,7 +206,6 @@ ARGUMENT_CASES += [
         lambda c: c.clip(10**400),
         ValueError,
         "max_norm",
-        xfail="issue 10 item 9: max_norm=10**400 gives a raw OverflowError",
     ),
 ]
 ARGUMENT_CASES += [
@@ -266,7 +255,6 @@ ARGUMENT_CASES += [
         new_scale(10**400),
         ScalerConfigError,
         "new_scale",
-        xfail="NEW (item 9's kind): update(new_scale=10**400) raises a raw OverflowError",
     ),
 ]
 
@@ -286,18 +274,16 @@ ARGUMENT_CASES += [
         "load_negative_scale", AFTER_ONE_ITERATION, load(lambda sd: {**sd, "scale": -1.0}), ScalerConfigError, "scale"
     ),
 ]
-ITEM7 = "issue 10 item 7: load_state_dict is not atomic for values that overflow the device dtypes"
 ARGUMENT_CASES += [
-    ours(f"load_overflowing_{name}", AFTER_ONE_ITERATION, load(patch), (ValueError, RuntimeError), xfail=ITEM7)
+    ours(f"load_overflowing_{name}", AFTER_ONE_ITERATION, load(patch), (ValueError, RuntimeError))
     for name, patch in [
         ("scale_1e39", lambda sd: {**sd, **GROWN, "scale": 1e39}),
         ("growth_tracker_2**31", lambda sd: {**sd, **GROWN, "_growth_tracker": 2**31}),
         ("counter_2**31", lambda sd: with_counters(updates=2**31)({**sd, **GROWN})),
     ]
 ]
-ITEM8 = "issue 10 item 8: semantically invalid state is accepted"
 ARGUMENT_CASES += [
-    ours(f"load_invalid_{name}", AFTER_ONE_ITERATION, load(patch), ScalerConfigError, xfail=ITEM8, scaler_kw=kw)
+    ours(f"load_invalid_{name}", AFTER_ONE_ITERATION, load(patch), ScalerConfigError, scaler_kw=kw)
     for name, patch, kw in [
         ("hysteresis_left_above_hysteresis", with_counters(hysteresis_left=5), {}),
         ("last_skipped_2", with_counters(last_skipped=2), {}),
@@ -307,7 +293,6 @@ ARGUMENT_CASES += [
         ("counters_as_list", lambda sd: {**sd, "counters": [1, 0, 0, 0, 0]}, {}),
     ]
 ]
-ITEM9 = "issue 10 item 9: a state_dict entry of the wrong container type gives a raw Python error"
 ARGUMENT_CASES += [
     ours(
         f"load_{key}_as_{kind}",
@@ -315,7 +300,6 @@ ARGUMENT_CASES += [
         load(lambda sd, k=key, v=value: {**sd, k: v}),
         ScalerConfigError,
         key,
-        xfail=ITEM9,
     )
     for key in ("policy", "counters", "norm_stats")
     for kind, value in [("list", [1]), ("str", "updates")]
@@ -396,9 +380,8 @@ def alias_overlapping_views(c):
     c.params[1].grad, c.params[0].grad = buffer[:4].view(2, 2), buffer[2:5]
 
 
-ITEM5 = "issue 10 item 5: aliasing gradients are not detected (unscaled twice)"
 TENSOR_CASES += [
-    ours(f"{entry}_with_{name}", steps(backward, alias), act, (ValueError, RuntimeError), xfail=ITEM5)
+    ours(f"{entry}_with_{name}", steps(backward, alias), act, (ValueError, RuntimeError))
     for name, alias in [("one_tensor_as_two_grads", alias_same_tensor), ("overlapping_grads", alias_overlapping_views)]
     for entry, act, _ in ENTRY_POINTS[:2]
 ]
@@ -411,7 +394,8 @@ POLICY_CASES = [
         "large_finite_gradient_is_not_an_overflow",
         lambda c: c.backward(3e19),
         steps(clip_, step, update),
-        xfail="issue 10 item 2: torch backend counts |scaled g| > ~1.8e19 as overflow",
+        # A documented limit (README, "Differences from torch"): one tensor's float32 squares overflow.
+        xfail="issue 10 item 2: torch backend counts one tensor's |scaled g| > ~1.8e19 as overflow",
         xfail_backends=("torch",),
     ),
 ]
@@ -433,7 +417,6 @@ POLICY_CASES += [
         disabled_step_after_unrecorded_skip,
         check=lambda c: None,
         scaler_kw={"enabled": False},
-        xfail="issue 10 item 4: a disabled scaler remembers clip_grad_norm_'s skip when update() is not called",
     ),
 ]
 
@@ -460,7 +443,6 @@ POLICY_CASES += [
         skip_off_steps_like_unscale,
         check=lambda c: None,
         scaler_kw={"policy": LossScalePolicy.fixed(skip_on_overflow=False)},
-        xfail="issue 10 item 3: with skip_on_overflow=False clip_grad_norm_ steps with still-scaled gradients",
     ),
 ]
 
@@ -519,7 +501,7 @@ def assert_same_afterwards(mine: Ctx, theirs: Ctx, fused: bool):
 def params_for_matrix():
     out = []
     for case in ALL_CASES:
-        for backend in BACKENDS:
+        for backend in CONCRETE_BACKENDS:
             marks = []
             if case.xfail and backend in case.xfail_backends:
                 marks = [pytest.mark.xfail(strict=True, reason=case.xfail)]
@@ -559,7 +541,14 @@ def test_misuse_matrix(backend, case):
         case.check(mine)
 
     if error is not None:
-        mine.snapshot().assert_same(before)
+        after = mine.snapshot()
+        if case.like_torch:
+            # Where torch's own error comes after a stage moved (step() raises after its unscale_),
+            # torch's stages are the oracle; everything else must be as it was.
+            for ours_opt, torch_opt in ((mine.opt, theirs.opt), (mine.other, theirs.other)):
+                assert stage(mine, ours_opt) == stage(theirs, torch_opt)
+            after = dataclasses.replace(after, stages=before.stages)
+        after.assert_same(before)
 
 
 # ------------------------------------------------------------------ construction
@@ -591,14 +580,14 @@ def test_init_scale_that_torch_stores_blindly_is_refused(value):
         construct_ours(value)
 
 
-def test_init_scale_too_big_for_a_float_raises_overflow_like_torch():
+def test_init_scale_too_big_for_a_float_is_a_clear_error():
+    # torch fails inside torch.full with a raw OverflowError; ours names the argument.
     with pytest.raises(OverflowError):
         construct_torch(10**400)
-    with pytest.raises(OverflowError):
+    with pytest.raises(ScalerConfigError, match="init_scale"):
         construct_ours(10**400)
 
 
-@pytest.mark.xfail(strict=True, reason="NEW: init_scale given as a 0-dim tensor is refused; torch accepts it")
 def test_init_scale_as_a_tensor_like_torch():
     theirs = construct_torch(torch.tensor(512.0))
     mine = construct_ours(torch.tensor(512.0))
@@ -606,7 +595,6 @@ def test_init_scale_as_a_tensor_like_torch():
     assert mine.get_scale() == theirs.get_scale() == 512.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 8: init_scale outside [min_scale, max_scale] or 0/inf in float32")
 @pytest.mark.parametrize(
     "value, kw",
     [(1e39, {}), (1e-50, {}), (0.5, {"min_scale": 1.0}), (4.0, {"max_scale": 2.0})],

@@ -92,6 +92,8 @@ class GradScaler:
             self._enabled = False
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
         if self._enabled:
+            if isinstance(init_scale, torch.Tensor) and init_scale.numel() == 1:  # torch takes one too
+                init_scale = init_scale.item()
             init_scale = check_scale_value("init_scale", init_scale)
             self._policy.validate().check_scale_in_bounds("init_scale", init_scale)
         # Like torch, a disabled scaler keeps its arguments unchecked.

@@ -74,8 +74,13 @@ def as_float32(value: float) -> float:
 
 def check_scale_value(name: str, value: float) -> float:
     """A loss scale (or a bound on one): positive and finite, also once rounded to float32."""
-    if not _is_number(value) or not (math.isfinite(value) and value > 0):
-        raise ScalerConfigError(f"{name} must be a positive finite float, got {value!r}")
+    try:
+        finite = _is_number(value) and math.isfinite(value)
+    except OverflowError:  # an int beyond the float range, such as 10**400
+        finite = False
+    if not (finite and value > 0):
+        shown = f"an int of {value.bit_length()} bits" if isinstance(value, int) and value > 2**1024 else repr(value)
+        raise ScalerConfigError(f"{name} must be a positive finite float, got {shown}")
     stored = as_float32(float(value))
     if not (math.isfinite(stored) and stored > 0):
         raise ScalerConfigError(f"{name}={value!r} rounds to {stored!r} in float32, where the scale is kept")
