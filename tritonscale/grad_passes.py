@@ -12,19 +12,7 @@ import torch
 
 from .backends import CheckResult, inverse_scale, resolve_backend
 from .grad_groups import DeviceGroups
-
-
-class PerDevice:
-    """Copies of one device tensor (the scale), made on demand, non-blocking, for each device that asks."""
-
-    def __init__(self, master: torch.Tensor) -> None:
-        self.master = master
-        self._copies: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        if device not in self._copies:
-            self._copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
-        return self._copies[device]
+from .scale_outputs import PerDevice
 
 
 def _zero_found_infs(groups: DeviceGroups) -> dict[torch.device, torch.Tensor]:

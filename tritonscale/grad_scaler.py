@@ -11,7 +11,7 @@ step() for an optimizer that cannot take found_inf read a device value on the ho
 from __future__ import annotations
 
 import warnings
-from collections import abc, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,7 +21,7 @@ from .backends import check_backend_name
 from .diagnostics import device_stats
 from .fold import folded_grad_scale, grad_scale_for_step, step_with_amp_attributes, takes_amp_scaling
 from .grad_groups import collect_grads
-from .grad_passes import PerDevice, check_grads, clip_grads, unscale_grads_
+from .grad_passes import check_grads, clip_grads, unscale_grads_
 from .kernels.supported import check_max_norm, check_norm_type
 from .optimizer_record import OptimizerRecord, OptState, combine_flags
 from .policy import (
@@ -33,6 +33,7 @@ from .policy import (
     check_scale_value,
 )
 from .policy_update import PolicyRunner
+from .scale_outputs import scale_outputs
 from .scaler_state import (
     TORCH_INIT_SCALE,
     DeviceState,
@@ -134,26 +135,13 @@ class GradScaler:
         """
         if not self._enabled:
             return outputs
-        if isinstance(outputs, torch.Tensor):
-            if self._scale is None:
-                self._lazy_init_scale_growth_tracker(outputs.device)
-            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+        return scale_outputs(outputs, self._scale_on)
 
-        replicas: list[PerDevice] = []
-
-        def apply_scale(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                if not replicas:
-                    if self._scale is None:
-                        self._lazy_init_scale_growth_tracker(value.device)
-                    replicas.append(PerDevice(self._scale))
-                return value * replicas[0].get(value.device)
-            if isinstance(value, abc.Iterable):
-                scaled = map(apply_scale, value)
-                return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
-
-        return apply_scale(outputs)
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        """The scale tensor, made on ``device`` by the first scale() of the scaler's life."""
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        return self._scale
 
     # ------------------------------------------------------- gradient passes
     def _record_for_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
