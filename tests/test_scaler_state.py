@@ -80,9 +80,9 @@ def test_fold_handshake_sets_attributes_for_one_step_and_always_removes_them():
     assert takes_amp_scaling(optimizer) and not takes_amp_scaling(torch.optim.SGD(optimizer.param_groups, lr=0.1))
     grad_scale, found_inf = torch.tensor(4.0), torch.tensor(0.0)
     attributes = {"grad_scale": grad_scale, "found_inf": found_inf}
-    assert step_with_amp_attributes(optimizer, attributes) == "stepped"
+    assert step_with_amp_attributes(optimizer, optimizer, attributes) == "stepped"
     assert optimizer.seen == (grad_scale, found_inf)
     assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
     with pytest.raises(RuntimeError, match="optimizer failed"):
-        step_with_amp_attributes(optimizer, attributes, fail=True)
+        step_with_amp_attributes(optimizer, optimizer, attributes, (), {"fail": True})
     assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")

@@ -10,6 +10,8 @@ the clip rides along and the gradients are never written by the scaler.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -20,6 +22,27 @@ from .optimizer_record import OptState
 def takes_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
     """True for optimizers that divide by ``grad_scale`` and skip on ``found_inf`` themselves."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def takes_grad_scaler_argument(optimizer: Any) -> bool:
+    """The older protocol (apex, TransformerEngine, torch's own tests): ``step(grad_scaler=...)``,
+    where the optimizer asks the scaler for the scale and found_inf itself. torch still honours it
+    and so do we; such an optimizer gets no fold (it would divide by the plain scale)."""
+    try:
+        return "grad_scaler" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # a builtin or C step without a signature
+        return False
+
+
+def warn_grad_scaler_argument() -> None:
+    """torch's deprecation notice for the older protocol, word for word."""
+    warnings.warn(
+        "GradScaler is going to stop passing itself as a keyword argument to the passed "
+        "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+        "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+        FutureWarning,
+        stacklevel=3,
+    )
 
 
 def folded_grad_scale(scale: torch.Tensor, clip_coef: torch.Tensor) -> torch.Tensor:
@@ -42,14 +65,20 @@ def grad_scale_for_step(
 
 
 def step_with_amp_attributes(
-    optimizer: torch.optim.Optimizer, attributes: dict[str, torch.Tensor | None], *args: Any, **kwargs: Any
+    optimizer: Any,
+    inner: torch.optim.Optimizer,
+    attributes: dict[str, torch.Tensor | None],
+    args: tuple = (),
+    kwargs: dict | None = None,
 ) -> Any:
     """``optimizer.step(*args, **kwargs)`` with ``attributes`` (``grad_scale``, ``found_inf``) set on
-    the optimizer for that call only; they are removed again, also when the step raises."""
+    ``inner``, the fused optimizer that reads them (``optimizer`` itself, or the one a wrapper
+    holds), for that call only; they are removed again, also when the step raises."""
     for name, value in attributes.items():
-        setattr(optimizer, name, value)
+        setattr(inner, name, value)
     try:
-        return optimizer.step(*args, **kwargs)
+        return optimizer.step(*args, **(kwargs or {}))
     finally:
         for name in attributes:
-            delattr(optimizer, name)
+            if name in vars(inner):
+                delattr(inner, name)

@@ -19,11 +19,19 @@ import torch
 
 from .backends import check_backend_name
 from .diagnostics import device_stats
-from .fold import folded_grad_scale, grad_scale_for_step, step_with_amp_attributes, takes_amp_scaling
+from .fold import (
+    folded_grad_scale,
+    grad_scale_for_step,
+    step_with_amp_attributes,
+    takes_amp_scaling,
+    takes_grad_scaler_argument,
+    warn_grad_scaler_argument,
+)
 from .grad_groups import collect_grads
 from .grad_passes import check_grads, clip_grads, unscale_grads_
 from .kernels.supported import check_max_norm, check_norm_type
 from .optimizer_record import OptimizerRecord, OptState, combine_flags
+from .optimizer_wrappers import unwrap_optimizer
 from .policy import (
     LAST_SKIPPED,
     LossScalePolicy,
@@ -43,6 +51,7 @@ from .scaler_state import (
     set_scale_,
     to_state_dict,
 )
+from .torch_private_api import TorchPrivateAPI
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -51,7 +60,7 @@ def _device_tensor(name: str) -> property:
     return property(lambda self: getattr(self._tensors, name) if self._tensors is not None else None)
 
 
-class GradScaler:
+class GradScaler(TorchPrivateAPI):
     """Dynamic loss scaling with a fused unscale / inf-check / clip pass and no host sync.
 
     Same constructor, methods and state_dict as ``torch.amp.GradScaler``; adds
@@ -145,7 +154,7 @@ class GradScaler:
 
     # ------------------------------------------------------- gradient passes
     def _record_for_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
-        record = self._per_optimizer_states[id(optimizer)]
+        record = self._per_optimizer_states[id(optimizer)]  # optimizer: the unwrapped one
         if record.stage is OptState.STEPPED:
             raise RuntimeError(f"{funcname}() is being called after step().")
         return record
@@ -163,6 +172,7 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        optimizer = unwrap_optimizer(optimizer)
         scale, _ = self._check_scale_growth_tracker("unscale_")
         record = self._record_for_unscale(optimizer, "unscale_")
         if record.stage is OptState.UNSCALED:
@@ -190,6 +200,7 @@ class GradScaler:
         """
         max_norm = check_max_norm(max_norm)
         norm_type = check_norm_type(norm_type)
+        optimizer = unwrap_optimizer(optimizer)
         if not self._enabled:
             # Scaling is off (a bf16 run): plain clipping, float16 gradients included, but the
             # inf/NaN check still runs and the following step() skips on it.
@@ -202,7 +213,9 @@ class GradScaler:
         # A fused optimizer divides by grad_scale itself: hand it scale / clip_coef and leave the
         # gradients unwritten (read once here, once by the optimizer). We then never store unscaled
         # values in the gradients' own dtype, so float16 gradients are fine on that path.
-        fold = self._fold and takes_amp_scaling(optimizer)
+        # (Not for the older step(grad_scaler=...) protocol: such an optimizer divides by the plain
+        # scale, so its gradients are unscaled and clipped in place, as torch leaves them.)
+        fold = self._fold and takes_amp_scaling(optimizer) and not takes_grad_scaler_argument(optimizer)
         groups = collect_grads(optimizer, allow_fp16=fold)
         # What the gradients still have to be divided by: the scale, nothing after unscale_ or an
         # applied clip, or what an earlier clip folded in (so a second clip sees true values).
@@ -241,43 +254,52 @@ class GradScaler:
             scaler.step(optimizer)
             scaler.update()
         """
+        inner = unwrap_optimizer(optimizer)  # the state is the real optimizer's; step() is the object's
         if not self._enabled:
-            return self._step_unscaled(optimizer, *args, **kwargs)
+            return self._step_unscaled(optimizer, inner, args, kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale, _ = self._check_scale_growth_tracker("step")
-        record = self._per_optimizer_states[id(optimizer)]
+        record = self._per_optimizer_states[id(inner)]
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        if takes_amp_scaling(optimizer):
+        if takes_amp_scaling(inner):
+            if takes_grad_scaler_argument(optimizer):
+                # The older protocol: the optimizer calls _check_inf_per_device / _get_scale_async.
+                warn_grad_scaler_argument()
+                retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+                record.stage = OptState.STEPPED
+                return retval
             if record.stage is OptState.READY:
                 # The optimizer divides by grad_scale itself: only the read-only check pass runs.
-                groups = collect_grads(optimizer, allow_fp16=True)
+                groups = collect_grads(inner, allow_fp16=True)
                 record.found_inf_per_device = check_grads(groups, scale, self._backend_name)
-            grad_scale = grad_scale_for_step(optimizer, scale, record.stage, record.grad_scale)
+            grad_scale = grad_scale_for_step(inner, scale, record.stage, record.grad_scale)
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
             skip = self._skip_flag(record, scale.device, required=False)
-            retval = step_with_amp_attributes(optimizer, {"grad_scale": grad_scale, "found_inf": skip}, *args, **kwargs)
+            retval = step_with_amp_attributes(
+                optimizer, inner, {"grad_scale": grad_scale, "found_inf": skip}, args, kwargs
+            )
             record.stage = OptState.STEPPED
             return retval
 
         if record.stage is OptState.READY:
-            self.unscale_(optimizer)
+            self.unscale_(inner)
         retval = None
         if not self._skip_flag(record, scale.device).item():  # the one host read
             retval = optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
         return retval
 
-    def _step_unscaled(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def _step_unscaled(self, optimizer: Any, inner: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         """step() of a disabled scaler: torch's plain step, unless the clip_grad_norm_ just before it
         found inf/NaN. That finding is spent by this step: no update() is needed to clear it."""
-        record = self._per_optimizer_states.pop(id(optimizer), None)
+        record = self._per_optimizer_states.pop(id(inner), None)
         if record is None or record.skip is None:
             return optimizer.step(*args, **kwargs)
-        if takes_amp_scaling(optimizer):  # skip on the device; grad_scale stays unset
-            return step_with_amp_attributes(optimizer, {"found_inf": record.skip}, *args, **kwargs)
+        if takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer):  # skip on the device
+            return step_with_amp_attributes(optimizer, inner, {"found_inf": record.skip}, args, kwargs)
         if record.skip.item():  # the one host read, as in the enabled path
             return None
         return optimizer.step(*args, **kwargs)

@@ -7,24 +7,22 @@ Per iteration and optimizer the stages are READY -> UNSCALED (``unscale_`` or ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 
-
-class OptState(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+# torch's own enum, not a copy: frameworks test ``record["stage"] is OptState.UNSCALED`` with the
+# OptState they import from torch, and that must hold for our records too.
+from torch.amp.grad_scaler import OptState
 
 
 @dataclass
 class OptimizerRecord:
     """One optimizer's bookkeeping for the current iteration (all tensors stay on the device).
 
-    Frameworks read torch's ``scaler._per_optimizer_states[id(optimizer)]["stage"]`` (and
-    ``["found_inf_per_device"]``), so those two fields can also be read by key.
+    Frameworks and fused optimizers read (and some write) torch's
+    ``scaler._per_optimizer_states[id(optimizer)]["stage"]`` and ``["found_inf_per_device"]``, so
+    those two fields also work by key, as in torch's dict.
     """
 
     stage: OptState = OptState.READY
@@ -44,6 +42,14 @@ class OptimizerRecord:
         if key not in self._TORCH_KEYS:
             raise KeyError(key)
         return getattr(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self._TORCH_KEYS:
+            raise KeyError(key)
+        setattr(self, key, value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._TORCH_KEYS
 
 
 def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:

@@ -1,0 +1,100 @@
+"""torch.amp.GradScaler's private members, with torch's meaning, for the code that reads them.
+
+Frameworks and fused optimizers reach past the public API; the readers we know of:
+
+* ``_scale``, ``_growth_tracker``, ``_enabled``, ``_per_optimizer_states[id(opt)]["stage"]`` /
+  ``["found_inf_per_device"]`` (torch's own OptState values): Lightning and Accelerate checkpoint
+  and clipping code, fairseq and timm-style loops that test for a skipped step;
+* ``_growth_factor``, ``_backoff_factor``, ``_growth_interval``, ``_init_scale``,
+  ``_init_growth_tracker``, ``_device``: checkpoint and logging code, scaler wrappers;
+* ``_lazy_init_scale_growth_tracker``, ``_unscale_grads_``, ``_maybe_opt_step``: subclasses and
+  re-implementations of ``unscale_``/``step`` (ColossalAI, DeepSpeed-style sharded scalers);
+* ``_check_inf_per_device``, ``_found_inf_per_device``, ``_get_scale_async``: optimizers that take
+  ``step(grad_scaler=...)`` (apex and TransformerEngine fused optimizers, torch's own tests).
+
+The controller (grad_scaler.py) defines the first group itself; this mixin adds the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .grad_groups import collect_grads
+from .grad_passes import check_grads
+from .optimizer_wrappers import unwrap_optimizer
+from .scale_outputs import PerDevice
+
+
+class TorchPrivateAPI:
+    """Mixed into GradScaler. Nothing here is on the fused hot path."""
+
+    # ------------------------------------------------------------ knobs, as torch names them
+    @property
+    def _growth_factor(self) -> float:
+        return self._policy.growth_factor
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self.set_growth_factor(value)
+
+    @property
+    def _backoff_factor(self) -> float:
+        return self._policy.backoff_factor
+
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self.set_backoff_factor(value)
+
+    @property
+    def _growth_interval(self) -> int:
+        return self._policy.growth_interval
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self.set_growth_interval(value)
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._host.growth_tracker
+
+    # ------------------------------------------------ the step(grad_scaler=...) protocol
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor itself, no host read (None before the first scale())."""
+        return self._scale
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Check the optimizer's (still scaled) gradients for inf/NaN without writing them; record
+        and return the flag per device, as torch's does with its dummy unit-scale unscale."""
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        inner = unwrap_optimizer(optimizer)
+        record = self._per_optimizer_states[id(inner)]
+        record.found_inf_per_device = check_grads(collect_grads(inner, allow_fp16=True), scale, self._backend_name)
+        return record.found_inf_per_device
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))].found_inf_per_device
+
+    # ------------------------------------------------- pieces of unscale_ and step, as torch's
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """Multiply the gradients by ``inv_scale`` in place and return a found_inf per device (copies
+        of ``found_inf``): torch's helper, run with torch's own fused op."""
+        groups = collect_grads(unwrap_optimizer(optimizer), allow_fp16=allow_fp16)
+        per_device_inv_scale, per_device_found_inf = PerDevice(inv_scale), PerDevice(found_inf)
+        result = {}
+        for device, device_groups in groups.items():
+            result[device] = per_device_found_inf.get(device)
+            for grads in device_groups:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, result[device], per_device_inv_scale.get(device)
+                )
+        return result
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` unless a recorded found_inf is set (one host read, as torch)."""
+        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            return optimizer.step(*args, **kwargs)
+        return None
