@@ -33,9 +33,16 @@ def norm_code(norm_type: float) -> int:
 
 
 def check_norm_type(norm_type: float) -> float:
-    """``norm_type`` as a float once it is one the kernels support (1, 2 or inf)."""
-    norm_code(norm_type)
+    """``norm_type`` as a float: any number torch.nn.utils.clip_grad_norm_ takes (not NaN). The
+    kernels compute 1, 2 and inf (``norm_code``); the others go through torch ops."""
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or math.isnan(norm_type):
+        raise ValueError(f"norm_type must be a number (1, 2 and inf run in the kernels), got {norm_type!r}")
     return float(norm_type)
+
+
+def kernels_compute(norm_type: float) -> bool:
+    """True for the norm types the kernels compute (1, 2, inf)."""
+    return norm_type in NORM_CODES
 
 
 def is_dense(t: torch.Tensor) -> bool:

@@ -1,16 +1,20 @@
-"""Collect an optimizer's gradients, validate them, and group them by device and dtype.
+"""Collect an optimizer's gradients, validate them, and sort them for the passes.
 
-Everything is checked before any kernel runs, so a bad gradient raises with nothing modified.
+Dense float32/bfloat16/float16 gradients (nearly always all of them) go to the kernels, grouped by
+device and dtype. Whatever else torch.amp.GradScaler accepts -- float64, non-dense (strided)
+and sparse gradients -- goes through torch ops in the same pass (``Grads.other``). Everything is
+checked before any kernel runs, so a bad gradient raises with nothing modified.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 import torch
 
-from .kernels.supported import is_supported_grad, raise_unsupported_grad
+from .kernels.supported import is_dense, is_supported_grad
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
 
@@ -20,31 +24,100 @@ _NO_OVERLAP_CACHE_SIZE = 16
 _NBYTES = attrgetter("nbytes")
 
 
-def collect_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> DeviceGroups:
-    """``{device: [grads of one dtype, ...]}`` for every parameter with a gradient.
+@dataclass
+class Grads:
+    """An optimizer's gradients, sorted for the passes."""
+
+    #: ``{device: [same-dtype lists]}`` of dense float32/bfloat16/float16 gradients: the kernels'.
+    kernel: DeviceGroups = field(default_factory=dict)
+    #: ``{device: [tensors]}`` for torch ops: float64 and non-dense gradients, the values of sparse
+    #: ones (updated in place through them), and everything when ``kernels=False``.
+    other: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
+    #: Where the first sparse gradient is (a fused optimizer cannot take one), or None.
+    first_sparse: str | None = None
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return list(dict.fromkeys([*self.kernel, *self.other]))
+
+
+def collect_grads(
+    optimizer: torch.optim.Optimizer, *, allow_fp16: bool, kernels: bool = True, allow_sparse: bool = True
+) -> Grads:
+    """Every parameter's gradient, validated and sorted for the kernels or for torch ops.
 
     ``allow_fp16=False`` refuses float16 gradients the way torch.amp.GradScaler.unscale_ does
     (writing unscaled values back into fp16 loses them); passes that only read may allow them.
-    Runs once per step over every parameter, so the checks are the cheap ones first. Gradients
-    that share memory (one tensor as two parameters' gradient, overlapping views) are refused:
-    the norm would count the shared elements once and the in-place passes scale them twice.
+    ``kernels=False`` sends everything to torch ops (a norm type the kernels do not compute);
+    ``allow_sparse=False`` refuses sparse gradients (a fused optimizer cannot step with them).
+    Runs once per step over every parameter, so the common case is the first test. Gradients that
+    share memory (one tensor as two parameters' gradient, overlapping views) are refused: the norm
+    would count the shared elements once and the in-place passes scale them twice.
     """
     per_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    other: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
+    to_coalesce: list[torch.nn.Parameter] = []
+    first_sparse = None
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
             grad = param.grad
             if grad is None:
                 continue
-            if not is_supported_grad(grad):
-                raise_unsupported_grad(grad, _where(g_index, p_index))
             if not allow_fp16 and grad.dtype is torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            per_device[grad.device][grad.dtype].append(grad)
-    groups = {device: list(by_dtype.values()) for device, by_dtype in per_device.items()}
-    for device, device_groups in groups.items():
+            if kernels and is_supported_grad(grad):
+                per_device[grad.device][grad.dtype].append(grad)
+                dense[grad.device].append(grad)
+                continue
+            if not grad.is_floating_point():
+                raise TypeError(f"{_where(g_index, p_index)} has a non-floating gradient of dtype {grad.dtype}")
+            if grad.layout is torch.sparse_coo:
+                if not allow_sparse:
+                    raise TypeError(
+                        f"{_where(g_index, p_index)} has a sparse gradient, and {type(optimizer).__name__} "
+                        "steps fused, which takes dense gradients only"
+                    )
+                first_sparse = first_sparse or _where(g_index, p_index)
+                if not grad.is_coalesced():
+                    to_coalesce.append(param)  # duplicates must be summed before a norm or a check
+            elif grad.layout is torch.strided and _overlaps_itself(grad):
+                # An in-place pass over it would write one element several times (torch's unscale_
+                # fails there too, halfway through); refused before anything runs.
+                raise ValueError(
+                    f"{_where(g_index, p_index)} has a gradient whose elements share memory (shape "
+                    f"{tuple(grad.shape)}, stride {grad.stride()}, e.g. an expanded view): "
+                    "it cannot be unscaled in place"
+                )
+            elif grad.layout is not torch.strided:
+                raise TypeError(
+                    f"{_where(g_index, p_index)} has a {grad.layout} gradient; supported: strided, sparse_coo"
+                )
+            elif is_dense(grad):
+                dense[grad.device].append(grad)
+            other[grad.device].append(grad)
+    for device, grads in dense.items():
         if device.type != "meta":  # meta tensors have no memory
-            _check_no_overlap(optimizer, [g for grads in device_groups for g in grads])
-    return groups
+            _check_no_overlap(optimizer, grads)
+    # Everything is valid: only now replace uncoalesced sparse gradients (same values), as torch does.
+    for param in to_coalesce:
+        position = next(i for i, g in enumerate(other[param.grad.device]) if g is param.grad)
+        param.grad = param.grad.coalesce()
+        other[param.grad.device][position] = param.grad
+    other_values = {d: [g._values() if g.is_sparse else g for g in grads] for d, grads in other.items()}
+    kernel = {device: list(by_dtype.values()) for device, by_dtype in per_device.items()}
+    return Grads(kernel=kernel, other=other_values, first_sparse=first_sparse)
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` may share memory (a stride-0 or interleaved view). Sorted by
+    stride, each dimension must step past everything the smaller ones span; conservative."""
+    reach = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < reach:
+            return True
+        reach = stride * size
+    return False
 
 
 def _where(g_index: int, p_index: int) -> str:

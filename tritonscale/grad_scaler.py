@@ -29,7 +29,7 @@ from .fold import (
 )
 from .grad_groups import collect_grads
 from .grad_passes import check_grads, clip_grads, unscale_grads_
-from .kernels.supported import check_max_norm, check_norm_type
+from .kernels.supported import check_max_norm, check_norm_type, kernels_compute
 from .optimizer_record import OptimizerRecord, OptState, combine_flags
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import (
@@ -177,8 +177,8 @@ class GradScaler(TorchPrivateAPI):
         record = self._record_for_unscale(optimizer, "unscale_")
         if record.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        groups = collect_grads(optimizer, allow_fp16=False)
-        record.found_inf_per_device = unscale_grads_(groups, scale, self._backend_name)
+        grads = collect_grads(optimizer, allow_fp16=False)
+        record.found_inf_per_device = unscale_grads_(grads, scale, self._backend_name)
         record.stage = OptState.UNSCALED
 
     def clip_grad_norm_(
@@ -204,8 +204,8 @@ class GradScaler(TorchPrivateAPI):
         if not self._enabled:
             # Scaling is off (a bf16 run): plain clipping, float16 gradients included, but the
             # inf/NaN check still runs and the following step() skips on it.
-            groups = collect_grads(optimizer, allow_fp16=True)
-            _, result = clip_grads(groups, None, norm_type, max_norm, apply=True, backend=self._backend_name)
+            grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type))
+            _, result = clip_grads(grads, None, norm_type, max_norm, apply=True, backend=self._backend_name)
             self._per_optimizer_states[id(optimizer)].skip = result.found_inf
             return result.norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
@@ -216,7 +216,7 @@ class GradScaler(TorchPrivateAPI):
         # (Not for the older step(grad_scaler=...) protocol: such an optimizer divides by the plain
         # scale, so its gradients are unscaled and clipped in place, as torch leaves them.)
         fold = self._fold and takes_amp_scaling(optimizer) and not takes_grad_scaler_argument(optimizer)
-        groups = collect_grads(optimizer, allow_fp16=fold)
+        grads = collect_grads(optimizer, allow_fp16=fold, kernels=kernels_compute(norm_type), allow_sparse=not fold)
         # What the gradients still have to be divided by: the scale, nothing after unscale_ or an
         # applied clip, or what an earlier clip folded in (so a second clip sees true values).
         if record.stage is OptState.READY:
@@ -224,7 +224,7 @@ class GradScaler(TorchPrivateAPI):
         else:
             pending = record.grad_scale if record.grad_scale is not None else torch.ones_like(scale)
         device, result = clip_grads(
-            groups,
+            grads,
             pending,
             norm_type,
             max_norm,
@@ -234,7 +234,7 @@ class GradScaler(TorchPrivateAPI):
         )
         if fold:
             record.grad_scale = folded_grad_scale(pending, result.clip_coef)
-        if groups:  # no gradients, no inf check: torch's step() then raises, as after unscale_
+        if grads.devices:  # no gradients, no inf check: torch's step() then raises, as after unscale_
             found = record.found_inf_per_device
             found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
         record.norm = result.norm
@@ -273,8 +273,8 @@ class GradScaler(TorchPrivateAPI):
                 return retval
             if record.stage is OptState.READY:
                 # The optimizer divides by grad_scale itself: only the read-only check pass runs.
-                groups = collect_grads(inner, allow_fp16=True)
-                record.found_inf_per_device = check_grads(groups, scale, self._backend_name)
+                grads = collect_grads(inner, allow_fp16=True, allow_sparse=False)
+                record.found_inf_per_device = check_grads(grads, scale, self._backend_name)
             grad_scale = grad_scale_for_step(inner, scale, record.stage, record.grad_scale)
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
             skip = self._skip_flag(record, scale.device, required=False)

@@ -82,14 +82,17 @@ class TorchPrivateAPI:
     ) -> dict[torch.device, torch.Tensor]:
         """Multiply the gradients by ``inv_scale`` in place and return a found_inf per device (copies
         of ``found_inf``): torch's helper, run with torch's own fused op."""
-        groups = collect_grads(unwrap_optimizer(optimizer), allow_fp16=allow_fp16)
+        grads = collect_grads(unwrap_optimizer(optimizer), allow_fp16=allow_fp16, kernels=False)
         per_device_inv_scale, per_device_found_inf = PerDevice(inv_scale), PerDevice(found_inf)
         result = {}
-        for device, device_groups in groups.items():
+        for device, tensors in grads.other.items():
             result[device] = per_device_found_inf.get(device)
-            for grads in device_groups:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for same_dtype in by_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(
-                    grads, result[device], per_device_inv_scale.get(device)
+                    same_dtype, result[device], per_device_inv_scale.get(device)
                 )
         return result
 

@@ -12,6 +12,7 @@ from tritonscale.kernels.supported import (
     check_max_norm,
     check_norm_type,
     is_supported_grad,
+    kernels_compute,
     norm_code,
     raise_unsupported_grad,
 )
@@ -24,9 +25,13 @@ def test_norm_types_map_to_distinct_kernel_codes():
     assert set(NORM_CODES) == {1.0, 2.0, math.inf}
     assert len(set(NORM_CODES.values())) == len(NORM_CODES)
     for norm_type, code in NORM_CODES.items():
-        assert norm_code(norm_type) == code and check_norm_type(norm_type) == norm_type
-    for bad in (0, 3.0, -1.0, math.nan, "2", None):
+        assert norm_code(norm_type) == code and kernels_compute(check_norm_type(norm_type))
+    for other in (0, 3.0, -1.0, 0.5, -math.inf):  # torch computes them: so do we, with torch ops
+        assert check_norm_type(other) == float(other) and not kernels_compute(other)
         with pytest.raises(ValueError, match="norm_type must be 1, 2 or inf"):
+            norm_code(other)
+    for bad in (math.nan, "2", None, True):
+        with pytest.raises(ValueError, match="norm_type must be a number"):
             check_norm_type(bad)
 
 
@@ -62,23 +67,25 @@ def test_unsupported_dtype_message_lists_the_supported_dtypes(dtype):
     ids=["contiguous", "transposed", "bf16", "strided", "sparse", "int"],
 )
 def test_the_controller_and_the_tensor_table_apply_the_same_rule(grad, supported):
-    # The same gradient is accepted or refused by both callers of the rule, with the same error type.
+    # One rule decides: the controller sends what it accepts to the kernels and the rest to torch
+    # ops (int gradients excepted: a clear error); the tensor table, the kernels' door, refuses the
+    # rest with a clear error.
     assert is_supported_grad(grad) is supported
     param = torch.nn.Parameter(torch.zeros(grad.shape, dtype=torch.float32))
     param.grad_dtype = None  # let the parameter hold a gradient of another dtype or layout
     param.grad = grad
     optimizer = torch.optim.SGD([param], lr=0.1)
     if supported:
-        collect_grads(optimizer, allow_fp16=True)
+        grads = collect_grads(optimizer, allow_fp16=True)
+        assert grads.kernel[grad.device] == [[grad]] and not grads.other
         validate_group([grad])
         return
-    errors = []
-    for call, where in (
-        (lambda: collect_grads(optimizer, allow_fp16=True), "param_groups[0]['params'][0]"),
-        (lambda: validate_group([grad]), "gradient 0"),
-    ):
-        with pytest.raises((TypeError, ValueError)) as info:
-            call()
-        assert str(info.value).startswith(where)
-        errors.append((type(info.value), str(info.value).removeprefix(where)))
-    assert errors[0] == errors[1]
+    with pytest.raises((TypeError, ValueError)) as info:
+        validate_group([grad])
+    assert str(info.value).startswith("gradient 0")
+    if grad.is_floating_point():
+        grads = collect_grads(optimizer, allow_fp16=True)
+        assert not grads.kernel and len(grads.other[grad.device]) == 1
+    else:
+        with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[0\] has a non-floating"):
+            collect_grads(optimizer, allow_fp16=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Backend, CheckResult, inverse_scale
+from .base import Backend, CheckResult, clip_coefficient, inverse_scale
 from .torch_backend import TorchBackend
 from .triton_backend import TritonBackend
 
@@ -45,4 +45,13 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     return TritonBackend() if triton_ok else TorchBackend()
 
 
-__all__ = ["BACKENDS", "Backend", "CheckResult", "TorchBackend", "TritonBackend", "inverse_scale", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "CheckResult",
+    "TorchBackend",
+    "TritonBackend",
+    "clip_coefficient",
+    "inverse_scale",
+    "resolve_backend",
+]

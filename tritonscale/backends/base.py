@@ -14,6 +14,11 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s coefficient, op for op: min(max_norm / (norm + 1e-6), 1)."""
+    return torch.clamp(max_norm * (norm + 1e-6).reciprocal(), max=1.0)
+
+
 @dataclass
 class CheckResult:
     """Device-side results of the check pass + finalize for one device (0-dim fp32 tensors)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CheckResult, inverse_scale
+from .base import CheckResult, clip_coefficient, inverse_scale
 
 
 def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
@@ -66,8 +66,7 @@ class TorchBackend:
             clip_coef = torch.ones_like(norm)
             factor = inv_scale.reshape(())
         else:
-            # torch.nn.utils.clip_grad_norm_'s coefficient, op for op.
-            clip_coef = torch.clamp(max_norm * (norm + 1e-6).reciprocal(), max=1.0)
+            clip_coef = clip_coefficient(norm, max_norm)
             factor = (inv_scale * clip_coef).reshape(())
         # As in the kernels' finalize: an overflowed step leaves its gradients untouched.
         factor = torch.where(found_inf > 0, torch.ones_like(factor), factor)

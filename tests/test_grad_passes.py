@@ -1,0 +1,123 @@
+"""grad_groups.py + grad_passes.py: what torch's GradScaler accepts beyond the kernels' dtypes and
+layouts (float64, non-dense and sparse gradients, every norm type) goes through torch ops in the
+same pass, with torch as the oracle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritonscale import GradScaler
+
+SCALE = 2.0**6
+
+
+def strided_like(g):
+    view = torch.zeros(*g.shape[:-1], 2 * g.shape[-1], dtype=g.dtype)[..., ::2]
+    view.copy_(g)
+    return view
+
+
+def uncoalesced(g):
+    # Each value split into two entries at the same index: the sum is g, the coalesced form too.
+    s = g.to_sparse()
+    idx, vals = s.indices(), s.values()
+    return torch.sparse_coo_tensor(torch.cat([idx, idx], 1), torch.cat([vals * 0.25, vals * 0.75]), g.shape)
+
+
+ODD = {
+    "float64": lambda g: g.double(),
+    "strided": strided_like,
+    "sparse": lambda g: g.to_sparse(),
+    "sparse-uncoalesced": uncoalesced,
+}
+
+
+def run(scaler, odd, call, bad=None, norm_type=2.0, seed=0):
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5, 3))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler.scale(torch.ones(()))
+    grads = [torch.randn(6, 4) * 3 * SCALE, torch.randn(5, 3) * 3 * SCALE]
+    if bad is not None:
+        grads[1][2, 1] = bad
+    params[0].grad = grads[0]
+    params[1].grad_dtype = None
+    params[1].grad = ODD[odd](grads[1])
+    norm = None
+    if call == "clip":
+        if isinstance(scaler, GradScaler):
+            norm = scaler.clip_grad_norm_(optimizer, 0.5, norm_type)
+        else:
+            scaler.unscale_(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type)
+    elif call == "unscale_":
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    return norm, scaler.get_scale(), [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("bad", [None, math.inf, math.nan], ids=["finite", "inf", "nan"])
+@pytest.mark.parametrize("call", ["step", "unscale_", "clip"])
+@pytest.mark.parametrize("odd", list(ODD))
+def test_gradients_beyond_the_kernels_train_like_torch(backend, odd, call, bad):
+    ours = run(GradScaler("cpu", init_scale=SCALE, backend=backend), odd, call, bad)
+    if call == "clip" and odd.startswith("sparse"):
+        # torch's clip_grad_norm_ has no sparse kernel: the oracle is the same step with the
+        # gradient dense (ours clips a sparse gradient by the norm of its coalesced values).
+        theirs = run(torch.amp.GradScaler("cpu", init_scale=SCALE), "float64", call, bad)
+    else:
+        theirs = run(torch.amp.GradScaler("cpu", init_scale=SCALE), odd, call, bad)
+    if theirs[0] is not None:
+        assert math.isfinite(float(ours[0])) == math.isfinite(float(theirs[0]))
+        if math.isfinite(float(theirs[0])):
+            assert float(ours[0]) == pytest.approx(float(theirs[0]), rel=1e-5)
+    assert ours[1] == theirs[1]  # the same skip and backoff
+    for a, b in zip(ours[2], theirs[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm_type", [0.5, 1.0, 2.0, 3.0, math.inf, -math.inf, 0.0])
+@pytest.mark.parametrize("odd", ["float64", "strided"])
+def test_every_norm_type_torch_takes(backend, odd, norm_type):
+    ours = run(GradScaler("cpu", init_scale=SCALE, backend=backend), odd, "clip", norm_type=norm_type)
+    theirs = run(torch.amp.GradScaler("cpu", init_scale=SCALE), odd, "clip", norm_type=norm_type)
+    assert float(ours[0]) == pytest.approx(float(theirs[0]), rel=1e-5)
+    for a, b in zip(ours[2], theirs[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("call", ["clip", "step"])
+def test_sparse_gradient_with_a_fused_optimizer_is_refused_before_anything_changes(backend, call):
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5, 3))]
+    optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)
+    scaler = GradScaler("cpu", backend=backend)
+    scaler.scale(torch.ones(()))
+    params[0].grad = torch.randn(4, 3)
+    params[1].grad = uncoalesced(torch.randn(5, 3))
+    grad_objects = [p.grad for p in params]
+    values = [p.grad.clone() for p in params]
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[1\] has a sparse gradient"):
+        scaler.clip_grad_norm_(optimizer, 1.0) if call == "clip" else scaler.step(optimizer)
+    assert all(p.grad is g for p, g in zip(params, grad_objects))  # not even coalesced
+    assert torch.equal(params[0].grad, values[0]) and torch.equal(params[1].grad.to_dense(), values[1].to_dense())
+    assert scaler._per_optimizer_states[id(optimizer)]["stage"].name == "READY"
+
+
+def test_a_gradient_overlapping_itself_is_refused_before_anything_changes(backend):
+    # torch's unscale_ fails on it halfway ("more than one element of the written-to tensor refers
+    # to a single memory location"), after unscaling the gradients before it; ours refuses first.
+    params = [torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(3, 4))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu", init_scale=3.0, backend=backend)
+    scaler.scale(torch.ones(()))
+    params[0].grad = torch.randn(100) * 1000
+    params[1].grad = torch.randn(3, 1).expand(3, 4)
+    before = [p.grad.clone() for p in params]
+    for call in (lambda: scaler.unscale_(optimizer), lambda: scaler.clip_grad_norm_(optimizer, 1e-3)):
+        with pytest.raises(ValueError, match=r"\['params'\]\[1\] has a gradient whose elements share memory"):
+            call()
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
