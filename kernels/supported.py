@@ -79,11 +79,14 @@ def raise_unsupported_grad(grad: torch.Tensor, where: str) -> NoReturn:
 
 
 def check_max_norm(max_norm: float) -> float:
-    """``max_norm`` as a float once it is a positive finite number (finalize takes it as float32)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
-        raise ValueError(f"max_norm must be a positive finite float, got {max_norm!r}")
+    """``max_norm`` as a float: any number torch.nn.utils.clip_grad_norm_ clips sensibly by, from 0
+    (every gradient zeroed) to inf (the norm alone, nothing clipped); negative and NaN refused."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise ValueError(f"max_norm must be a float >= 0 (inf: only measure), got {max_norm!r}")
     try:
-        return float(max_norm)
-    except OverflowError:  # an int beyond the float range, such as 10**400
-        bits = max_norm.bit_length()
-        raise ValueError(f"max_norm must be a positive finite float, got an int of {bits} bits") from None
+        value = float(max_norm)
+    except OverflowError:  # an int beyond the float range, such as 10**400 (torch: a raw OverflowError)
+        raise ValueError(f"max_norm must be a float >= 0, got an int of {max_norm.bit_length()} bits") from None
+    if not value >= 0:  # negative would flip every gradient's sign; NaN would poison it
+        raise ValueError(f"max_norm must be a float >= 0 (inf: only measure), got {max_norm!r}")
+    return value
