@@ -1,0 +1,271 @@
+"""Hugging Face Accelerate (and so the Trainer): one call installs a ``tritonscale.GradScaler``.
+
+``install(accelerator)`` puts a ``tritonscale.GradScaler`` where Accelerate keeps its scaler
+(``accelerator.scaler`` and every prepared ``AcceleratedOptimizer``), so ``accelerator.backward``,
+``optimizer.step()``, ``optimizer.step_was_skipped``, ``accelerator.optimizer_step_was_skipped``,
+``accelerator.unscale_gradients``, ``save_state``/``load_state`` all run on it through
+Accelerate's own code. It also replaces ``clip_grad_norm_`` on that one accelerator instance (a
+bound method in the instance's ``__dict__``; the class and other accelerators are untouched) so
+that ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` runs the scaler's fused
+unscale + inf/NaN check + clip (``scaler.clip_grad_norm_``) on the prepared optimizer owning those
+parameters, folded into the step for a fused optimizer. When it cannot, it says why
+(:class:`FusedClipFallbackWarning`) and runs Accelerate's own ``clip_grad_norm_`` (which unscales
+through the same scaler's ``unscale_`` and clips with torch).
+
+Example::
+
+    from accelerate import Accelerator
+    from tritonscale.integrations.accelerate import install
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    scaler = install(accelerator)                      # before prepare() (after works too, see install)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)                     # scaler.scale(loss).backward()
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)   # the fused pass
+        optimizer.step()                               # scaler.step + scaler.update, skipped on inf/NaN
+        optimizer.zero_grad()
+
+With the Hugging Face Trainer (it builds its own Accelerator inside ``__init__``)::
+
+    class FusedTrainer(FusedScalerTrainerMixin, transformers.Trainer):
+        pass
+
+    trainer = FusedTrainer(model=model, args=args, train_dataset=ds, tritonscale_scaler_kwargs={"backend": "torch"})
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from ..grad_scaler import GradScaler
+from ..kernels.supported import check_max_norm, check_norm_type
+from ..optimizer_wrappers import unwrap_optimizer
+
+__all__ = ["FusedClipFallbackWarning", "FusedScalerTrainerMixin", "install", "installed_scaler"]
+
+# Accelerate hands the gradients to someone else's scaling or clipping in these set-ups: DeepSpeed
+# and Megatron-LM scale the loss themselves, FSDP shards the gradients (a local norm is not the
+# global one; torch needs ShardedGradScaler there), XLA reduces the gradients inside clip_grad_norm_.
+_REFUSED_DISTRIBUTED_TYPES = {
+    DistributedType.DEEPSPEED: "DeepSpeed does its own loss scaling and clipping",
+    DistributedType.MEGATRON_LM: "Megatron-LM does its own loss scaling and clipping",
+    DistributedType.FSDP: "FSDP shards the gradients: a per-rank norm is not the global norm",
+    DistributedType.XLA: "XLA reduces the gradients inside Accelerate's clip_grad_norm_",
+}
+
+# The attribute on the accelerator instance that holds what install() did (and marks it installed).
+_INSTALLED_ATTR = "_tritonscale_installed"
+
+
+class FusedClipFallbackWarning(UserWarning):
+    """``accelerator.clip_grad_norm_`` ran Accelerate's own path instead of the fused pass; the
+    message says why. Results are still correct (Accelerate unscales through the same scaler)."""
+
+
+@dataclass
+class _Installed:
+    scaler: GradScaler
+    accelerate_clip_grad_norm_: Any  # Accelerate's own bound method, for the fallback
+
+
+def installed_scaler(accelerator: Accelerator) -> GradScaler | None:
+    """The ``tritonscale.GradScaler`` that :func:`install` put on ``accelerator``, or None."""
+    installed = accelerator.__dict__.get(_INSTALLED_ATTR)
+    return installed.scaler if installed is not None else None
+
+
+def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
+    """Install a ``tritonscale.GradScaler`` on ``accelerator`` and route its ``clip_grad_norm_``
+    to the fused pass. Returns the scaler.
+
+    Call it right after creating the Accelerator, before ``accelerator.prepare(...)``: then
+    ``prepare`` wraps the model's forward in fp16 autocast and hands the scaler to the optimizers
+    itself. Called after ``prepare`` it also works: the prepared ``AcceleratedOptimizer``\\ s get
+    the new scaler, and a torch scaler that already ran steps hands over its state (scale, growth
+    tracker); but on CPU, where Accelerate had turned fp16 off, models prepared earlier are not
+    autocast (a warning says so). Call it at an iteration boundary (not between backward and step).
+
+    ``scaler_kwargs`` go to ``tritonscale.GradScaler`` (``init_scale``, ``growth_interval``,
+    ``backend``, policy knobs, ...), on top of the Accelerator's ``GradScalerKwargs`` handler if
+    one was given. The device is the accelerator's. ``enabled`` defaults to
+    ``accelerator.mixed_precision == "fp16"``: with bf16 or no mixed precision the scaler is
+    disabled, and ``clip_grad_norm_`` still runs fused with its inf/NaN check (the step after an
+    inf/NaN norm is skipped). An enabled scaler needs ``mixed_precision="fp16"``.
+
+    On CPU Accelerate turns fp16 into plain fp32 with no scaler (``native_amp`` False); this call
+    turns it back on (``accelerator.native_amp = True``), so ``prepare`` autocasts the forward in
+    float16 on CPU and ``accelerator.unscale_gradients`` unscales.
+
+    Refused (ValueError): DeepSpeed, Megatron-LM, FSDP, XLA and FP8 set-ups, whose scaling or
+    clipping Accelerate hands elsewhere.
+
+    Example::
+
+        accelerator = Accelerator(mixed_precision="fp16")
+        scaler = install(accelerator, growth_interval=1000)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    """
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"expected an accelerate.Accelerator, got {type(accelerator).__name__}")
+    reason = _REFUSED_DISTRIBUTED_TYPES.get(accelerator.distributed_type)
+    if reason is not None:
+        raise ValueError(f"tritonscale cannot take over loss scaling under {accelerator.distributed_type}: {reason}")
+    if getattr(accelerator, "fp8_enabled", False):
+        raise ValueError("tritonscale cannot take over loss scaling in an FP8 run (its backend owns the scaling)")
+
+    old = accelerator.scaler
+    if old is not None and getattr(old, "_per_optimizer_states", None):
+        # A half-finished iteration (scaled or unscaled gradients on record) would be lost.
+        raise RuntimeError("install() must be called at an iteration boundary: the current scaler is mid-iteration")
+
+    handler = getattr(accelerator, "scaler_handler", None)
+    kwargs: dict[str, Any] = handler.to_kwargs() if handler is not None else {}
+    kwargs.update(scaler_kwargs)
+    fp16 = accelerator.mixed_precision == "fp16"
+    kwargs.setdefault("enabled", fp16)
+    if kwargs["enabled"] and not fp16:
+        # Accelerate unscales (unscale_gradients) and autocasts only when mixed_precision is fp16:
+        # an enabled scaler elsewhere would leave scaled gradients to its fallback clip.
+        raise ValueError(
+            f"an enabled loss scaler needs Accelerator(mixed_precision='fp16'), got {accelerator.mixed_precision!r}; "
+            "pass enabled=False for a bf16/fp32 run (fused clip with the inf/NaN check, no scaling)"
+        )
+    scaler = GradScaler(accelerator.device.type, **kwargs)
+    if old is not None and scaler.is_enabled() and getattr(old, "_scale", None) is not None:
+        # The old scaler already ran steps (or was loaded and used): carry its scale on.
+        scaler.load_state_dict(old.state_dict())
+
+    if fp16 and not accelerator.native_amp:
+        # Accelerate keys both the autocast wrapper of prepare()/autocast() and unscale_gradients on
+        # native_amp, which it leaves False on CPU.
+        accelerator.native_amp = True
+        if accelerator._models:
+            warnings.warn(
+                "install() turned fp16 on after prepare(): the models prepared so far run without "
+                "autocast; call install() before accelerator.prepare(...)",
+                stacklevel=2,
+            )
+    accelerator.scaler = scaler
+
+    # Optimizers prepared before this call hold the old scaler (or None). AcceleratedOptimizer's own
+    # __setstate__ sets the scaler and builds the step hook that step_was_skipped relies on.
+    for opt in accelerator._optimizers:
+        if isinstance(opt, AcceleratedOptimizer):
+            opt.__setstate__({"scaler": scaler})
+
+    installed = accelerator.__dict__.get(_INSTALLED_ATTR)
+    original = installed.accelerate_clip_grad_norm_ if installed is not None else accelerator.clip_grad_norm_
+    accelerator.__dict__[_INSTALLED_ATTR] = _Installed(scaler, original)
+    # Only this instance: an instance attribute shadows Accelerator.clip_grad_norm_.
+    accelerator.clip_grad_norm_ = MethodType(_clip_grad_norm_, accelerator)
+    return scaler
+
+
+def _clip_grad_norm_(
+    accelerator: Accelerator,
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2,
+) -> torch.Tensor:
+    """``accelerator.clip_grad_norm_`` after :func:`install`: the fused pass on the owning optimizer.
+
+    Returns the total norm of the unscaled gradients before clipping (a 0-dim float32 tensor), as
+    Accelerate's does; it counts as that optimizer's ``unscale_`` for the iteration.
+    """
+    installed: _Installed = accelerator.__dict__[_INSTALLED_ATTR]
+    # torch's clip_grad_norm_ takes one tensor too; iterating a tensor would walk its rows.
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    target, reason = _fused_target(accelerator, installed, params, max_norm, norm_type)
+    if target is not None:
+        try:
+            return installed.scaler.clip_grad_norm_(target, max_norm, norm_type)
+        except (TypeError, ValueError) as error:
+            # A gradient the kernels refuse (float64, sparse, shared memory...). The scaler raises
+            # before changing anything, so Accelerate's own path can still run on the same state.
+            reason = f"the fused pass refused the gradients: {error}"
+    warnings.warn(
+        f"accelerator.clip_grad_norm_ runs Accelerate's own unscale + clip, not the fused pass: {reason}",
+        FusedClipFallbackWarning,
+        stacklevel=2,
+    )
+    return installed.accelerate_clip_grad_norm_(params, max_norm, norm_type)
+
+
+def _fused_target(
+    accelerator: Accelerator, installed: _Installed, params: list[torch.Tensor], max_norm: Any, norm_type: Any
+) -> tuple[torch.optim.Optimizer | None, str]:
+    """The real optimizer whose gradients are exactly the given ones, or None and the reason."""
+    if accelerator.scaler is not installed.scaler:
+        return None, "accelerator.scaler was replaced after install()"
+    try:
+        check_max_norm(max_norm)  # e.g. inf (the Trainer's "norm only" call) is refused by the scaler
+        check_norm_type(norm_type)
+    except ValueError as error:
+        return None, str(error)
+    with_grad = {id(p) for p in params if p.grad is not None}
+    if not with_grad:
+        return None, "none of the parameters has a gradient"
+    owners = []
+    for prepared in accelerator._optimizers:
+        real = unwrap_optimizer(prepared)
+        owned = {id(p) for group in real.param_groups for p in group["params"] if p.grad is not None}
+        if owned & with_grad:
+            owners.append((real, owned))
+    # scaler.clip_grad_norm_ works per optimizer, on all its gradients: it matches torch's clip of
+    # `parameters` only when one optimizer holds exactly those gradients.
+    if not owners:
+        return None, "the parameters belong to no optimizer passed to accelerator.prepare()"
+    if len(owners) > 1:
+        return None, f"the parameters are spread over {len(owners)} prepared optimizers (one global norm)"
+    real, owned = owners[0]
+    if not with_grad <= owned:
+        return None, "some parameters belong to no optimizer passed to accelerator.prepare()"
+    if owned != with_grad:
+        extra = len(owned - with_grad)
+        return None, f"the optimizer also holds {extra} gradient(s) of parameters not passed to clip_grad_norm_"
+    return real, ""
+
+
+class FusedScalerTrainerMixin:
+    """Mix into ``transformers.Trainer`` to train on a ``tritonscale.GradScaler``.
+
+    The Trainer creates its Accelerator in ``create_accelerator_and_postprocess`` (from ``__init__``,
+    and again for hyperparameter searches) and prepares the model and optimizer in ``train()``, so
+    installing right there is "before prepare". ``tritonscale_scaler_kwargs`` go to
+    :func:`install`; the scaler is ``trainer.tritonscale_scaler``. The Trainer's
+    ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)`` then runs the fused pass
+    (``max_grad_norm <= 0`` makes it ask for the norm only, ``max_norm=inf``, which takes
+    Accelerate's path). Use ``fp16=True`` (on CPU too: install turns fp16 autocast back on).
+
+    Example::
+
+        class FusedTrainer(FusedScalerTrainerMixin, transformers.Trainer):
+            pass
+
+        trainer = FusedTrainer(model=model, args=TrainingArguments(..., fp16=True), train_dataset=ds,
+                               tritonscale_scaler_kwargs={"growth_interval": 1000})
+        trainer.train()
+    """
+
+    tritonscale_scaler: GradScaler | None = None
+
+    def __init__(self, *args: Any, tritonscale_scaler_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        # Set before Trainer.__init__, which creates the Accelerator.
+        self._tritonscale_scaler_kwargs = dict(tritonscale_scaler_kwargs or {})
+        super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.tritonscale_scaler = install(self.accelerator, **self._tritonscale_scaler_kwargs)
