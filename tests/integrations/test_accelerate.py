@@ -230,8 +230,6 @@ def true_norm(grads, scale, norm_type=2.0):
     "case, match",
     [
         ("subset", "also holds 2 gradient"),
-        ("norm-only", "max_norm must be a positive finite float"),
-        ("norm-type-3", "norm_type must be 1, 2 or inf"),
         ("two-optimizers", "spread over 2 prepared optimizers"),
         ("not-prepared", "belong to no optimizer"),
     ],
@@ -242,10 +240,6 @@ def test_falls_back_to_accelerates_path_with_a_reason(case, match):
     params, max_norm, norm_type = list(model.parameters()), 0.5, 2.0
     if case == "subset":
         params = list(model[0].parameters())
-    elif case == "norm-only":
-        max_norm = math.inf  # the Trainer's call when max_grad_norm <= 0
-    elif case == "norm-type-3":
-        norm_type = 3.0
     elif case == "not-prepared":
         params = [torch.nn.Parameter(torch.ones(3))]
         params[0].grad = torch.ones(3)
@@ -257,6 +251,21 @@ def test_falls_back_to_accelerates_path_with_a_reason(case, match):
     for optimizer in optimizers:  # Accelerate's path unscaled through our scaler; the step completes
         optimizer.step()
         assert not optimizer.step_was_skipped
+
+
+@pytest.mark.parametrize("max_norm, norm_type", [(math.inf, 2.0), (0.5, 3.0)], ids=["norm-only", "norm-type-3"])
+def test_norm_only_and_other_norm_types_run_fused(max_norm, norm_type):
+    # max_norm=inf is the Trainer's call when max_grad_norm <= 0; norm types beyond 1, 2 and inf
+    # run with torch ops inside the scaler's pass. Both stay on the scaler, no fallback.
+    accelerator, scaler, model, optimizers = scaled_grads_set_up(1)
+    fused_norms = spy_fused_clip(scaler)
+    params = list(model.parameters())
+    expected = true_norm([p.grad for p in params], scaler.get_scale(), norm_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusedClipFallbackWarning)
+        norm = accelerator.clip_grad_norm_(params, max_norm, norm_type)
+    assert len(fused_norms) == 1
+    torch.testing.assert_close(norm.float(), expected, rtol=1e-5, atol=0)
 
 
 def test_bf16_runs_the_fused_clip_unscaled_and_skips_on_inf():

@@ -192,7 +192,7 @@ def _clip_grad_norm_(
         try:
             return installed.scaler.clip_grad_norm_(target, max_norm, norm_type)
         except (TypeError, ValueError) as error:
-            # A gradient the kernels refuse (float64, sparse, shared memory...). The scaler raises
+            # A gradient the scaler refuses (shared memory, int, a self-overlapping view): it raises
             # before changing anything, so Accelerate's own path can still run on the same state.
             reason = f"the fused pass refused the gradients: {error}"
     warnings.warn(
@@ -210,7 +210,7 @@ def _fused_target(
     if accelerator.scaler is not installed.scaler:
         return None, "accelerator.scaler was replaced after install()"
     try:
-        check_max_norm(max_norm)  # e.g. inf (the Trainer's "norm only" call) is refused by the scaler
+        check_max_norm(max_norm)  # negative or NaN: Accelerate's path, which takes them
         check_norm_type(norm_type)
     except ValueError as error:
         return None, str(error)
@@ -246,8 +246,8 @@ class FusedScalerTrainerMixin:
     installing right there is "before prepare". ``tritonscale_scaler_kwargs`` go to
     :func:`install`; the scaler is ``trainer.tritonscale_scaler``. The Trainer's
     ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)`` then runs the fused pass
-    (``max_grad_norm <= 0`` makes it ask for the norm only, ``max_norm=inf``, which takes
-    Accelerate's path). Use ``fp16=True`` (on CPU too: install turns fp16 autocast back on).
+    (``max_grad_norm <= 0`` makes it ask for the norm only, ``max_norm=inf``: fused too).
+    Use ``fp16=True`` (on CPU too: install turns fp16 autocast back on).
 
     Example::
 
