@@ -182,3 +182,17 @@ def test_checkpoint_surface():
     back.load_state_dict(theirs.state_dict())  # timm's -> ours
     torch_keys = theirs.state_dict().keys()
     assert {k: back.state_dict()[k] for k in torch_keys} == {k: ours.state_dict()[k] for k in torch_keys}
+
+
+def test_fold_call_reads_nothing_on_the_host(forbid_host_reads):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    loss_scaler = _fused_scaler()
+    for bad in (False, True, False):
+        loss = model(torch.randn(3, 8)).square().mean() * (float("inf") if bad else 1.0)
+        forbid_host_reads["on"] = True
+        loss_scaler(loss, optimizer, clip_grad=0.1, parameters=model.parameters())
+        forbid_host_reads["on"] = False
+        optimizer.zero_grad()
+    assert int(loss_scaler.scaler.stats()["skipped_steps"]) == 1

@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -89,11 +90,13 @@ class FusedNativeScaler(NativeScaler):
             not need_update
             or clip_grad is None
             or clip_mode != "norm"
+            or not 0 < clip_grad < math.inf
             or not self._clips_optimizer(optimizer, parameters)
         ):
             # Nothing for the fused clip to do (accumulation micro-step, no clipping), a mode it
-            # does not cover ("value", "agc", and an unknown mode raises there as in timm), or a
-            # clip over other tensors than the optimizer's: timm's own sequence, on our scaler.
+            # does not cover ("value", "agc", and an unknown mode raises there as in timm), a
+            # threshold it refuses (torch zeroes the gradients at 0), or a clip over other tensors
+            # than the optimizer's: timm's own sequence, on our scaler.
             return super().__call__(loss, optimizer, clip_grad, clip_mode, parameters, create_graph, need_update)
         self._scaler.scale(loss).backward(create_graph=create_graph)
         # = timm's unscale_(optimizer) + dispatch_clip_grad(parameters, clip_grad, "norm"), one pass.
