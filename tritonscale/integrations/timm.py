@@ -1,0 +1,119 @@
+"""timm: ``FusedNativeScaler``, a drop-in for ``timm.utils.NativeScaler`` on ``tritonscale.GradScaler``.
+
+timm's training scripts drive mixed precision through one call,
+``loss_scaler(loss, optimizer, clip_grad=..., clip_mode=..., parameters=..., create_graph=...,
+need_update=...)``, and checkpoint it through ``state_dict_key``/``state_dict``/``load_state_dict``.
+``FusedNativeScaler`` keeps that surface (it is a ``NativeScaler`` subclass; ``state_dict_key`` is
+still ``"amp_scaler"``, and the checkpoints load into either class) and changes what runs inside:
+
+* ``clip_mode="norm"``: ``scaler.clip_grad_norm_(optimizer, clip_grad)`` -- unscale, inf/NaN check
+  and global-norm clip in one fused pass, instead of timm's ``unscale_`` followed by
+  ``torch.nn.utils.clip_grad_norm_``. With a fused optimizer (``AdamW(fused=True)``) the gradients
+  are not written at all: ``scale / clip_coef`` is folded into the optimizer's step.
+* ``clip_mode="value"`` / ``"agc"``, no clipping, or a ``parameters`` list that is not the
+  optimizer's own: timm's own ``NativeScaler.__call__`` runs (``unscale_`` + timm's
+  ``dispatch_clip_grad``) on top of the tritonscale scaler, so only the ``unscale_`` is ours.
+
+The call returns ``None``, as timm's does. The norm of the last fused clip is
+``loss_scaler.scaler.stats()["norm"]`` (a device tensor: reading it is the only sync).
+
+Example::
+
+    from tritonscale.integrations.timm import FusedNativeScaler
+
+    loss_scaler = FusedNativeScaler(device="cuda")  # instead of timm.utils.NativeScaler(device="cuda")
+    for x, y in loader:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss_scaler(loss, optimizer, clip_grad=1.0, clip_mode="norm", parameters=model.parameters())
+        if not loss_scaler.scaler.last_step_skipped():
+            lr_scheduler.step_update(num_updates)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from timm.utils.cuda import NativeScaler
+
+from tritonscale.grad_scaler import GradScaler
+from tritonscale.optimizer_wrappers import unwrap_optimizer
+
+__all__ = ["FusedNativeScaler"]
+
+
+def _counted(tensors: Iterable[torch.Tensor]) -> set[int]:
+    # The tensors torch.nn.utils.clip_grad_norm_ would count: those that have, or will get, a grad.
+    return {id(p) for p in tensors if p.requires_grad or p.grad is not None}
+
+
+class FusedNativeScaler(NativeScaler):
+    """``timm.utils.NativeScaler`` with the fused ``clip_grad_norm_`` of ``tritonscale.GradScaler``.
+
+    ``device`` as in timm; every other keyword goes to ``tritonscale.GradScaler`` (``init_scale``,
+    ``growth_interval``, ``backend``, ``policy``, ``hysteresis``, ...).
+
+    Example::
+
+        loss_scaler = FusedNativeScaler("cpu", backend="torch")
+        loss_scaler(loss, optimizer, clip_grad=1.0, parameters=model.parameters())
+    """
+
+    state_dict_key = NativeScaler.state_dict_key  # timm's CheckpointSaver files the state under it
+
+    def __init__(self, device: str = "cuda", **scaler_kwargs: Any) -> None:
+        # timm's __init__ would only build a torch.amp.GradScaler that we replace: not called.
+        self._scaler = GradScaler(device=device, **scaler_kwargs)
+
+    @property
+    def scaler(self) -> GradScaler:
+        """The ``tritonscale.GradScaler`` inside (``stats()``, ``last_step_skipped()``, ...)."""
+        return self._scaler
+
+    def __call__(
+        self,
+        loss: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        clip_grad: float | None = None,
+        clip_mode: str = "norm",
+        parameters: Iterable[torch.Tensor] | None = None,
+        create_graph: bool = False,
+        need_update: bool = True,
+    ) -> None:
+        if parameters is not None:
+            parameters = list(parameters)  # a generator would be spent by the check below
+        if (
+            not need_update
+            or clip_grad is None
+            or clip_mode != "norm"
+            or not 0 < clip_grad < math.inf
+            or not self._clips_optimizer(optimizer, parameters)
+        ):
+            # Nothing for the fused clip to do (accumulation micro-step, no clipping), a mode it
+            # does not cover ("value", "agc", and an unknown mode raises there as in timm), a
+            # threshold it refuses (torch zeroes the gradients at 0), or a clip over other tensors
+            # than the optimizer's: timm's own sequence, on our scaler.
+            return super().__call__(loss, optimizer, clip_grad, clip_mode, parameters, create_graph, need_update)
+        self._scaler.scale(loss).backward(create_graph=create_graph)
+        # = timm's unscale_(optimizer) + dispatch_clip_grad(parameters, clip_grad, "norm"), one pass.
+        self._scaler.clip_grad_norm_(optimizer, clip_grad)
+        self._scaler.step(optimizer)
+        self._scaler.update()
+        return None
+
+    @staticmethod
+    def _clips_optimizer(optimizer: Any, parameters: list[torch.Tensor] | None) -> bool:
+        """Whether a clip over the optimizer's gradients is the clip timm would do over ``parameters``.
+
+        timm clips ``parameters`` (train.py passes the model's); the fused clip covers the
+        optimizer's gradients. They agree when both name the same tensors, which is the usual
+        case (frozen parameters are outside both). ``parameters=None`` means the optimizer's.
+        """
+        if parameters is None:
+            return True
+        real = unwrap_optimizer(optimizer)
+        return _counted(parameters) == _counted(p for group in real.param_groups for p in group["params"])
