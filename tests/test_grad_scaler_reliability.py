@@ -307,3 +307,33 @@ def test_deepspeed_scale_window_zero_is_a_clear_error():
     state = {"cur_scale": 2.0**16, "cur_iter": 10, "last_overflow_iter": 3, "scale_window": 0}
     with pytest.raises(ScalerConfigError, match="scale_window"):
         from_deepspeed(state)
+
+
+# ------------------------------------- skips reported when the scale is set by hand, or off
+def _skip_step(scaler, bad, new_scale=None):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(3, 4)).square().mean() * (math.inf if bad else 1.0)
+    scaler.scale(loss).backward()
+    scaler.clip_grad_norm_(optimizer, 1.0)
+    before = model.weight.detach().clone()
+    scaler.step(optimizer)
+    scaler.update(new_scale)
+    return torch.equal(before, model.weight)
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_update_with_new_scale_still_counts_the_skip(backend, bad):
+    # mmengine's static loss scale calls update(new_scale) every step; the skip must still show.
+    scaler = GradScaler("cpu", init_scale=512.0, backend=backend)
+    assert _skip_step(scaler, bad, new_scale=512.0) is bad
+    assert scaler.last_step_skipped() is bad and scaler.get_scale() == 512.0
+    assert int(scaler.stats()["skipped_steps"]) == int(bad)
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_disabled_scaler_reports_the_step_its_clip_skipped(backend, bad):
+    scaler = GradScaler("cpu", enabled=False, backend=backend)
+    assert _skip_step(scaler, bad) is bad
+    assert scaler.last_step_skipped() is bad

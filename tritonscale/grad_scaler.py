@@ -112,6 +112,7 @@ class GradScaler(TorchPrivateAPI):
         self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(OptimizerRecord)
         self._last_found_inf: torch.Tensor | None = None
         self._last_norm: torch.Tensor | None = None
+        self._disabled_skip: torch.Tensor | None = None  # a disabled scaler's last step() skip flag
 
     # ------------------------------------------------------------------ scale
     # torch's attribute names (frameworks and tests read them): None until the first scale().
@@ -296,6 +297,7 @@ class GradScaler(TorchPrivateAPI):
         """step() of a disabled scaler: torch's plain step, unless the clip_grad_norm_ just before it
         found inf/NaN. That finding is spent by this step: no update() is needed to clear it."""
         record = self._per_optimizer_states.pop(id(inner), None)
+        self._disabled_skip = record.skip if record is not None else None  # for last_step_skipped()
         if record is None or record.skip is None:
             return optimizer.step(*args, **kwargs)
         if takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer):  # skip on the device
@@ -336,6 +338,7 @@ class GradScaler(TorchPrivateAPI):
         scale, _ = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             set_scale_(scale, new_scale)
+            self._rules.count_only_(self._policy, self._tensors, self._per_optimizer_states.values())
         else:
             records = self._per_optimizer_states.values()
             self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
@@ -363,7 +366,9 @@ class GradScaler(TorchPrivateAPI):
         For LR schedulers: ``if not scaler.last_step_skipped(): scheduler.step()``. The device
         flag, for loops that must not sync, is ``scaler.stats()["skipped"]``.
         """
-        if not self._enabled or self._counters is None:
+        if not self._enabled:  # skipped only when the clip_grad_norm_ before it found inf/NaN
+            return self._disabled_skip is not None and bool(self._disabled_skip.item())
+        if self._counters is None:
             return False
         return bool(self._counters[LAST_SKIPPED].item())
 

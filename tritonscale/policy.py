@@ -324,11 +324,7 @@ class LossScalePolicy:
             )
             if self.min_scale is not None or self.max_scale is not None:
                 scale.clamp_(min=self.min_scale, max=self.max_scale)
-        skipped_int = was_skipped.int()
-        counters[CONSECUTIVE_SKIPS].mul_(skipped_int).add_(skipped_int)  # +1 on a skip, 0 after a step
-        counters[SKIPPED_STEPS].add_(skipped_int)
-        counters[LAST_SKIPPED].copy_(skipped_int)
-        counters[UPDATES].add_(1)
+        self.count_step_(counters, skipped)
         if norm is not None and self.skip_norm_factor is not None:
             norm = norm.to(scale.device, torch.float32)
             take = ~was_skipped & torch.isfinite(norm)
@@ -338,6 +334,15 @@ class LossScalePolicy:
             average = decay * norm_stats[NORM_AVERAGE] + (1 - decay) * norm
             norm_stats[NORM_AVERAGE].copy_(torch.where(take, average, norm_stats[NORM_AVERAGE]))
             norm_stats[NORM_COUNT].add_(take.float())
+
+    @staticmethod
+    def count_step_(counters: torch.Tensor, skipped: torch.Tensor) -> None:
+        """The skip counters of one finished iteration, in place (also when the scale was set by hand)."""
+        skipped_int = (skipped > 0).int()
+        counters[CONSECUTIVE_SKIPS].mul_(skipped_int).add_(skipped_int)  # +1 on a skip, 0 after a step
+        counters[SKIPPED_STEPS].add_(skipped_int)
+        counters[LAST_SKIPPED].copy_(skipped_int)
+        counters[UPDATES].add_(1)
 
     def knobs(self) -> dict:
         return asdict(self)

@@ -51,16 +51,9 @@ class PolicyRunner:
         found_inf and the norm that were used (the last clip_grad_norm_'s, or None)."""
         records = list(records)
         device = state.scale.device
-        found_inf = combine_flags(
-            [t.to(device, non_blocking=True) for r in records for t in r.found_inf_per_device.values()]
-        )
+        found_inf, skipped = self._flags(policy, state, records)
         if found_inf is None:
             raise AssertionError("No inf checks were recorded prior to update.")
-        skips = [r.skip for r in records if r.skip is not None]
-        if skips:
-            skipped = combine_flags(skips)
-        else:  # no optimizer stepped (unscale_ only): what overflowed counts as skipped
-            skipped = self.rule(policy, "skip_decision", device)(found_inf, None, state.norm_stats)
         norms = [r.norm for r in records if r.norm is not None]
         norm = norms[-1].to(device, non_blocking=True) if norms else None
         if policy.needs_host_check():
@@ -71,6 +64,29 @@ class PolicyRunner:
             state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm
         )
         return found_inf, norm
+
+    def count_only_(self, policy: LossScalePolicy, state: DeviceState, records: Iterable[OptimizerRecord]) -> None:
+        """``update(new_scale)``: the scale is set by hand, but the iteration's skip still counts
+        (stats(), last_step_skipped()). Nothing recorded (torch allows that here): nothing counted."""
+        found_inf, skipped = self._flags(policy, state, list(records))
+        if found_inf is not None:
+            policy.count_step_(state.counters, skipped)
+
+    def _flags(
+        self, policy: LossScalePolicy, state: DeviceState, records: list[OptimizerRecord]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The iteration's combined found_inf (None if nothing was recorded) and skip flag."""
+        device = state.scale.device
+        found_inf = combine_flags(
+            [t.to(device, non_blocking=True) for r in records for t in r.found_inf_per_device.values()]
+        )
+        if found_inf is None:
+            return None, None
+        skips = [r.skip for r in records if r.skip is not None]
+        if skips:
+            return found_inf, combine_flags(skips)
+        # No optimizer stepped (unscale_ only): what overflowed counts as skipped.
+        return found_inf, self.rule(policy, "skip_decision", device)(found_inf, None, state.norm_stats)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"compile_policy": self.compile_policy, "_compiled": {}}  # compiled rules are rebuilt on use
