@@ -30,16 +30,16 @@ def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
     return grads[0].dtype is torch.bfloat16 and grads[0].device.type == "cpu"
 
 
-def _raw_total_norm(groups: list[list[torch.Tensor]], ord: float) -> torch.Tensor:
-    """float64 0-dim norm of the raw gradients (same-dtype groups); inf/NaN when an element is
-    (or when one tensor's float32 norm overflows)."""
+def _per_tensor_norms(groups: list[list[torch.Tensor]], ord: float) -> torch.Tensor:
+    """float32 [T] norms of the raw gradients (same-dtype groups); inf/NaN where an element is (or
+    where one tensor's float32 squares overflow)."""
     per_group = []
     for grads in groups:
         if _rounds_norm_to_bf16(grads):
             per_group.append(torch.stack(torch._foreach_norm(grads, ord)).float())
         else:
             per_group.append(torch.stack(torch._foreach_norm(grads, ord, dtype=torch.float32)))
-    return torch.linalg.vector_norm(torch.cat(per_group).double(), ord)
+    return torch.cat(per_group)
 
 
 class TorchBackend:
@@ -56,12 +56,16 @@ class TorchBackend:
         ord = float(norm_type)
         nonempty = [grads for grads in ([g for g in group if g.numel() > 0] for group in groups) if grads]
         inv_scale = inverse_scale(scale)
-        if nonempty:
-            raw = _raw_total_norm(nonempty, ord)
-        else:
-            raw = torch.zeros((), dtype=torch.float64, device=scale.device)
-        found_inf = (~torch.isfinite(raw)).float()
-        norm = (raw * inv_scale.double()).float().reshape(())  # one rounding, in range once unscaled
+        per_tensor = (
+            _per_tensor_norms(nonempty, ord) if nonempty else torch.zeros(1, dtype=torch.float32, device=scale.device)
+        )
+        # torch's own combination, in float32: bit for bit torch's clip_grad_norm_ when the scale is 1
+        # (a bf16 run). Where only that sum overflows, the float64 one stands in, so no number of
+        # tensors whose norms are each in range can make an overflow.
+        raw32 = torch.linalg.vector_norm(per_tensor, ord)
+        raw64 = torch.linalg.vector_norm(per_tensor.double(), ord)
+        found_inf = (~torch.isfinite(raw64)).float()
+        norm = torch.where(torch.isfinite(raw32), raw32 * inv_scale, (raw64 * inv_scale.double()).float()).reshape(())
         if max_norm is None:
             clip_coef = torch.ones_like(norm)
             factor = inv_scale.reshape(())
