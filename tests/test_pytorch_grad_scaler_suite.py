@@ -310,35 +310,14 @@ def test_grad_scaling_unscale_sparse(backend, dtype):
     assert found_inf.item() == 1.0
 
 
-INIT_GROWTH_TRACKER_READ_ONLY = (
-    "tritonscale defect: GradScaler._init_growth_tracker is a read-only property (torch_private_api.py, "
-    "no setter), while torch's is a plain attribute that torch's own test (and wrappers that reset a "
-    "scaler) assign; `s._init_growth_tracker = 7` raises AttributeError. README lists it among the "
-    "private members 'with torch's meaning'; _growth_factor/_backoff_factor/_growth_interval have setters."
-)
-
-
-@pytest.mark.parametrize(
-    "write_init_growth_tracker",
-    [
-        pytest.param(
-            True,
-            id="upstream",
-            marks=pytest.mark.xfail(strict=True, raises=AttributeError, reason=INIT_GROWTH_TRACKER_READ_ONLY),
-        ),
-        # The same test without the one assignment, so the load_state_dict checks still run here.
-        pytest.param(False, id="no-init-growth-tracker-write"),
-    ],
-)
-def test_grad_scaling_state_dict(backend, write_init_growth_tracker):
+def test_grad_scaling_state_dict(backend):
     GradScaler = partial(tritonscale.GradScaler, DEVICE, backend=backend)
     for lazy_init_scale in True, False:
         s0 = GradScaler(init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
         s1 = GradScaler(init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
 
         # sets a random value for load_state_dict to overwrite
-        if write_init_growth_tracker:
-            s1._init_growth_tracker = 7
+        s1._init_growth_tracker = 7
 
         if lazy_init_scale:
             # Dummy scale() call to ensure the scale tensor is lazily initialized.

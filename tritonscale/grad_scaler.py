@@ -125,6 +125,11 @@ class GradScaler(TorchPrivateAPI):
     def _init_scale(self) -> float:
         return self._host.scale
 
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        # torch's meaning: the scale the first scale() starts from (frameworks assign it).
+        self._host.scale = value
+
     def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
         self._tensors = self._host.to_device(device)
 

@@ -59,6 +59,11 @@ class TorchPrivateAPI:
     def _init_growth_tracker(self) -> int:
         return self._host.growth_tracker
 
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        # torch's meaning: the tracker the first scale() starts from (and a pickle carries).
+        self._host.growth_tracker = value
+
     # ------------------------------------------------ the step(grad_scaler=...) protocol
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor itself, no host read (None before the first scale())."""
