@@ -3,7 +3,8 @@
 The controller only: it runs the gradient passes through a backend (grads -> check pass ->
 finalize -> apply, or the fold into a fused optimizer: ``fold.py``), keeps the per-optimizer
 stages (``optimizer_record.py``) and hands each iteration's flags to the policy's update rule
-(``policy.py``). Its state and checkpoints live in ``scaler_state.py``. The scale, the growth
+(``policy.py``). Its state, checkpoints and pickling live in ``scaler_state.py``, torch's knob
+accessors and private members in ``torch_private_api.py``. The scale, the growth
 tracker and every found_inf stay on the device; only get_scale()/state_dict() (explicitly) and
 step() for an optimizer that cannot take found_inf read a device value on the host.
 """
@@ -32,35 +33,24 @@ from .grad_passes import check_grads, clip_grads, unscale_grads_
 from .kernels.supported import check_max_norm, check_norm_type, kernels_compute
 from .optimizer_record import OptimizerRecord, OptState, combine_flags
 from .optimizer_wrappers import unwrap_optimizer
-from .policy import (
-    LAST_SKIPPED,
-    LossScalePolicy,
-    check_backoff_factor,
-    check_growth_factor,
-    check_growth_interval,
-    check_scale_value,
-)
+from .policy import LAST_SKIPPED, LossScalePolicy
 from .policy_update import PolicyRunner
 from .scale_outputs import scale_outputs
 from .scaler_state import (
     TORCH_INIT_SCALE,
     DeviceState,
     HostState,
-    from_state_dict,
+    ScalerStateIO,
+    checked_init_scale,
     policy_from_torch_args,
     set_scale_,
-    to_state_dict,
 )
 from .torch_private_api import TorchPrivateAPI
 
 __all__ = ["GradScaler", "OptState"]
 
 
-def _device_tensor(name: str) -> property:
-    return property(lambda self: getattr(self._tensors, name) if self._tensors is not None else None)
-
-
-class GradScaler(TorchPrivateAPI):
+class GradScaler(TorchPrivateAPI, ScalerStateIO):
     """Dynamic loss scaling with a fused unscale / inf-check / clip pass and no host sync.
 
     Same constructor, methods and state_dict as ``torch.amp.GradScaler``; adds
@@ -101,12 +91,8 @@ class GradScaler(TorchPrivateAPI):
             warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
-        if self._enabled:
-            if isinstance(init_scale, torch.Tensor) and init_scale.numel() == 1:  # torch takes one too
-                init_scale = init_scale.item()
-            init_scale = check_scale_value("init_scale", init_scale)
-            self._policy.validate().check_scale_in_bounds("init_scale", init_scale)
         # Like torch, a disabled scaler keeps its arguments unchecked.
+        init_scale = checked_init_scale(init_scale, self._policy) if self._enabled else init_scale
         self._host = HostState.initial(init_scale, self._policy)  # the values until the first scale()
         self._tensors: DeviceState | None = None  # ... and from then on, on the device
         self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(OptimizerRecord)
@@ -115,32 +101,6 @@ class GradScaler(TorchPrivateAPI):
         self._disabled_skip: torch.Tensor | None = None  # a disabled scaler's last step() skip flag
 
     # ------------------------------------------------------------------ scale
-    # torch's attribute names (frameworks and tests read them): None until the first scale().
-    _scale = _device_tensor("scale")
-    _growth_tracker = _device_tensor("growth_tracker")
-    _counters = _device_tensor("counters")
-    _norm_stats = _device_tensor("norm_stats")
-
-    @property
-    def _init_scale(self) -> float:
-        return self._host.scale
-
-    @_init_scale.setter
-    def _init_scale(self, value: float) -> None:
-        # torch's meaning: the scale the first scale() starts from (frameworks assign it).
-        self._host.scale = value
-
-    def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
-        self._tensors = self._host.to_device(device)
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return self._scale, self._growth_tracker
-
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor, or each tensor of a (nested) list/tuple/iterable, by the scale.
 
@@ -378,38 +338,11 @@ class GradScaler(TorchPrivateAPI):
         return bool(self._counters[LAST_SKIPPED].item())
 
     # -------------------------------------------------------- knobs and state
-    def _host_state(self) -> HostState:
-        """The current values as Python numbers (a host sync once they live on the device)."""
-        return self._tensors.to_host() if self._tensors is not None else self._host
-
     def get_scale(self) -> float:
         """The current scale as a Python float (a host sync), or 1.0 when disabled."""
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else float(self._scale.item())
-
-    def get_growth_factor(self) -> float:
-        return self._policy.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._policy.growth_factor = check_growth_factor(new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self._policy.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._policy.backoff_factor = check_backoff_factor(new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self._policy.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._policy.growth_interval = check_growth_interval(new_interval)
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return self._host.growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -418,38 +351,3 @@ class GradScaler(TorchPrivateAPI):
     def backend(self) -> str:
         """The requested backend: "auto", "triton" or "torch"."""
         return self._backend_name
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch.amp.GradScaler's five entries, plus this scaler's policy knobs and counters.
-
-        torch.amp.GradScaler.load_state_dict reads its five keys and ignores the rest, so the
-        checkpoint loads there too. Empty when disabled. Reads device values (a host sync).
-        """
-        if not self._enabled:
-            return {}
-        return to_state_dict(self._policy, self._host_state())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state_dict from this class or from torch.amp.GradScaler; validated before any change.
-
-        Knobs and counters a torch checkpoint lacks keep this scaler's configured values.
-        """
-        if not self._enabled:
-            return
-        policy, host = from_state_dict(state_dict, self._policy)
-        # Everything is valid: only now change state.
-        self._policy, self._host = policy, host
-        if self._tensors is not None:
-            self._tensors.load_(host)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Device tensors do not travel: the values go as Python numbers, made anew at the next scale().
-        state = self.__dict__.copy()
-        if self._enabled:
-            if len(self._per_optimizer_states) != 0:
-                raise AssertionError(
-                    "A GradScaler instance may only be pickled at the beginning "
-                    "of an iteration, or at the end after scaler.update()."
-                )
-            state["_host"], state["_tensors"] = self._host_state(), None
-        return state

@@ -1,6 +1,7 @@
 """The scaler's state: where it lives, how it is saved, loaded and pickled.
 
-The loss scale and the policy's trackers exist in two forms:
+``ScalerStateIO`` (mixed into GradScaler) saves, loads and pickles them. The loss scale and the
+policy's trackers exist in two forms:
 
 * ``HostState``: Python numbers. What a fresh scaler starts from, what ``state_dict()`` and a
   pickle hold, and what ``load_state_dict`` validates before anything changes.
@@ -90,6 +91,59 @@ class DeviceState:
         loaded = host.to_device(self.scale.device)
         for field in fields(self):
             getattr(self, field.name).copy_(getattr(loaded, field.name))
+
+
+def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy) -> float:
+    """An enabled scaler's ``init_scale``: a number (or a 1-element tensor, as torch takes), finite
+    and nonzero in float32, within the policy's [min_scale, max_scale]; the policy validated too."""
+    if isinstance(init_scale, torch.Tensor) and init_scale.numel() == 1:
+        init_scale = init_scale.item()
+    init_scale = check_scale_value("init_scale", init_scale)
+    return policy.validate().check_scale_in_bounds("init_scale", init_scale)
+
+
+class ScalerStateIO:
+    """Mixed into GradScaler: ``state_dict``, ``load_state_dict`` and pickling, over the scaler's
+    ``_policy``, ``_host`` (values before the first scale()) and ``_tensors`` (after)."""
+
+    def _host_state(self) -> HostState:
+        """The current values as Python numbers (a host sync once they live on the device)."""
+        return self._tensors.to_host() if self._tensors is not None else self._host
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.amp.GradScaler's five entries, plus this scaler's policy knobs and counters.
+
+        torch.amp.GradScaler.load_state_dict reads its five keys and ignores the rest, so the
+        checkpoint loads there too. Empty when disabled. Reads device values (a host sync).
+        """
+        if not self._enabled:
+            return {}
+        return to_state_dict(self._policy, self._host_state())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict from this class or from torch.amp.GradScaler; validated before any change.
+
+        Knobs and counters a torch checkpoint lacks keep this scaler's configured values.
+        """
+        if not self._enabled:
+            return
+        policy, host = from_state_dict(state_dict, self._policy)
+        # Everything is valid: only now change state.
+        self._policy, self._host = policy, host
+        if self._tensors is not None:
+            self._tensors.load_(host)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Device tensors do not travel: the values go as Python numbers, made anew at the next scale().
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            state["_host"], state["_tensors"] = self._host_state(), None
+        return state
 
 
 def set_scale_(scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:

@@ -12,7 +12,8 @@ Frameworks and fused optimizers reach past the public API; the readers we know o
 * ``_check_inf_per_device``, ``_found_inf_per_device``, ``_get_scale_async``: optimizers that take
   ``step(grad_scaler=...)`` (apex and TransformerEngine fused optimizers, torch's own tests).
 
-The controller (grad_scaler.py) defines the first group itself; this mixin adds the rest.
+Also here, as torch has them: ``get/set_growth_factor``, ``get/set_backoff_factor``,
+``get/set_growth_interval``. The controller (grad_scaler.py) keeps the stages and the passes.
 """
 
 from __future__ import annotations
@@ -24,45 +25,75 @@ import torch
 from .grad_groups import collect_grads
 from .grad_passes import check_grads
 from .optimizer_wrappers import unwrap_optimizer
+from .policy import check_backoff_factor, check_growth_factor, check_growth_interval
 from .scale_outputs import PerDevice
 
 
-class TorchPrivateAPI:
-    """Mixed into GradScaler. Nothing here is on the fused hot path."""
+def _device_tensor(name: str) -> property:
+    """torch's name for one of the device-state tensors: None until the first scale()."""
+    return property(lambda self: getattr(self._tensors, name) if self._tensors is not None else None)
 
-    # ------------------------------------------------------------ knobs, as torch names them
-    @property
-    def _growth_factor(self) -> float:
+
+def _initial(name: str) -> property:
+    """torch's ``_init_*``: the value the first scale() starts from (frameworks assign it too)."""
+    return property(lambda self: getattr(self._host, name), lambda self, value: setattr(self._host, name, value))
+
+
+def _knob(name: str) -> property:
+    """torch's private name for a policy knob, read and set through the public accessors."""
+    return property(lambda self: getattr(self._policy, name), lambda self, value: getattr(self, f"set_{name}")(value))
+
+
+class TorchPrivateAPI:
+    """Mixed into GradScaler: torch's knob accessors and private members. Nothing here is on the
+    fused hot path."""
+
+    # -------------------------------------------------------- state, as torch names it
+    _scale = _device_tensor("scale")
+    _growth_tracker = _device_tensor("growth_tracker")
+    _counters = _device_tensor("counters")
+    _norm_stats = _device_tensor("norm_stats")
+    _init_scale = _initial("scale")
+    _init_growth_tracker = _initial("growth_tracker")
+
+    def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
+        self._tensors = self._host.to_device(device)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._host.growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+
+    # ---------------------------------------------------------- knobs, public and private
+    def get_growth_factor(self) -> float:
         return self._policy.growth_factor
 
-    @_growth_factor.setter
-    def _growth_factor(self, value: float) -> None:
-        self.set_growth_factor(value)
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._policy.growth_factor = check_growth_factor(new_factor)
 
-    @property
-    def _backoff_factor(self) -> float:
+    def get_backoff_factor(self) -> float:
         return self._policy.backoff_factor
 
-    @_backoff_factor.setter
-    def _backoff_factor(self, value: float) -> None:
-        self.set_backoff_factor(value)
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._policy.backoff_factor = check_backoff_factor(new_factor)
 
-    @property
-    def _growth_interval(self) -> int:
+    def get_growth_interval(self) -> int:
         return self._policy.growth_interval
 
-    @_growth_interval.setter
-    def _growth_interval(self, value: int) -> None:
-        self.set_growth_interval(value)
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._policy.growth_interval = check_growth_interval(new_interval)
 
-    @property
-    def _init_growth_tracker(self) -> int:
-        return self._host.growth_tracker
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        # torch's meaning: the tracker the first scale() starts from (and a pickle carries).
-        self._host.growth_tracker = value
+    _growth_factor = _knob("growth_factor")
+    _backoff_factor = _knob("backoff_factor")
+    _growth_interval = _knob("growth_interval")
 
     # ------------------------------------------------ the step(grad_scaler=...) protocol
     def _get_scale_async(self) -> torch.Tensor | None:
