@@ -33,8 +33,6 @@ class Grads:
     #: ``{device: [tensors]}`` for torch ops: float64 and non-dense gradients, the values of sparse
     #: ones (updated in place through them), and everything when ``kernels=False``.
     other: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
-    #: Where the first sparse gradient is (a fused optimizer cannot take one), or None.
-    first_sparse: str | None = None
 
     @property
     def devices(self) -> list[torch.device]:
@@ -58,7 +56,6 @@ def collect_grads(
     other: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
     to_coalesce: list[torch.nn.Parameter] = []
-    first_sparse = None
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
             grad = param.grad
@@ -78,7 +75,6 @@ def collect_grads(
                         f"{_where(g_index, p_index)} has a sparse gradient, and {type(optimizer).__name__} "
                         "steps fused, which takes dense gradients only"
                     )
-                first_sparse = first_sparse or _where(g_index, p_index)
                 if not grad.is_coalesced():
                     to_coalesce.append(param)  # duplicates must be summed before a norm or a check
             elif grad.layout is torch.strided and _overlaps_itself(grad):
@@ -106,7 +102,7 @@ def collect_grads(
         other[param.grad.device][position] = param.grad
     other_values = {d: [g._values() if g.is_sparse else g for g in grads] for d, grads in other.items()}
     kernel = {device: list(by_dtype.values()) for device, by_dtype in per_device.items()}
-    return Grads(kernel=kernel, other=other_values, first_sparse=first_sparse)
+    return Grads(kernel=kernel, other=other_values)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

@@ -27,6 +27,12 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+def torch_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """torch's own unscale_, op for op: ``g *= inv_scale`` in place, found_inf set on inf/NaN."""
+    for same_dtype in _by_dtype(tensors):
+        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)
+
+
 def _other_found_inf(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> torch.Tensor:
     """found_inf raised to 1 where one of ``tensors`` holds inf/NaN. The max-abs cannot overflow
     and NaN propagates into it; torch-op path only (float64, non-dense, sparse), so one extra read."""
@@ -45,9 +51,7 @@ def unscale_grads_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torc
     for device, device_groups in grads.kernel.items():
         resolve_backend(backend, device).unscale_(device_groups, per_device_scale.get(device), found_infs[device])
     for device, tensors in grads.other.items():
-        inv_scale = inverse_scale(per_device_scale.get(device))
-        for same_dtype in _by_dtype(tensors):  # torch's own unscale_, op for op
-            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_infs[device], inv_scale)
+        torch_unscale_(tensors, found_infs[device], inverse_scale(per_device_scale.get(device)))
     return found_infs
 
 

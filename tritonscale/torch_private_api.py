@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .grad_groups import collect_grads
-from .grad_passes import check_grads
+from .grad_passes import check_grads, torch_unscale_
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import check_backoff_factor, check_growth_factor, check_growth_interval
 from .scale_outputs import PerDevice
@@ -123,13 +123,7 @@ class TorchPrivateAPI:
         result = {}
         for device, tensors in grads.other.items():
             result[device] = per_device_found_inf.get(device)
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for t in tensors:
-                by_dtype.setdefault(t.dtype, []).append(t)
-            for same_dtype in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    same_dtype, result[device], per_device_inv_scale.get(device)
-                )
+            torch_unscale_(tensors, result[device], per_device_inv_scale.get(device))
         return result
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:

@@ -4,14 +4,16 @@ The check is one norm pass over the raw gradients that also catches inf/NaN (the
 the norm); the apply is one ``_foreach_mul_`` by the combined factor. That is one read plus one
 read+write of gradient memory, against torch's unscale_ (read+write) + norm (read) + clip (read+write).
 
-Each tensor's norm accumulates in float32, as torch's does; the per-tensor norms are combined in
-float64, so many tensors whose norms are each in range cannot overflow the total. A single tensor
-whose scaled norm leaves the float32 range (a finite |g| above ~1.8e19 before unscaling, for the
-2-norm) still reads as an overflow here: the step is skipped and the scale backs off, which brings
-the scaled gradients back into range (README, "Differences from torch"). The Triton kernels scale
-each block by a power of two and do not have this limit. For bfloat16 gradients on CPU each tensor's norm is
-rounded to bfloat16, as torch's clip_grad_norm_ does (see ``_rounds_norm_to_bf16``); the Triton
-kernels keep it in float32. Nothing here reads a device value on the host.
+Each tensor's norm accumulates in float32, as torch's does, and the per-tensor norms are combined
+as torch combines them (float32), except where only that sum overflows: there the float64 sum
+stands in, so many tensors whose norms are each in range cannot overflow the total. A single
+tensor whose scaled norm leaves the float32 range (a finite |g| above ~1.8e19 before unscaling, for
+the 2-norm) still reads as an overflow here: the step is skipped and the scale backs off, which
+brings the scaled gradients back into range (README, "Differences from torch"). The Triton
+kernels scale each block by a power of two and do not have this limit. For bfloat16 gradients on
+CPU each tensor's norm is rounded to bfloat16, as torch's clip_grad_norm_ does (see
+``_rounds_norm_to_bf16``); the Triton kernels keep it in float32. Nothing here reads a device value
+on the host.
 """
 
 from __future__ import annotations
