@@ -30,7 +30,13 @@ SYNCING = ("item", "__bool__", "tolist", "__float__", "__int__", "__index__", "n
 
 @pytest.fixture
 def forbid_host_reads(monkeypatch):
-    """Make every Tensor->host read raise while the fixture's flag is on."""
+    """Make every Tensor->host read raise while the fixture's flag is on.
+
+    The torch backend reads a CPU tensor where that waits for nothing (the CPU is the host); here
+    it takes the path it takes on a GPU instead, which must read nothing."""
+    from tritonscale.backends import torch_backend
+
+    monkeypatch.setattr(torch_backend, "_host_reads_are_free", lambda device: False)
     armed = {"on": False}
     for name in SYNCING:
         original = getattr(torch.Tensor, name)

@@ -118,25 +118,54 @@ def test_norms_of_many_tensors_beyond_float32_are_not_overflows(backend, fused, 
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-sgd"])
-def test_one_tensor_beyond_float32_norm(backend, fused):
-    # The Triton kernels scale each block by a power of two: a 3e19 gradient is no overflow. The
-    # torch backend accumulates each tensor's squares in float32 and reads it as one (README,
-    # "Differences from torch"): the step is skipped and the scale backs off, which brings the
-    # scaled gradient back into range -- never a step with a wrong gradient.
-    p = torch.nn.Parameter(torch.zeros(3))
-    optimizer = torch.optim.SGD([p], lr=1e-20, fused=fused)
+@pytest.mark.parametrize("gpu_path", [False, True], ids=["host-probe", "no-host-read"])
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "no-clip"])
+def test_one_tensor_beyond_float32_norm(backend, fused, gpu_path, clip, monkeypatch):
+    # 3e19 squared overflows float32. The Triton kernels scale each block by a power of two; the
+    # torch backend recomputes that tensor's norm in float64 (on the CPU only that tensor, behind a
+    # host probe; on a GPU every tensor, with no read). Either way: a finite gradient, a step.
+    from tritonscale.backends import torch_backend
+
+    if gpu_path:
+        monkeypatch.setattr(torch_backend, "_host_reads_are_free", lambda device: False)
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.SGD(params, lr=1e-20, fused=fused)
     scaler = GradScaler("cpu", init_scale=2.0**16, backend=backend)
     scaler.scale(torch.ones(()))
-    p.grad = torch.tensor([3e19, 1.0, -2.0])
-    norm = scaler.clip_grad_norm_(optimizer, 1e30)
+    params[0].grad = torch.tensor([3e19, 1.0, -2.0])
+    params[1].grad = torch.tensor([4e19, 5.0])
+    if clip:
+        norm = scaler.clip_grad_norm_(optimizer, 1e30)
+        assert float(norm) == pytest.approx(5e19 / 2.0**16, rel=1e-6)
     scaler.step(optimizer)
     scaler.update()
-    if backend == "triton":
-        assert float(norm) == pytest.approx(3e19 / 2.0**16, rel=1e-6)
-        assert not scaler.last_step_skipped() and float(p[0]) == pytest.approx(-3e19 / 2.0**16 * 1e-20)
-    else:
+    assert not scaler.last_step_skipped() and scaler.get_scale() == 2.0**16
+    assert float(params[0].detach()[0]) == pytest.approx(-3e19 / 2.0**16 * 1e-20, rel=1e-6)
+    assert float(params[1].detach()[0]) == pytest.approx(-4e19 / 2.0**16 * 1e-20, rel=1e-6)
+
+
+@pytest.mark.parametrize("gpu_path", [False, True], ids=["host-probe", "no-host-read"])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_beside_a_large_finite_tensor_an_inf_is_still_an_overflow(gpu_path, bad, monkeypatch):
+    # The float64 recomputation must tell "squares past float32" from a real inf/NaN, also when
+    # both are present in one step (the inf in its own tensor and inside the large one).
+    from tritonscale.backends import torch_backend
+
+    if gpu_path:
+        monkeypatch.setattr(torch_backend, "_host_reads_are_free", lambda device: False)
+    for where in (0, 1):
+        p = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+        optimizer = torch.optim.SGD(p, lr=1.0)
+        scaler = GradScaler("cpu", init_scale=2.0**16, backend="torch")
+        scaler.scale(torch.ones(()))
+        p[0].grad = torch.tensor([3e19, 1.0, -2.0])
+        p[1].grad = torch.tensor([1.0, 5.0])
+        p[where].grad[1] = bad
+        scaler.clip_grad_norm_(optimizer, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
         assert scaler.last_step_skipped() and scaler.get_scale() == 2.0**15
-        assert torch.equal(p.detach(), torch.zeros(3))
+        assert all(torch.equal(q.detach(), torch.zeros_like(q)) for q in p)
 
 
 # --------------------------------- 3. skip_on_overflow=False: both paths the same

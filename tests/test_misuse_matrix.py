@@ -73,8 +73,6 @@ class Case:
     error: type | tuple | None = None
     match: str | None = None
     check: Callable[[Ctx], None] | None = None
-    xfail: str | None = None
-    xfail_backends: tuple = CONCRETE_BACKENDS
 
 
 def like(id, arrange, act, phrase=None, **kw) -> Case:
@@ -424,16 +422,13 @@ TENSOR_CASES += [
 ]
 
 # ------------------------------------------------------------ policies and modes
-# torch's backend accumulates the norm of the *scaled* gradients in float32: 3e19 squared overflows.
-# torch (unscale_ first) and the Triton kernels see a finite gradient and step.
+# The norm of the *scaled* gradients: 3e19 squared overflows float32. torch (unscale_ first) sees a
+# finite gradient and steps; so must both backends.
 POLICY_CASES = [
     like(
         "large_finite_gradient_is_not_an_overflow",
         lambda c: c.backward(3e19),
         steps(clip_, step, update),
-        # A documented limit (README, "Differences from torch"): one tensor's float32 squares overflow.
-        xfail="issue 10 item 2: torch backend counts one tensor's |scaled g| > ~1.8e19 as overflow",
-        xfail_backends=("torch",),
     ),
 ]
 
@@ -539,10 +534,7 @@ def params_for_matrix():
     out = []
     for case in ALL_CASES:
         for backend in CONCRETE_BACKENDS:
-            marks = []
-            if case.xfail and backend in case.xfail_backends:
-                marks = [pytest.mark.xfail(strict=True, reason=case.xfail)]
-            out.append(pytest.param(backend, case, id=f"{backend}-{case.id}", marks=marks))
+            out.append(pytest.param(backend, case, id=f"{backend}-{case.id}"))
     return out
 
 
