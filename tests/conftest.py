@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's d
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from host_reads import HostReadGuard  # noqa: E402
 
 from tritonscale.backends import BACKENDS as BACKEND_CHOICES  # noqa: E402
 
@@ -25,9 +26,6 @@ def backend(request) -> str:
     return request.param
 
 
-SYNCING = ("item", "__bool__", "tolist", "__float__", "__int__", "__index__", "numpy")
-
-
 @pytest.fixture
 def forbid_host_reads(monkeypatch):
     """Make every Tensor->host read raise while the fixture's flag is on.
@@ -37,17 +35,7 @@ def forbid_host_reads(monkeypatch):
     from tritonscale.backends import torch_backend
 
     monkeypatch.setattr(torch_backend, "_host_reads_are_free", lambda device: False)
-    armed = {"on": False}
-    for name in SYNCING:
-        original = getattr(torch.Tensor, name)
-
-        def guard(self, *a, _name=name, _original=original, **k):
-            if armed["on"]:
-                raise AssertionError(f"host read Tensor.{_name} inside the step")
-            return _original(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, guard)
-    return armed
+    return HostReadGuard(monkeypatch.setattr)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -34,9 +34,9 @@ def make(backend, fused=False):
 def test_stats_are_device_tensors_read_without_sync(backend, forbid_host_reads):
     model, opt, scaler = make(backend)
     run_steps(scaler, model, opt, [False, True, True])
-    forbid_host_reads["on"] = True
+    forbid_host_reads.on = True
     stats = scaler.stats()  # must not read anything on the host
-    forbid_host_reads["on"] = False
+    forbid_host_reads.on = False
     assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
     assert float(stats["scale"]) == 16.0 and int(stats["skipped_steps"]) == 2
     assert int(stats["consecutive_skips"]) == 2 and int(stats["skipped"]) == 1
@@ -84,9 +84,9 @@ def test_lr_scheduler_stays_in_step_with_skipped_steps(backend):
 def test_history_records_without_sync_and_plots(backend, tmp_path, forbid_host_reads):
     model, opt, scaler = make(backend, fused=True)  # a fused optimizer: the whole loop is sync-free
     history = ScaleHistory()
-    forbid_host_reads["on"] = True
+    forbid_host_reads.on = True
     run_steps(scaler, model, opt, [False, False, True, False, True, True, False, False], history)
-    forbid_host_reads["on"] = False
+    forbid_host_reads.on = False
     data = history.to_lists()
     assert len(history) == 8 and data["skipped"] == [0, 0, 1, 0, 1, 1, 0, 0]
     assert data["scale"] == [64.0, 64.0, 32.0, 32.0, 16.0, 8.0, 8.0, 8.0]

@@ -288,14 +288,14 @@ def test_unscale_clip_step_update_never_read_device_values(backend, forbid_host_
     fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
     for bad in (None, math.nan, None):
         backward(params, scaler, bad)
-        forbid_host_reads["on"] = True
+        forbid_host_reads.on = True
         if mode == "unscale+clip":
             scaler.unscale_(fused)
         if mode != "plain":
             scaler.clip_grad_norm_(fused, 0.5)
         scaler.step(fused)  # fused optimizers take found_inf (and grad_scale) on the device
         scaler.update()
-        forbid_host_reads["on"] = False
+        forbid_host_reads.on = False
         for p in params:
             p.grad = None
     expected = 2.0**16 if policy == "megatron+spike" else 2.0**15  # hysteresis 2 absorbs one overflow

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import Any
 
 import torch
 
+from .dtensor_grads import is_dtensor, local_shard
 from .kernels.supported import is_dense, is_supported_grad
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
@@ -33,6 +35,9 @@ class Grads:
     #: ``{device: [tensors]}`` for torch ops: float64 and non-dense gradients, the values of sparse
     #: ones (updated in place through them), and everything when ``kernels=False``.
     other: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
+    #: The process group the gradients are sharded over (DTensor gradients; see dtensor_grads),
+    #: None when this rank's gradients are the whole.
+    mesh_group: Any = None
 
     @property
     def devices(self) -> list[torch.device]:
@@ -56,11 +61,13 @@ def collect_grads(
     other: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
     to_coalesce: list[torch.nn.Parameter] = []
+    layouts = _ShardLayouts()
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
             grad = param.grad
             if grad is None:
                 continue
+            grad = layouts.local(grad, g_index, p_index)
             if not allow_fp16 and grad.dtype is torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if kernels and is_supported_grad(grad):
@@ -102,7 +109,38 @@ def collect_grads(
         other[param.grad.device][position] = param.grad
     other_values = {d: [g._values() if g.is_sparse else g for g in grads] for d, grads in other.items()}
     kernel = {device: list(by_dtype.values()) for device, by_dtype in per_device.items()}
-    return Grads(kernel=kernel, other=other_values)
+    return Grads(kernel=kernel, other=other_values, mesh_group=layouts.group())
+
+
+class _ShardLayouts:
+    """The layouts seen among one optimizer's gradients: plain tensors, or DTensors and the group
+    their shards span. One optimizer's gradients must agree, or no one group gives their norm."""
+
+    def __init__(self) -> None:
+        self.seen: dict[Any, str] = {}  # group (None: whole on this rank) -> first parameter
+
+    def local(self, grad: torch.Tensor, g_index: int, p_index: int) -> torch.Tensor:
+        if not is_dtensor(grad):
+            if None not in self.seen:
+                self._add(None, _where(g_index, p_index))
+            return grad
+        local, group = local_shard(grad, _where(g_index, p_index))
+        if group not in self.seen:
+            self._add(group, _where(g_index, p_index))
+        return local
+
+    def _add(self, group: Any, where: str) -> None:
+        self.seen[group] = where
+        if len(self.seen) > 1:
+            first, second = self.seen.values()
+            raise ValueError(
+                f"the gradients of {first} and {second} are split differently across processes (one "
+                "sharded over a device mesh, the other whole on each rank, or two meshes): no one "
+                "process group gives their norm; pass process_group= to say which"
+            )
+
+    def group(self) -> Any:
+        return next(iter(self.seen), None)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Any
 
 import torch
 
 from .backends import CheckResult, clip_coefficient, inverse_scale, resolve_backend
 from .grad_groups import Grads
+from .rank_combine import combine_check
 from .scale_outputs import PerDevice
 
 
@@ -77,13 +79,18 @@ def clip_grads(
     apply: bool,
     unscale_on_overflow: bool = False,
     backend: str,
+    group: Any = None,
+    prior_found_inf: torch.Tensor | None = None,
 ) -> tuple[torch.device, CheckResult]:
-    """Check pass -> finalize (-> apply pass, with ``apply``) on the one device holding the gradients.
+    """Check pass -> finalize -> combine across ``group`` (-> apply pass, with ``apply``) on the one
+    device holding this rank's gradients.
 
     ``scale`` None: nothing to unscale, clip only. On inf/NaN the gradients are left as they came
     (the step is skipped); with ``unscale_on_overflow`` (a policy whose overflowed steps go ahead)
     they are unscaled, not clipped -- what ``unscale_`` leaves -- and ``clip_coef`` reads 1, so a
-    fold hands the optimizer the plain scale. Returns the device and its results.
+    fold hands the optimizer the plain scale. ``group``: the process group whose ranks hold the
+    other parts of the gradients (rank_combine: one collective, carrying ``prior_found_inf`` too,
+    an earlier pass's rank-local flag). Returns the device and its results.
     """
     devices = grads.devices
     if len(devices) > 1:
@@ -102,6 +109,9 @@ def clip_grads(
     others = grads.other.get(device, [])
     if others:
         result = _with_others(result, others, scale, norm_type, max_norm)
+    if prior_found_inf is not None:
+        result.found_inf = torch.maximum(result.found_inf, prior_found_inf.to(device, non_blocking=True))
+    result = combine_check(result, scale, norm_type, max_norm, group)
     if unscale_on_overflow:
         overflow = result.found_inf > 0
         result.clip_coef = torch.where(overflow, torch.ones_like(result.clip_coef), result.clip_coef)

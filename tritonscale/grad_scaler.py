@@ -28,13 +28,14 @@ from .fold import (
     takes_grad_scaler_argument,
     warn_grad_scaler_argument,
 )
-from .grad_groups import collect_grads
+from .grad_groups import Grads, collect_grads
 from .grad_passes import check_grads, clip_grads, unscale_grads_
 from .kernels.supported import check_max_norm, check_norm_type, kernels_compute
 from .optimizer_record import OptimizerRecord, OptState, combine_flags
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import LAST_SKIPPED, LossScalePolicy
 from .policy_update import PolicyRunner
+from .rank_combine import check_process_group
 from .scale_outputs import scale_outputs
 from .scaler_state import (
     TORCH_INIT_SCALE,
@@ -55,6 +56,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
 
     Same constructor, methods and state_dict as ``torch.amp.GradScaler``; adds
     :meth:`clip_grad_norm_` and the keyword-only ``backend`` ("auto", "triton" or "torch").
+    ``process_group``: the torch.distributed group across which each rank holds a part of the
+    gradients (ZeRO-style partitions, pipeline stages); the norm and found_inf are then the
+    group's, in one collective per step. DTensor (FSDP2) gradients bring their mesh's group;
+    replicated gradients (DDP) need none.
 
     Example::
 
@@ -80,12 +85,14 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         policy: LossScalePolicy | None = None,
         fold_into_optimizer: bool = True,
         compile_policy: bool | None = None,
+        process_group: Any = None,
         **knobs: Any,
     ) -> None:
         self._device = device
         self._enabled = enabled
         self._backend_name = check_backend_name(backend)
         self._fold = bool(fold_into_optimizer)
+        self._process_group = check_process_group(process_group)
         self._rules = PolicyRunner(compile_policy)
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
@@ -119,6 +126,12 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         return self._scale
 
     # ------------------------------------------------------- gradient passes
+    def _group(self, grads: Grads, process_group: Any = None) -> Any:
+        """The group the gradients are split across: the call's, the scaler's, or their mesh's."""
+        if process_group is not None:
+            return check_process_group(process_group)
+        return self._process_group if self._process_group is not None else grads.mesh_group
+
     def _record_for_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
         record = self._per_optimizer_states[id(optimizer)]  # optimizer: the unwrapped one
         if record.stage is OptState.STEPPED:
@@ -144,11 +157,11 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if record.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         grads = collect_grads(optimizer, allow_fp16=False)
-        record.found_inf_per_device = unscale_grads_(grads, scale, self._backend_name)
+        record.record_rank_flags(unscale_grads_(grads, scale, self._backend_name), self._group(grads), scale.device)
         record.stage = OptState.UNSCALED
 
     def clip_grad_norm_(
-        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
+        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0, *, process_group: Any = None
     ) -> torch.Tensor:
         """Unscale, inf-check and clip the optimizer's gradients by their global norm, fused.
 
@@ -156,6 +169,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         the gradients' device), equal to ``unscale_`` followed by ``torch.nn.utils.clip_grad_norm_``.
         It counts as this optimizer's ``unscale_`` for the iteration; called after ``unscale_`` it
         only clips. The gradients are read once, then read and written once; no host sync.
+        ``process_group`` overrides the scaler's for this call: the norm returned on every rank is
+        then that of all the group's gradients, bitwise the same on each rank.
 
         Example::
 
@@ -171,7 +186,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             # Scaling is off (a bf16 run): plain clipping, float16 gradients included, but the
             # inf/NaN check still runs and the following step() skips on it.
             grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type))
-            _, result = clip_grads(grads, None, norm_type, max_norm, apply=True, backend=self._backend_name)
+            group = self._group(grads, process_group)
+            _, result = clip_grads(
+                grads, None, norm_type, max_norm, apply=True, backend=self._backend_name, group=group
+            )
             self._per_optimizer_states[id(optimizer)].skip = result.found_inf
             return result.norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
@@ -197,6 +215,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             apply=not fold,
             unscale_on_overflow=not self._policy.skip_on_overflow,
             backend=self._backend_name,
+            group=self._group(grads, process_group),
+            prior_found_inf=record.take_rank_flag(),
         )
         if fold:
             record.grad_scale = folded_grad_scale(pending, result.clip_coef)
@@ -240,7 +260,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             if record.stage is OptState.READY:
                 # The optimizer divides by grad_scale itself: only the read-only check pass runs.
                 grads = collect_grads(inner, allow_fp16=True, allow_sparse=False)
-                record.found_inf_per_device = check_grads(grads, scale, self._backend_name)
+                record.record_rank_flags(
+                    check_grads(grads, scale, self._backend_name), self._group(grads), scale.device
+                )
             grad_scale = grad_scale_for_step(inner, scale, record.stage, record.grad_scale)
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
             skip = self._skip_flag(record, scale.device, required=False)

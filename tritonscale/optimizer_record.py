@@ -15,6 +15,8 @@ import torch
 # OptState they import from torch, and that must hold for our records too.
 from torch.amp.grad_scaler import OptState
 
+from .rank_combine import combine_found_inf
+
 
 @dataclass
 class OptimizerRecord:
@@ -26,8 +28,12 @@ class OptimizerRecord:
     """
 
     stage: OptState = OptState.READY
-    #: inf/NaN flags per gradient device: they drive the policy's backoff.
-    found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    #: inf/NaN flags per gradient device (read them as ``found_inf_per_device``): they drive the
+    #: policy's backoff.
+    _flags: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    #: The process group ``_flags`` still have to be combined across (None: they are final).
+    _flags_group: Any = None
+    _flags_device: torch.device | None = None
     #: The step's skip flag on the scale's device: an overflow (unless the policy lets it
     #: through) or a norm spike.
     skip: torch.Tensor | None = None
@@ -37,6 +43,39 @@ class OptimizerRecord:
     grad_scale: torch.Tensor | None = None
 
     _TORCH_KEYS = ("stage", "found_inf_per_device")
+
+    @property
+    def found_inf_per_device(self) -> dict[torch.device, torch.Tensor]:
+        """The flags, made the process group's first if a pass left them rank-local: deferred so
+        that a clip_grad_norm_ after unscale_ combines them with its norm in its one collective.
+        Every rank runs the same calls, so every rank reaches this collective too."""
+        if self._flags_group is not None:
+            group, self._flags_group = self._flags_group, None
+            device = next(iter(self._flags), self._flags_device)
+            local = combine_flags([t.to(device, non_blocking=True) for t in self._flags.values()])
+            # A rank without gradients still takes part (or the others would wait), and keeps no
+            # flag: its step() raises torch's "No inf checks" error.
+            combined = combine_found_inf(local if local is not None else torch.zeros((), device=device), group)
+            self._flags = {device: combined} if self._flags else {}
+        return self._flags
+
+    @found_inf_per_device.setter
+    def found_inf_per_device(self, flags: dict[torch.device, torch.Tensor]) -> None:
+        self._flags, self._flags_group = flags, None
+
+    def record_rank_flags(self, flags: dict[torch.device, torch.Tensor], group: Any, device: torch.device) -> None:
+        """Keep this rank's flags, to be combined across ``group`` when first read (None: final).
+        ``device``: where a rank without gradients makes its zero flag."""
+        self._flags, self._flags_group, self._flags_device = flags, group, device
+
+    def take_rank_flag(self) -> torch.Tensor | None:
+        """The rank-local flag still to be combined, handed to a caller whose collective carries it
+        (its result replaces the flags); None if there is none."""
+        if self._flags_group is None:
+            return None
+        self._flags_group = None
+        flags = list(self._flags.values())
+        return combine_flags([t.to(flags[0].device, non_blocking=True) for t in flags]) if flags else None
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._TORCH_KEYS:

@@ -135,6 +135,11 @@ class ScalerStateIO:
 
     def __getstate__(self) -> dict[str, Any]:
         # Device tensors do not travel: the values go as Python numbers, made anew at the next scale().
+        if getattr(self, "_process_group", None) is not None:
+            raise TypeError(
+                "a GradScaler with a process_group cannot be pickled (process groups do not travel); "
+                "save state_dict() and load it into a scaler made with the group"
+            )
         state = self.__dict__.copy()
         if self._enabled:
             if len(self._per_optimizer_states) != 0:

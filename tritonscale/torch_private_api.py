@@ -106,8 +106,9 @@ class TorchPrivateAPI:
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         inner = unwrap_optimizer(optimizer)
         record = self._per_optimizer_states[id(inner)]
-        record.found_inf_per_device = check_grads(collect_grads(inner, allow_fp16=True), scale, self._backend_name)
-        return record.found_inf_per_device
+        grads = collect_grads(inner, allow_fp16=True)
+        record.record_rank_flags(check_grads(grads, scale, self._backend_name), self._group(grads), scale.device)
+        return record.found_inf_per_device  # made the process group's, if there is one
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(unwrap_optimizer(optimizer))].found_inf_per_device

@@ -278,7 +278,7 @@ def test_fold_step_reads_nothing_on_the_host(forbid_host_reads, backend):
     wrapper.log_grad_norm = False
     for bad in (False, True, False):
         loss = model(torch.randn(3, 8)).square().mean() * (float("inf") if bad else 1.0)
-        forbid_host_reads["on"] = True
+        forbid_host_reads.on = True
         wrapper.update_params(loss)
-        forbid_host_reads["on"] = False
+        forbid_host_reads.on = False
     assert int(wrapper.loss_scaler.stats()["skipped_steps"]) == 1

@@ -191,8 +191,8 @@ def test_fold_call_reads_nothing_on_the_host(forbid_host_reads):
     loss_scaler = _fused_scaler()
     for bad in (False, True, False):
         loss = model(torch.randn(3, 8)).square().mean() * (float("inf") if bad else 1.0)
-        forbid_host_reads["on"] = True
+        forbid_host_reads.on = True
         loss_scaler(loss, optimizer, clip_grad=0.1, parameters=model.parameters())
-        forbid_host_reads["on"] = False
+        forbid_host_reads.on = False
         optimizer.zero_grad()
     assert int(loss_scaler.scaler.stats()["skipped_steps"]) == 1

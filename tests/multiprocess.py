@@ -1,0 +1,94 @@
+"""Run a function on real torch.distributed ranks (gloo, CPU processes) and collect what each returns.
+
+Every process group gets a timeout, and the parent waits with a deadline and kills what is left,
+so a test can fail but never hang. Workers are module-level functions (spawn pickles them by
+name); each returns a picklable value, saved with torch.save and handed back in rank order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: Every collective gives up after this long (a rank that died leaves the others waiting).
+GROUP_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def _entry(rank: int, worker: Callable, world_size: int, tmp: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # 2-4 ranks share the 2-core machine
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
+    )
+    try:
+        torch.save(worker(rank, world_size, *args), os.path.join(tmp, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+class RanksFailed(Exception):
+    """A rank raised or died; ``results`` holds what the other ranks returned, by rank."""
+
+    def __init__(self, message: str, results: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def run_ranks(worker: Callable, world_size: int, *args: Any, deadline_s: float = 240.0) -> list[Any]:
+    """``worker(rank, world_size, *args)`` on ``world_size`` spawned ranks; their results in rank
+    order. If a rank raises, the others get a grace period to finish, then RanksFailed carries the
+    failure (with the rank's traceback) and the survivors' results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(
+            _entry, args=(worker, world_size, tmp, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        end = time.monotonic() + deadline_s
+        failure = None
+        try:
+            while not context.join(timeout=1.0, grace_period=20.0):
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{worker.__name__} on {world_size} ranks ran past {deadline_s} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            failure = error
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        results = {}
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"rank{rank}.pt")
+            if os.path.exists(path):
+                results[rank] = torch.load(path, weights_only=False)
+        if failure is not None:
+            raise RanksFailed(str(failure), results) from failure
+        return [results[rank] for rank in range(world_size)]
+
+
+class CollectiveCounter:
+    """Counts the collectives a rank issues through torch.distributed's Python API."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "barrier")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._counted(getattr(dist, name)))
+
+    def _counted(self, original: Callable) -> Callable:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def take(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls
