@@ -12,6 +12,7 @@ from .diagnostics import ScaleHistory, nonfinite_grads
 from .errors import ScalerConfigError
 from .flat_grads import flatten_grads_
 from .grad_scaler import GradScaler, OptState
+from .grad_sharding import mark_replicated
 from .policy import LossScalePolicy
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "ScaleHistory",
     "ScalerConfigError",
     "flatten_grads_",
+    "mark_replicated",
     "nonfinite_grads",
 ]
 __version__ = "0.1.0"

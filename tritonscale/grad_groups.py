@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .dtensor_grads import is_dtensor, local_shard
+from .grad_sharding import counts_plain, is_dtensor, local_shard, mesh_group
 from .kernels.supported import is_dense, is_supported_grad
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
@@ -35,43 +35,75 @@ class Grads:
     #: ``{device: [tensors]}`` for torch ops: float64 and non-dense gradients, the values of sparse
     #: ones (updated in place through them), and everything when ``kernels=False``.
     other: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
-    #: The process group the gradients are sharded over (DTensor gradients; see dtensor_grads),
-    #: None when this rank's gradients are the whole.
-    mesh_group: Any = None
+    #: The device mesh DTensor gradients are split over (None: plain tensors, or all replicated).
+    mesh: Any = None
+    #: With ``split_replicas``: the gradients another rank counts in the norm (replicated ones
+    #: held by a rank that is not their group's first), sorted the same way; None if there are none.
+    replicas: Grads | None = None
 
     @property
     def devices(self) -> list[torch.device]:
         return list(dict.fromkeys([*self.kernel, *self.other]))
 
+    @property
+    def mesh_group(self) -> Any:
+        """The process group spanning the gradients' mesh (None: no mesh splits them)."""
+        return None if self.mesh is None else mesh_group(self.mesh)
+
+
+class _Sorter:
+    """Sorts validated gradients into a Grads: kernel groups by device and dtype, the rest by device."""
+
+    def __init__(self) -> None:
+        self.per_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        self.other: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+
+    def __bool__(self) -> bool:
+        return bool(self.per_device or self.other)
+
+    def grads(self) -> Grads:
+        other_values = {d: [g._values() if g.is_sparse else g for g in grads] for d, grads in self.other.items()}
+        return Grads(kernel={d: list(by_dtype.values()) for d, by_dtype in self.per_device.items()}, other=other_values)
+
 
 def collect_grads(
-    optimizer: torch.optim.Optimizer, *, allow_fp16: bool, kernels: bool = True, allow_sparse: bool = True
+    optimizer: torch.optim.Optimizer,
+    *,
+    allow_fp16: bool,
+    kernels: bool = True,
+    allow_sparse: bool = True,
+    split_replicas: bool = False,
 ) -> Grads:
-    """Every parameter's gradient, validated and sorted for the kernels or for torch ops.
+    """Every parameter's gradient (the rank-local part of a DTensor), validated and sorted for the
+    kernels or for torch ops.
 
     ``allow_fp16=False`` refuses float16 gradients the way torch.amp.GradScaler.unscale_ does
     (writing unscaled values back into fp16 loses them); passes that only read may allow them.
     ``kernels=False`` sends everything to torch ops (a norm type the kernels do not compute);
     ``allow_sparse=False`` refuses sparse gradients (a fused optimizer cannot step with them).
-    Runs once per step over every parameter, so the common case is the first test. Gradients that
-    share memory (one tensor as two parameters' gradient, overlapping views) are refused: the norm
-    would count the shared elements once and the in-place passes scale them twice.
+    ``split_replicas``: gradients another rank counts in the norm go to ``Grads.replicas``
+    (grad_sharding.py). Runs once per step over every parameter, so the common case is the first
+    test. Gradients that share memory (one tensor as two parameters' gradient, overlapping views)
+    are refused: the norm would count the shared elements once and the in-place passes scale them
+    twice.
     """
-    per_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
-    other: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    counted, replicas = _Sorter(), _Sorter()
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
-    to_coalesce: list[torch.nn.Parameter] = []
+    to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]] = []
     layouts = _ShardLayouts()
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
             grad = param.grad
             if grad is None:
                 continue
-            grad = layouts.local(grad, g_index, p_index)
+            grad, counted_here = layouts.local(param, grad, g_index, p_index)
+            into = counted if counted_here or not split_replicas else replicas
             if not allow_fp16 and grad.dtype is torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if kernels and is_supported_grad(grad):
-                per_device[grad.device][grad.dtype].append(grad)
+                into.per_device[grad.device][grad.dtype].append(grad)
                 dense[grad.device].append(grad)
                 continue
             if not grad.is_floating_point():
@@ -83,7 +115,7 @@ def collect_grads(
                         "steps fused, which takes dense gradients only"
                     )
                 if not grad.is_coalesced():
-                    to_coalesce.append(param)  # duplicates must be summed before a norm or a check
+                    to_coalesce.append((param, into))  # duplicates must be summed before a norm or a check
             elif grad.layout is torch.strided and _overlaps_itself(grad):
                 # An in-place pass over it would write one element several times (torch's unscale_
                 # fails there too, halfway through); refused before anything runs.
@@ -98,49 +130,55 @@ def collect_grads(
                 )
             elif is_dense(grad):
                 dense[grad.device].append(grad)
-            other[grad.device].append(grad)
+            into.other[grad.device].append(grad)
     for device, grads in dense.items():
         if device.type != "meta":  # meta tensors have no memory
             _check_no_overlap(optimizer, grads)
     # Everything is valid: only now replace uncoalesced sparse gradients (same values), as torch does.
-    for param in to_coalesce:
-        position = next(i for i, g in enumerate(other[param.grad.device]) if g is param.grad)
+    for param, into in to_coalesce:
+        others = into.other[param.grad.device]
+        position = next(i for i, g in enumerate(others) if g is param.grad)
         param.grad = param.grad.coalesce()
-        other[param.grad.device][position] = param.grad
-    other_values = {d: [g._values() if g.is_sparse else g for g in grads] for d, grads in other.items()}
-    kernel = {device: list(by_dtype.values()) for device, by_dtype in per_device.items()}
-    return Grads(kernel=kernel, other=other_values, mesh_group=layouts.group())
+        others[position] = param.grad
+    result = counted.grads()
+    result.mesh = layouts.mesh()
+    result.replicas = replicas.grads() if replicas else None
+    return result
 
 
 class _ShardLayouts:
-    """The layouts seen among one optimizer's gradients: plain tensors, or DTensors and the group
-    their shards span. One optimizer's gradients must agree, or no one group gives their norm."""
+    """The layouts seen among one optimizer's gradients: plain tensors, or DTensors on one mesh.
+    One optimizer's gradients must agree, or no one group gives their norm."""
 
     def __init__(self) -> None:
-        self.seen: dict[Any, str] = {}  # group (None: whole on this rank) -> first parameter
+        self.seen: dict[Any, str] = {}  # mesh (None: plain tensors) -> first parameter
+        self.sharded = False
 
-    def local(self, grad: torch.Tensor, g_index: int, p_index: int) -> torch.Tensor:
+    def local(self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int) -> tuple[torch.Tensor, bool]:
+        """The gradient's rank-local tensor, and whether this rank counts it in the norm."""
         if not is_dtensor(grad):
             if None not in self.seen:
                 self._add(None, _where(g_index, p_index))
-            return grad
-        local, group = local_shard(grad, _where(g_index, p_index))
-        if group not in self.seen:
-            self._add(group, _where(g_index, p_index))
-        return local
+            return grad, counts_plain(param)
+        local, mesh, sharded, counted = local_shard(grad, _where(g_index, p_index))
+        self.sharded |= sharded
+        if mesh not in self.seen:
+            self._add(mesh, _where(g_index, p_index))
+        return local, counted
 
-    def _add(self, group: Any, where: str) -> None:
-        self.seen[group] = where
+    def _add(self, mesh: Any, where: str) -> None:
+        self.seen[mesh] = where
         if len(self.seen) > 1:
             first, second = self.seen.values()
             raise ValueError(
-                f"the gradients of {first} and {second} are split differently across processes (one "
-                "sharded over a device mesh, the other whole on each rank, or two meshes): no one "
-                "process group gives their norm; pass process_group= to say which"
+                f"the gradients of {first} and {second} are split differently across processes (one a "
+                "DTensor on a device mesh, the other a plain tensor, or DTensors on two meshes): no "
+                "one process group gives their norm"
             )
 
-    def group(self) -> Any:
-        return next(iter(self.seen), None)
+    def mesh(self) -> Any:
+        """The DTensors' mesh if it splits any of them (a collective is needed), else None."""
+        return next(iter(self.seen), None) if self.sharded else None
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

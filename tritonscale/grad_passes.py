@@ -10,6 +10,7 @@ controller's (grad_scaler.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from typing import Any
@@ -92,23 +93,24 @@ def clip_grads(
     other parts of the gradients (rank_combine: one collective, carrying ``prior_found_inf`` too,
     an earlier pass's rank-local flag). Returns the device and its results.
     """
-    devices = grads.devices
+    replicas = grads.replicas
+    devices = list(dict.fromkeys([*grads.devices, *(replicas.devices if replicas else [])]))
     if len(devices) > 1:
         raise NotImplementedError(
             f"clip_grad_norm_() over gradients on several devices ({', '.join(map(str, devices))})"
         )
+    if replicas is not None and group is None:
+        raise ValueError(
+            "some gradients are marked replicated over a process group (mark_replicated), but no "
+            "process_group combines the norm: pass the group spanning every rank's gradients"
+        )
     device = devices[0] if devices else (scale.device if scale is not None else torch.device("cpu"))
     scale = torch.ones((), dtype=torch.float32, device=device) if scale is None else scale.to(device, non_blocking=True)
     runner = resolve_backend(backend, device)
-    kernel_groups = grads.kernel.get(device, [])
-    if kernel_groups:
-        result = runner.check(kernel_groups, scale, norm_type, max_norm)
-    else:  # nothing for the kernels (none at all, or a norm type only torch computes)
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        result = CheckResult(zero, zero, torch.ones_like(zero), inverse_scale(scale).reshape(()), plan=[])
-    others = grads.other.get(device, [])
-    if others:
-        result = _with_others(result, others, scale, norm_type, max_norm)
+    result = _check_on(runner, grads, device, scale, norm_type, max_norm)
+    if replicas is not None:  # checked for inf/NaN and clipped here, counted in the norm elsewhere
+        replica_result = _check_on(runner, replicas, device, scale, norm_type, max_norm)
+        result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
     if prior_found_inf is not None:
         result.found_inf = torch.maximum(result.found_inf, prior_found_inf.to(device, non_blocking=True))
     result = combine_check(result, scale, norm_type, max_norm, group)
@@ -117,10 +119,30 @@ def clip_grads(
         result.clip_coef = torch.where(overflow, torch.ones_like(result.clip_coef), result.clip_coef)
         result.factor = torch.where(overflow, inverse_scale(scale).reshape(()), result.factor)
     if apply:
-        runner.apply_(result)
-        for same_dtype in _by_dtype(others):
-            torch._foreach_mul_(same_dtype, result.factor)
+        _apply_on(runner, grads, device, result)
+        if replicas is not None:
+            _apply_on(runner, replicas, device, dataclasses.replace(result, plan=replica_result.plan))
     return device, result
+
+
+def _check_on(
+    runner: Any, grads: Grads, device: torch.device, scale: torch.Tensor, norm_type: float, max_norm: float
+) -> CheckResult:
+    """Check pass + finalize over the kernels' gradients, the torch-op ones folded in."""
+    kernel_groups = grads.kernel.get(device, [])
+    if kernel_groups:
+        result = runner.check(kernel_groups, scale, norm_type, max_norm)
+    else:  # nothing for the kernels (none at all, or a norm type only torch computes)
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        result = CheckResult(zero, zero, torch.ones_like(zero), inverse_scale(scale).reshape(()), plan=[])
+    others = grads.other.get(device, [])
+    return _with_others(result, others, scale, norm_type, max_norm) if others else result
+
+
+def _apply_on(runner: Any, grads: Grads, device: torch.device, result: CheckResult) -> None:
+    runner.apply_(result)
+    for same_dtype in _by_dtype(grads.other.get(device, [])):
+        torch._foreach_mul_(same_dtype, result.factor)
 
 
 def _with_others(

@@ -185,7 +185,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if not self._enabled:
             # Scaling is off (a bf16 run): plain clipping, float16 gradients included, but the
             # inf/NaN check still runs and the following step() skips on it.
-            grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type))
+            grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True)
             group = self._group(grads, process_group)
             _, result = clip_grads(
                 grads, None, norm_type, max_norm, apply=True, backend=self._backend_name, group=group
@@ -200,7 +200,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         # (Not for the older step(grad_scaler=...) protocol: such an optimizer divides by the plain
         # scale, so its gradients are unscaled and clipped in place, as torch leaves them.)
         fold = self._fold and takes_amp_scaling(optimizer) and not takes_grad_scaler_argument(optimizer)
-        grads = collect_grads(optimizer, allow_fp16=fold, kernels=kernels_compute(norm_type), allow_sparse=not fold)
+        grads = collect_grads(
+            optimizer, allow_fp16=fold, kernels=kernels_compute(norm_type), allow_sparse=not fold, split_replicas=True
+        )
         # What the gradients still have to be divided by: the scale, nothing after unscale_ or an
         # applied clip, or what an earlier clip folded in (so a second clip sees true values).
         if record.stage is OptState.READY:
@@ -220,7 +222,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         )
         if fold:
             record.grad_scale = folded_grad_scale(pending, result.clip_coef)
-        if grads.devices:  # no gradients, no inf check: torch's step() then raises, as after unscale_
+        if grads.devices or grads.replicas:  # no gradients, no inf check: torch's step() then raises, as after unscale_
             found = record.found_inf_per_device
             found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
         record.norm = result.norm
