@@ -182,3 +182,92 @@ def test_hsdp_replicas_count_once_in_the_norm():
         torch.testing.assert_close(ours["norms"][good], reference["norms"][good], rtol=1e-5, atol=0)
         for got, want in zip(ours["params"], reference["params"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ bad input
+def bad_input_worker(rank: int, world: int) -> dict:
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    errors = {}
+
+    def attempt(name, params, scaler=None, call="clip"):
+        scaler = scaler or tritonscale.GradScaler("cpu", init_scale=SCALE)
+        scaler.scale(torch.ones(()))
+        optimizer = torch.optim.AdamW(params, lr=1.0)
+        before = [p.grad.to_local().clone() if hasattr(p.grad, "to_local") else p.grad.clone() for p in params]
+        try:
+            scaler.clip_grad_norm_(optimizer, 1.0) if call == "clip" else scaler.unscale_(optimizer)
+        except (ValueError, TypeError) as error:
+            after = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+            untouched = all(torch.equal(a, b) for a, b in zip(before, after)) and scaler.get_scale() == SCALE
+            records = scaler._per_optimizer_states.values()
+            ready = all(r.stage is tritonscale.OptState.READY and not r.found_inf_per_device for r in records)
+            errors[name] = (type(error).__name__, str(error), untouched, ready)
+        else:
+            errors[name] = None
+
+    # Marked replicas, but no group to combine the norm over: refused on every rank alike.
+    plain = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    for p in plain:
+        p.grad = torch.ones_like(p) * SCALE
+    tritonscale.mark_replicated(plain[1:], dist.group.WORLD)
+    attempt("marked-without-group", plain)
+
+    # A Partial gradient is a sum still to be reduced.
+    replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
+    replicated.grad = DTensor.from_local(torch.ones(4) * SCALE, mesh, [Partial()])
+    attempt("partial", [replicated])
+
+    # One DTensor, one plain tensor: no one group gives their norm.
+    sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+    sharded.grad = distribute_tensor(torch.ones(4) * SCALE, mesh, [Shard(0)])
+    lone = torch.nn.Parameter(torch.zeros(2))
+    lone.grad = torch.ones(2) * SCALE
+    attempt("mixed", [sharded, lone])
+    attempt("mixed-unscale", [sharded, lone], call="unscale")
+
+    try:
+        tritonscale.mark_replicated(plain, "tp")
+    except TypeError as error:
+        errors["mark-not-a-group"] = (type(error).__name__, str(error), True, True)
+    try:
+        pickle.dumps(tritonscale.GradScaler("cpu", process_group=dist.group.WORLD))
+    except TypeError as error:
+        errors["pickle"] = (type(error).__name__, str(error), True, True)
+    return errors
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("marked-without-group", "marked replicated over a process group"),
+        ("partial", "Partial placement on mesh dimension 0"),
+        ("mixed", r"param_groups\[0\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\] are split differently"),
+        ("mixed-unscale", "split differently across processes"),
+        ("mark-not-a-group", "group must be a torch.distributed ProcessGroup, got str"),
+        ("pickle", "process_group cannot be pickled"),
+    ],
+)
+def test_bad_layouts_are_clear_errors_with_nothing_changed(bad_input_run, case, message):
+    import re
+
+    for rank, errors in enumerate(bad_input_run):
+        assert errors[case] is not None, f"rank {rank} accepted {case}"
+        kind, text, untouched, nothing_recorded = errors[case]
+        assert re.search(message, text), text
+        assert untouched and nothing_recorded, f"rank {rank}: {case} changed state before raising"
+
+
+@pytest.fixture(scope="module")
+def bad_input_run():
+    return run_ranks(bad_input_worker, 2)
+
+
+def test_process_group_must_be_a_group():
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup or None, got str"):
+        tritonscale.GradScaler("cpu", process_group="world")

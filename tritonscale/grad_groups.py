@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .grad_sharding import counts_plain, is_dtensor, local_shard, mesh_group
+from .grad_sharding import is_dtensor, is_first_rank, local_shard, mesh_group, replica_group
 from .kernels.supported import is_dense, is_supported_grad
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
@@ -35,8 +35,10 @@ class Grads:
     #: ``{device: [tensors]}`` for torch ops: float64 and non-dense gradients, the values of sparse
     #: ones (updated in place through them), and everything when ``kernels=False``.
     other: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
-    #: The device mesh DTensor gradients are split over (None: plain tensors, or all replicated).
+    #: The device mesh of DTensor gradients (None: plain tensors).
     mesh: Any = None
+    #: Whether mark_replicated marked any of the gradients' parameters: they need a process group.
+    marked_replicas: bool = False
     #: With ``split_replicas``: the gradients another rank counts in the norm (replicated ones
     #: held by a rank that is not their group's first), sorted the same way; None if there are none.
     replicas: Grads | None = None
@@ -47,7 +49,7 @@ class Grads:
 
     @property
     def mesh_group(self) -> Any:
-        """The process group spanning the gradients' mesh (None: no mesh splits them)."""
+        """The process group spanning the gradients' mesh (None: plain tensors)."""
         return None if self.mesh is None else mesh_group(self.mesh)
 
 
@@ -141,7 +143,7 @@ def collect_grads(
         param.grad = param.grad.coalesce()
         others[position] = param.grad
     result = counted.grads()
-    result.mesh = layouts.mesh()
+    result.mesh, result.marked_replicas = layouts.mesh(), layouts.marked
     result.replicas = replicas.grads() if replicas else None
     return result
 
@@ -152,16 +154,19 @@ class _ShardLayouts:
 
     def __init__(self) -> None:
         self.seen: dict[Any, str] = {}  # mesh (None: plain tensors) -> first parameter
-        self.sharded = False
+        self.marked = False
 
     def local(self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int) -> tuple[torch.Tensor, bool]:
         """The gradient's rank-local tensor, and whether this rank counts it in the norm."""
         if not is_dtensor(grad):
             if None not in self.seen:
                 self._add(None, _where(g_index, p_index))
-            return grad, counts_plain(param)
-        local, mesh, sharded, counted = local_shard(grad, _where(g_index, p_index))
-        self.sharded |= sharded
+            group = replica_group(param)
+            if group is None:
+                return grad, True
+            self.marked = True
+            return grad, is_first_rank(group)
+        local, mesh, counted = local_shard(grad, _where(g_index, p_index))
         if mesh not in self.seen:
             self._add(mesh, _where(g_index, p_index))
         return local, counted
@@ -177,8 +182,8 @@ class _ShardLayouts:
             )
 
     def mesh(self) -> Any:
-        """The DTensors' mesh if it splits any of them (a collective is needed), else None."""
-        return next(iter(self.seen), None) if self.sharded else None
+        """The DTensors' mesh, None for plain tensors."""
+        return next(iter(self.seen), None)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

@@ -99,7 +99,7 @@ def clip_grads(
         raise NotImplementedError(
             f"clip_grad_norm_() over gradients on several devices ({', '.join(map(str, devices))})"
         )
-    if replicas is not None and group is None:
+    if grads.marked_replicas and group is None:  # on every rank, not only where replicas are left out
         raise ValueError(
             "some gradients are marked replicated over a process group (mark_replicated), but no "
             "process_group combines the norm: pass the group spanning every rank's gradients"

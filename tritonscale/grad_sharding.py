@@ -47,12 +47,13 @@ def mark_replicated(params: Iterable[torch.nn.Parameter], group: Any) -> None:
         setattr(param, REPLICATED_OVER_ATTR, group)
 
 
-def counts_plain(param: torch.Tensor) -> bool:
-    """Whether this rank counts a plain gradient: always, unless marked replicated and this rank is
-    not the group's first."""
-    group = getattr(param, REPLICATED_OVER_ATTR, None)
-    if group is None:
-        return True
+def replica_group(param: torch.Tensor) -> Any:
+    """The group ``mark_replicated`` gave this parameter, or None."""
+    return getattr(param, REPLICATED_OVER_ATTR, None)
+
+
+def is_first_rank(group: Any) -> bool:
+    """Whether this process is rank 0 of ``group``: the one that counts the group's replicas."""
     import torch.distributed as dist
 
     return dist.get_rank(group) == 0
@@ -67,10 +68,11 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def local_shard(grad: torch.Tensor, where: str) -> tuple[torch.Tensor, Any, bool, bool]:
-    """``(local tensor, mesh, sharded, counted)`` of a DTensor gradient. The local tensor shares
-    the gradient's memory (passes write through it); ``sharded``: some mesh dimension splits it;
-    ``counted``: this rank is at coordinate 0 along every dimension that replicates it."""
+def local_shard(grad: torch.Tensor, where: str) -> tuple[torch.Tensor, Any, bool]:
+    """``(local tensor, mesh, counted)`` of a DTensor gradient. The local tensor shares the
+    gradient's memory (passes write through it); ``counted``: this rank is at coordinate 0 along
+    every mesh dimension that replicates it. Even a gradient replicated on every dimension is
+    combined over its mesh (one collective, the replicas counted once), which keeps one rule."""
     placements = grad.placements
     partial = [i for i, p in enumerate(placements) if p.is_partial()]
     if partial:
@@ -82,7 +84,7 @@ def local_shard(grad: torch.Tensor, where: str) -> tuple[torch.Tensor, Any, bool
     coordinate = mesh.get_coordinate()
     replicated = [i for i, p in enumerate(placements) if p.is_replicate()]
     counted = coordinate is not None and all(coordinate[i] == 0 for i in replicated)
-    return grad.to_local(), mesh, len(replicated) < len(placements), counted
+    return grad.to_local(), mesh, counted
 
 
 def mesh_group(mesh: Any) -> Any:
