@@ -47,7 +47,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
-    owned = list(model.parameters())
+    owned = None  # the parameters this rank's optimizer steps: all of them but for ZeRO
 
     if layout == "ddp":
         # DDP all-reduces the gradients: every rank holds them whole, no process_group.
@@ -60,7 +60,6 @@ def main() -> None:
         for layer in (model[0], model[2]):
             fully_shard(layer)
         fully_shard(model)
-        owned = list(model.parameters())
         scaler = tritonscale.GradScaler("cpu")
     elif layout == "zero":
         # ZeRO-1 style: each rank's optimizer owns a partition of the parameters; name the group.
@@ -70,11 +69,10 @@ def main() -> None:
     else:
         # Tensor parallel: the norm spans the group; the replicated bias counts once.
         model = TensorParallelMLP(rank, world)
-        owned = list(model.parameters())
         tritonscale.mark_replicated([model.b2], dist.group.WORLD)
         scaler = tritonscale.GradScaler("cpu", process_group=dist.group.WORLD)
 
-    optimizer = torch.optim.AdamW(owned, lr=1e-3, fused=True)
+    optimizer = torch.optim.AdamW(owned or model.parameters(), lr=1e-3, fused=True)
     data = torch.Generator().manual_seed(1 + (0 if layout == "tensor-parallel" else rank))
     for _ in range(steps):
         x, y = torch.randn(16, IN, generator=data), torch.randn(16, OUT, generator=data)
@@ -90,6 +88,7 @@ def main() -> None:
                 dist.broadcast(p.data, src=i % world)
     if rank == 0:
         print(f"{layout}: {steps} steps on {world} ranks, scale {scaler.get_scale():g}, grad norm {float(norm):.6f}")
+    dist.barrier()  # leave together: gloo may abort a rank whose peer tears the group down first
     dist.destroy_process_group()
 
 

@@ -29,6 +29,9 @@ def _entry(rank: int, worker: Callable, world_size: int, tmp: str, args: tuple) 
     )
     try:
         torch.save(worker(rank, world_size, *args), os.path.join(tmp, f"rank{rank}.pt"))
+        # Leave together: gloo can abort a rank ("terminate called without an active exception")
+        # whose peer tears the group down while it is still connected (pytorch/pytorch#190489).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -1,4 +1,4 @@
-"""examples/train_multiprocess.py runs under torchrun on 2 CPU ranks in every layout, and the
+"""The README's torchrun command runs examples/train_multiprocess.py on 2 CPU ranks in every layout, and the
 layouts that train the same model on the same data agree: DDP, FSDP2 and ZeRO-style partitions
 report the same global gradient norm (each is the other's oracle)."""
 
@@ -16,11 +16,20 @@ EXAMPLE = ROOT / "examples" / "train_multiprocess.py"
 LAYOUTS = ["ddp", "fsdp2", "zero", "tensor-parallel"]
 
 
+def readme_command() -> list[str]:
+    """The README's torchrun line, as a reader pastes it."""
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if line.startswith("torchrun ")]
+    return line.split()
+
+
 def run_example(layout: str) -> tuple[float, float]:
-    """(scale, grad norm) that rank 0 prints after 3 steps."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    """(scale, grad norm) that rank 0 prints after 3 steps of the README's command."""
+    torchrun, *args = readme_command()
+    args[args.index("--layout") + 1] = layout
+    assert torchrun == "torchrun" and args[args.index("--nproc_per_node") + 1] == "2"
     done = subprocess.run(
-        [*command, str(EXAMPLE), "--layout", layout, "--steps", "3"],
+        [sys.executable, "-m", "torch.distributed.run", *args, "--steps", "3"],
         capture_output=True,
         text=True,
         timeout=240,

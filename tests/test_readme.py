@@ -15,16 +15,33 @@ def code_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
 
 
+#: A block starting with this line is an excerpt of a script that needs several processes: it is
+#: not run here but must appear, line for line, in that script (which tests/test_examples.py runs).
+EXCERPT = "# examples/"
+
+
 def test_python_examples_run():
-    blocks = code_blocks("python")
+    blocks = [block for block in code_blocks("python") if not block.startswith(EXCERPT)]
     assert blocks, "the README must show the training-loop example"
+    namespaces = []
     for block in blocks:
-        namespace: dict = {}
-        exec(compile(block, "README.md", "exec"), namespace)
+        namespaces.append({})
+        exec(compile(block, "README.md", "exec"), namespaces[-1])
     # The example's loop really ran a scaled, clipped step. (It is seeded: unseeded, about 3% of
     # draws overflow float16 at scale 2**16, the step is skipped and the scale backs off.)
-    assert namespace["grad_norm"].dtype == torch.float32
-    assert namespace["scaler"].get_scale() == 2.0**16
+    loop = next(n for n in namespaces if "grad_norm" in n)
+    assert loop["grad_norm"].dtype == torch.float32
+    assert loop["scaler"].get_scale() == 2.0**16
+
+
+def test_excerpts_are_in_their_scripts():
+    excerpts = [block for block in code_blocks("python") if block.startswith(EXCERPT)]
+    assert excerpts, "the multi-process section shows excerpts of examples/train_multiprocess.py"
+    for block in excerpts:
+        source, *lines = block.splitlines()
+        script = (ROOT / source.removeprefix("# ").strip()).read_text()
+        excerpt = "\n".join(lines).strip("\n")
+        assert excerpt in script, f"README excerpt not in {source}:\n{excerpt}"
 
 
 def test_ci_runs_the_readme_test_command():
