@@ -8,6 +8,8 @@ Stages (each one a script in bench/ that also runs on its own):
 2. ``sweep.py``         the step over sizes x dtypes x layouts for every variant, with the bytes model
 3. ``kernel_report.py`` registers, spills and access widths of the kernels compiled for sm_90 and
                         gfx942, with no GPU
+4. ``collectives.py``   combining norm and found_inf across 2 gloo ranks: our all-gather against
+                        Megatron's two all-reduces and one all-reduce
 
     python bench/run_all.py                     # CPU: a few minutes, results in out/
     python bench/run_all.py --device cuda       # GPU presets: bigger model, sizes up to 1G elements
@@ -24,13 +26,14 @@ import time
 import traceback
 from pathlib import Path
 
+import collectives
 import experiments
 import kernel_report
 import sweep
 from progress import ProgressBar
 
 # Share of the progress bar per stage, roughly their share of the CPU run's time.
-WEIGHTS = {"experiments": 0.45, "sweep": 0.47, "kernel_report": 0.08}
+WEIGHTS = {"experiments": 0.44, "sweep": 0.46, "kernel_report": 0.07, "collectives": 0.03}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,6 +50,7 @@ def stage_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
         "experiments": ["--out", str(out / "experiments")],
         "sweep": ["--out", str(out / "sweep"), "--device", args.device],
         "kernel_report": ["--out", str(out / "kernel_report.json")],
+        "collectives": ["--out", str(out / "collectives")],
     }
     if args.device == "cuda":
         stages["experiments"] += ["--preset", "gpu"]
@@ -55,6 +59,7 @@ def stage_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
         stages["experiments"] += ["--steps", "3", "--d-model", "32"]
         stages["sweep"] += ["--min-size", "4096", "--max-size", "4096", "--layouts", "flat", "200", "--repeats", "1"]
         stages["kernel_report"] += ["--targets", "sm90", "--dtypes", "fp32"]
+        stages["collectives"] += ["--repeats", "3", "--numel", "4096", "--tensors", "4"]
     return stages
 
 
@@ -62,7 +67,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     bar = ProgressBar(WEIGHTS)
-    entry_points = {"experiments": experiments.main, "sweep": sweep.main, "kernel_report": kernel_report.main}
+    entry_points = {
+        "experiments": experiments.main,
+        "sweep": sweep.main,
+        "kernel_report": kernel_report.main,
+        "collectives": collectives.main,
+    }
     logs, failed = {}, []
     start = time.perf_counter()
     for stage, stage_args in stage_arguments(args).items():

@@ -34,7 +34,7 @@ def test_run_all_quick_writes_every_result(tmp_path):
     out = done.stdout
     assert "%" in done.stderr  # the progress bar
     for name in ("experiments/experiments.png", "experiments/experiments.json", "sweep/sweep.png",
-                 "sweep/sweep.json", "kernel_report.json"):  # fmt: skip
+                 "sweep/sweep.json", "kernel_report.json", "collectives/collectives.json"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0
         assert str(tmp_path / name) in out  # the main job says where its results are
 
@@ -47,6 +47,13 @@ def test_run_all_quick_writes_every_result(tmp_path):
     # init_scale 2**24 overflows the first steps: both skip them, the policy run too.
     assert overflow["skipped_steps"]["torch"] == overflow["skipped_steps"]["tritonscale"] >= 1
     assert len(overflow["runs"]) == 3
+
+    collectives = json.loads((tmp_path / "collectives/collectives.json").read_text())
+    assert collectives["ranks"] == 2 and len(collectives["per_rank"]) == 2
+    for timings in collectives["per_rank"]:
+        assert set(timings) == {"all-gather (ours)", "all-gather alone", "2 all-reduces (Megatron)",
+                                "1 all-reduce", "clip, local", "clip, partitioned"}  # fmt: skip
+        assert all(t["median_ms"] > 0 for t in timings.values())
 
     sweep = json.loads((tmp_path / "sweep/sweep.json").read_text())
     assert sweep["machine"]["device"] == "cpu" and sweep["machine"]["torch"] and sweep["machine"]["triton"]

@@ -1,0 +1,126 @@
+"""What combining the norm and found_inf across ranks costs, against the all-reduce alternatives.
+
+Spawns ``--ranks`` gloo processes on this machine (CPU) and times, interleaved and in lockstep on
+every rank:
+
+* ``all-gather (ours)``: ``rank_combine.combine_check``: one ``all_gather_single`` of each rank's
+  ``[norm, found_inf]`` row, combined in rank order (bitwise the same on every rank);
+* ``2 all-reduces (Megatron)``: a MAX for found_inf, a SUM for the squared norm, then the root;
+* ``all-gather alone``: the transport of ours, without the combination's small ops;
+* ``1 all-reduce``: one SUM of ``[norm**2, found_inf]`` (one collective, but the float sum is in
+  the transport's order, and a sum of squares can overflow float32 where a norm does not);
+* ``clip, local`` / ``clip, partitioned``: a whole ``clip_grad_norm_`` over ``--numel`` elements in
+  ``--tensors`` tensors per rank, without and with ``process_group``: what distribution adds.
+
+    python bench/collectives.py --out out/collectives     # JSON + a table on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from timing import describe, interleaved, machine, split_sizes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out/collectives"))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--numel", type=int, default=2**20, help="gradient elements per rank")
+    parser.add_argument("--tensors", type=int, default=50)
+    return parser.parse_args(argv)
+
+
+def _rank_main(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
+    import datetime
+
+    import tritonscale
+    from tritonscale.backends import CheckResult
+    from tritonscale.rank_combine import combine_check
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    group = dist.group.WORLD
+    one = torch.ones(())
+    local = CheckResult(torch.zeros(()), torch.tensor(3.0), one, one, plan=[])
+
+    def megatron() -> None:
+        found, squares = local.found_inf.clone(), local.norm.square()
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(squares, group=group)
+        squares.sqrt()
+
+    def one_all_reduce() -> None:
+        row = torch.stack([local.norm.square(), local.found_inf])
+        dist.all_reduce(row, group=group)
+        row[0].sqrt()
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in split_sizes(args.numel, args.tensors)]
+    grads = [torch.randn(p.shape) for p in params]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scalers = {
+        "clip, local": tritonscale.GradScaler("cpu", backend="torch"),
+        "clip, partitioned": tritonscale.GradScaler("cpu", backend="torch", process_group=group),
+    }
+    for scaler in scalers.values():
+        scaler.scale(one)
+
+    def restore(name: str) -> None:
+        if name.startswith("clip"):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+
+    def clip(scaler) -> None:
+        scaler.clip_grad_norm_(optimizer, 1.0)
+        scaler._per_optimizer_states.clear()  # the next call starts a fresh iteration, no step
+
+    row, rows = torch.zeros(2, dtype=torch.float64), torch.zeros(2 * world, dtype=torch.float64)
+    variants = {
+        "all-gather (ours)": lambda: combine_check(local, one, 2.0, 1.0, group),
+        "all-gather alone": lambda: dist.all_gather_single(rows, row, group=group),
+        "2 all-reduces (Megatron)": megatron,
+        "1 all-reduce": one_all_reduce,
+        **{name: (lambda scaler=scaler: clip(scaler)) for name, scaler in scalers.items()},
+    }
+    timed = interleaved(variants, args.repeats, reset=restore)
+    torch.save(timed, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None, progress=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_main, args=(args.ranks, tmp, args), nprocs=args.ranks, start_method="spawn")
+        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(args.ranks)]
+    info = machine(torch.device("cpu"))
+    print(f"{args.ranks} gloo ranks on {describe(info)}; {args.repeats} interleaved repeats; medians (ms)")
+    print(f"{'variant':28s} " + " ".join(f"rank {r:<5d}" for r in range(args.ranks)))
+    for name in per_rank[0]:
+        print(f"{name:28s} " + " ".join(f"{ranks[name]['median_ms']:<10.3f}" for ranks in per_rank))
+    result = {"machine": info, "ranks": args.ranks, "numel_per_rank": args.numel, "tensors": args.tensors,
+              "repeats": args.repeats, "per_rank": per_rank}  # fmt: skip
+    path = args.out / "collectives.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    if progress is not None:
+        progress(1, 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())
