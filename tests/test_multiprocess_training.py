@@ -30,9 +30,10 @@ def overflow_on_rank_1(rank):
 def ddp_worker(rank: int, world: int) -> dict:
     out = {}
     for backend in ("torch", "triton"):
-        for kind in ("fused", "foreach"):
-            model = torch.nn.parallel.DistributedDataParallel(make_model())
-            optimizer = make_optimizer(model, kind)
+        for kind in ("fused", "foreach", "fused-bucket-view"):
+            # gradient_as_bucket_view: the gradients are views of DDP's flat buckets.
+            model = torch.nn.parallel.DistributedDataParallel(make_model(), gradient_as_bucket_view="view" in kind)
+            optimizer = make_optimizer(model, kind.removesuffix("-bucket-view"))
             scaler = tritonscale.GradScaler("cpu", init_scale=SCALE, backend=backend)
             counter = CollectiveCounter()  # DDP's own all-reduce runs in C++, not through these
             result = train(model, scaler, optimizer, rows_of(rank, world), poison_batch=overflow_on_rank_1(rank))
@@ -62,9 +63,9 @@ def ddp_run():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("kind", ["fused", "foreach"])
+@pytest.mark.parametrize("kind", ["fused", "foreach", "fused-bucket-view"])
 def test_ddp_trains_like_one_process_on_the_global_batch(ddp_run, backend, kind):
-    reference = one_process_oracle(kind)
+    reference = one_process_oracle(kind.removesuffix("-bucket-view"))
     assert reference["scales"][OVERFLOW_STEP] == SCALE / 2
     for rank, ranks in enumerate(ddp_run):
         ours = ranks[backend, kind]
