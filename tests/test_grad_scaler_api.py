@@ -358,3 +358,55 @@ def test_clip_over_several_devices_is_refused_before_anything_changes(backend):
         scaler.clip_grad_norm_(opt, 1.0)
     assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
     assert scaler._per_optimizer_states[id(opt)]["stage"] is tritonscale.OptState.READY
+
+
+# ------------------------------------------------- update(found_inf=...): a flag from the caller
+@pytest.mark.parametrize("flag", [True, torch.tensor(1.0), torch.tensor([math.nan]), torch.tensor(True)])
+def test_update_with_a_caller_flag_backs_off_like_a_recorded_overflow(backend, flag, forbid_host_reads):
+    # Oracle: torch's scaler after a step whose gradient overflowed.
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    theirs.scale(param.sum()).backward()
+    param.grad[0] = math.inf
+    theirs.step(optimizer)
+    theirs.update()
+    ours = GradScaler("cpu", init_scale=2.0**10, growth_interval=2, backend=backend)
+    ours.scale(torch.ones(()))
+    forbid_host_reads.on = isinstance(flag, torch.Tensor)  # a device flag is never read back
+    ours.update(found_inf=flag)
+    forbid_host_reads.on = False
+    assert ours.get_scale() == theirs.get_scale() == 2.0**9
+    assert ours.state_dict()["_growth_tracker"] == theirs.state_dict()["_growth_tracker"] == 0
+    assert ours.last_step_skipped()
+
+
+def test_update_with_false_flags_grows_on_torch_schedule(backend):
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2, backend=backend)
+    scaler.scale(torch.ones(()))
+    scales = []
+    for flag in [False, torch.tensor(0.0), False, True, False]:
+        scaler.update(found_inf=flag)
+        scales.append(scaler.get_scale())
+    assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**10, 2.0**10]
+
+
+def test_update_flag_adds_to_the_recorded_ones(backend):
+    params, opt, scaler = tiny_setup(backend)
+    backward(params, scaler)
+    scaler.step(opt)  # a good step
+    scale = scaler.get_scale()
+    scaler.update(found_inf=True)  # the caller saw an overflow elsewhere (another model, a loss)
+    assert scaler.get_scale() == scale * 0.5
+
+
+@pytest.mark.parametrize(
+    "flag, error", [(1.0, TypeError), ("yes", TypeError), (torch.zeros(2), ValueError)], ids=["float", "str", "two"]
+)
+def test_update_flag_bad_input_changes_nothing(backend, flag, error):
+    scaler = GradScaler("cpu", init_scale=2.0**10, backend=backend)
+    scaler.scale(torch.ones(()))
+    before = scaler.state_dict()
+    with pytest.raises(error, match="found_inf must be a bool or a one-element tensor"):
+        scaler.update(found_inf=flag)
+    assert scaler.state_dict() == before

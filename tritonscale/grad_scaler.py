@@ -311,10 +311,15 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         return record.skip
 
     # ---------------------------------------------------------------- update
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+    def update(
+        self, new_scale: float | torch.Tensor | None = None, *, found_inf: bool | torch.Tensor | None = None
+    ) -> None:
         """Back the scale off if any optimizer step this iteration saw inf/NaN, else maybe grow it.
 
-        ``new_scale`` sets the scale instead. Runs on the device; no host sync.
+        ``new_scale`` sets the scale instead. ``found_inf`` (a bool, or a 0-dim device tensor read
+        with no host sync) is an overflow flag the caller found itself, added to what this
+        iteration's passes recorded: code that checks its own gradients (a scale manager's
+        ``update_loss_scale``) drives the policy with it. Runs on the device; no host sync.
 
         Example::
 
@@ -325,11 +330,15 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
         scale, _ = self._check_scale_growth_tracker("update")
+        records = list(self._per_optimizer_states.values())
+        if found_inf is not None:
+            record = OptimizerRecord.from_flag(found_inf, scale.device)
+            self._skip_flag(record, scale.device)
+            records.append(record)
         if new_scale is not None:
             set_scale_(scale, new_scale)
-            self._rules.count_only_(self._policy, self._tensors, self._per_optimizer_states.values())
+            self._rules.count_only_(self._policy, self._tensors, records)
         else:
-            records = self._per_optimizer_states.values()
             self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
 

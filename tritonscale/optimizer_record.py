@@ -63,6 +63,24 @@ class OptimizerRecord:
     def found_inf_per_device(self, flags: dict[torch.device, torch.Tensor]) -> None:
         self._flags, self._flags_group = flags, None
 
+    @classmethod
+    def from_flag(cls, found_inf: bool | torch.Tensor, device: torch.device) -> OptimizerRecord:
+        """A record holding only an overflow flag the caller found itself (``update(found_inf=...)``):
+        a bool, or a one-element tensor (nonzero: overflow) moved to ``device`` without a host read."""
+        if isinstance(found_inf, torch.Tensor):
+            if found_inf.numel() != 1 or found_inf.is_complex():
+                raise ValueError(
+                    f"found_inf must be a bool or a one-element tensor, got shape {tuple(found_inf.shape)}"
+                )
+            flag = (found_inf.detach().to(device, non_blocking=True).reshape(()) != 0).float()
+        elif isinstance(found_inf, bool):
+            flag = torch.tensor(float(found_inf), device=device)
+        else:
+            raise TypeError(f"found_inf must be a bool or a one-element tensor, got {type(found_inf).__name__}")
+        record = cls()
+        record.found_inf_per_device = {device: flag}
+        return record
+
     def record_rank_flags(self, flags: dict[torch.device, torch.Tensor], group: Any, device: torch.device) -> None:
         """Keep this rank's flags, to be combined across ``group`` when first read (None: final).
         ``device``: where a rank without gradients makes its zero flag."""
