@@ -13,10 +13,12 @@ from .errors import ScalerConfigError
 from .flat_grads import flatten_grads_
 from .grad_scaler import GradScaler, OptState
 from .grad_sharding import mark_replicated
+from .loss_scale_optimizer import LossScaleOptimizer
 from .policy import LossScalePolicy
 
 __all__ = [
     "GradScaler",
+    "LossScaleOptimizer",
     "LossScalePolicy",
     "OptState",
     "ScaleHistory",
