@@ -14,13 +14,18 @@ from .flat_grads import flatten_grads_
 from .grad_scaler import GradScaler, OptState
 from .grad_sharding import mark_replicated
 from .policy import LossScalePolicy
+from .step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 
 __all__ = [
+    "DataFeedExhausted",
     "GradScaler",
     "LossScalePolicy",
     "OptState",
     "ScaleHistory",
     "ScalerConfigError",
+    "UpdateResult",
+    "Updater",
+    "UpdaterError",
     "flatten_grads_",
     "mark_replicated",
     "nonfinite_grads",
