@@ -15,14 +15,19 @@ from .grad_scaler import GradScaler, OptState
 from .grad_sharding import mark_replicated
 from .loss_scale_optimizer import LossScaleOptimizer
 from .policy import LossScalePolicy
+from .step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 
 __all__ = [
+    "DataFeedExhausted",
     "GradScaler",
     "LossScaleOptimizer",
     "LossScalePolicy",
     "OptState",
     "ScaleHistory",
     "ScalerConfigError",
+    "UpdateResult",
+    "Updater",
+    "UpdaterError",
     "flatten_grads_",
     "mark_replicated",
     "nonfinite_grads",
