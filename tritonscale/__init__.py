@@ -2,7 +2,9 @@
 
 ``tritonscale.GradScaler`` is a drop-in for ``torch.amp.GradScaler`` whose unscale / inf-check /
 clip run as one fused multi-tensor pass, with the scale kept on the device (no host sync).
-Importing it touches no device.
+MindSpore's and TensorFlow 1.x's scale managers (``FixedLossScaleManager``,
+``DynamicLossScaleManager``, ``ExponentialUpdateLossScaleManager``) are a layer over it. Importing
+it touches no device.
 
 The Triton kernels are ``tritonscale.kernels``; in the source tree that package is the top-level
 ``kernels/`` directory, which pyproject.toml maps into this package.
@@ -14,8 +16,12 @@ from .flat_grads import flatten_grads_
 from .grad_scaler import GradScaler, OptState
 from .grad_sharding import mark_replicated
 from .policy import LossScalePolicy
+from .scale_managers import DynamicLossScaleManager, ExponentialUpdateLossScaleManager, FixedLossScaleManager
 
 __all__ = [
+    "DynamicLossScaleManager",
+    "ExponentialUpdateLossScaleManager",
+    "FixedLossScaleManager",
     "GradScaler",
     "LossScalePolicy",
     "OptState",
