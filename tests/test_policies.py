@@ -1,10 +1,10 @@
 """Loss-scale policies against hand-written references of the systems they come from.
 
-Each reference below restates, in plain Python, the update rule of one framework's loss scaler
-(read from its source; the README names the file). tritonscale.GradScaler is driven through its
-real API -- backward, inf/NaN injected into a gradient, clip/step/update -- and its scale must
-follow the reference step for step. All factors are powers of two or exact in float32, so the
-comparison is exact.
+Each reference (tests/scale_references.py) restates, in plain Python, the update rule of one
+framework's loss scaler (read from its source; the README names the file). tritonscale.GradScaler
+is driven through its real API -- backward, inf/NaN injected into a gradient, clip/step/update --
+and its scale must follow the reference step for step. All factors are powers of two or exact in
+float32, so the comparison is exact.
 """
 
 from __future__ import annotations
@@ -14,132 +14,20 @@ import random
 
 import pytest
 import torch
+from scale_references import (
+    ApexRef,
+    DeepSpeedRef,
+    MegatronRef,
+    MindSporeRef,
+    TensorFlowExponentialRef,
+    overflow_pattern,
+)
 
 import tritonscale
 from tritonscale import GradScaler, LossScalePolicy, ScalerConfigError
 
 
-# ------------------------------------------------------------------ references
-class MegatronRef:  # megatron/core/optimizer/grad_scaler.py, DynamicGradScaler.update
-    def __init__(self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis):
-        self.scale, self.min_scale = initial_scale, min_scale
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
-        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
-
-    def update(self, found_inf):
-        if found_inf:
-            self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.growth_tracker = 0
-                self.hysteresis_tracker = self.hysteresis
-                self.scale = self.scale * self.growth_factor
-
-
-class DeepSpeedRef:  # deepspeed/runtime/fp16/loss_scaler.py, DynamicLossScaler.update_scale
-    # The growth test is the one DeepSpeed shipped for years: (cur_iter - last_overflow_iter) %
-    # scale_window == 0, i.e. after every scale_window good steps. Newer releases test
-    # stable_interval = that - 1 > 0, which delays the first growth after an overflow by one step.
-    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis, raise_at_min=False):
-        self.scale, self.scale_factor, self.scale_window, self.min_scale = init_scale, 2.0, scale_window, min_scale
-        self.raise_at_min = raise_at_min
-        self.delayed_shift, self.cur_hysteresis = delayed_shift, delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.cur_iter, self.last_overflow_iter = 0, -1
-
-    def update(self, overflow):
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.scale == self.min_scale and self.raise_at_min:
-                    raise RuntimeError("at min scale")  # raise_error_at_min_scale
-                self.scale = max(self.scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.scale *= self.scale_factor
-        self.cur_iter += 1
-
-
-class TensorFlowExponentialRef:  # tensorflow/contrib/mixed_precision/.../loss_scale_manager.py
-    def __init__(self, init_loss_scale, incr_every_n_steps, decr_every_n_nan_or_inf=2, incr_ratio=2.0, decr_ratio=0.5):
-        self.scale, self.incr_n, self.decr_n = init_loss_scale, incr_every_n_steps, decr_every_n_nan_or_inf
-        self.incr_ratio, self.decr_ratio = incr_ratio, decr_ratio
-        self.good, self.bad = 0, 0
-
-    def update(self, overflow):
-        if not overflow:
-            if self.good + 1 >= self.incr_n:
-                new = self.scale * self.incr_ratio
-                self.scale = new if math.isfinite(new) else self.scale
-                self.good, self.bad = 0, 0
-            else:
-                self.good += 1
-        else:
-            if self.bad + 1 >= self.decr_n:
-                self.scale = max(1.0, self.scale * self.decr_ratio)
-                self.good, self.bad = 0, 0
-            else:
-                self.bad += 1
-                self.good = 0
-
-
-class MindSporeRef:  # mindspore/train/loss_scale_manager.py, DynamicLossScaleManager.update_loss_scale
-    def __init__(self, init_loss_scale, scale_factor, scale_window, bad_step_max):
-        self.scale, self.factor, self.window = init_loss_scale, scale_factor, scale_window
-        self.bad_step_max = bad_step_max
-        self.cur_iter, self.last_overflow_iter, self.bad_step = 1, 0, 0
-
-    def update(self, overflow):
-        if overflow:
-            self.scale = max(self.scale / self.factor, 1)
-            self.last_overflow_iter = self.cur_iter
-            self.bad_step += 1
-        else:
-            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
-                self.scale *= self.factor
-            self.bad_step = 0
-        if self.bad_step > self.bad_step_max:
-            raise RuntimeError("too many bad steps")
-        self.cur_iter += 1
-
-
-class ApexRef:  # apex/amp/scaler.py, LossScaler.update_scale (dynamic)
-    def __init__(self, init_scale=2.0**16, scale_window=2000, min_loss_scale=None, max_loss_scale=2.0**24):
-        self.scale, self.window, self.min, self.max = init_scale, scale_window, min_loss_scale, max_loss_scale
-        self.unskipped = 0
-
-    def update(self, overflow):
-        if overflow:
-            self.scale = max(self.min, self.scale / 2.0) if self.min else self.scale / 2.0
-            self.unskipped = 0
-        else:
-            self.unskipped += 1
-        if self.unskipped == self.window:
-            self.scale = min(self.max, self.scale * 2.0)
-            self.unskipped = 0
-
-
 # ------------------------------------------------------------------ harness
-def overflow_pattern(seed, steps=120, p=0.3):
-    rng = random.Random(seed)
-    # Bursts as well as isolated overflows, so hysteresis budgets are both spent and refilled.
-    out = []
-    while len(out) < steps:
-        out += [rng.random() < p] * rng.choice([1, 1, 1, 2, 3])
-    return out[:steps]
-
-
 class Loop:
     """A one-parameter training loop whose gradient is made inf on request."""
 

@@ -2,7 +2,9 @@
 
 ``tritonscale.GradScaler`` is a drop-in for ``torch.amp.GradScaler`` whose unscale / inf-check /
 clip run as one fused multi-tensor pass, with the scale kept on the device (no host sync).
-Importing it touches no device.
+MindSpore's and TensorFlow 1.x's scale managers (``FixedLossScaleManager``,
+``DynamicLossScaleManager``, ``ExponentialUpdateLossScaleManager``) are a layer over it. Importing
+it touches no device.
 
 The Triton kernels are ``tritonscale.kernels``; in the source tree that package is the top-level
 ``kernels/`` directory, which pyproject.toml maps into this package.
@@ -15,10 +17,14 @@ from .grad_scaler import GradScaler, OptState
 from .grad_sharding import mark_replicated
 from .loss_scale_optimizer import LossScaleOptimizer
 from .policy import LossScalePolicy
+from .scale_managers import DynamicLossScaleManager, ExponentialUpdateLossScaleManager, FixedLossScaleManager
 from .step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 
 __all__ = [
     "DataFeedExhausted",
+    "DynamicLossScaleManager",
+    "ExponentialUpdateLossScaleManager",
+    "FixedLossScaleManager",
     "GradScaler",
     "LossScaleOptimizer",
     "LossScalePolicy",
