@@ -191,7 +191,7 @@ class LossScalePolicy:
         """A scale that never changes (TensorFlow/MindSpore FixedLossScaleManager).
 
         ``skip_on_overflow=False`` lets the step go ahead on inf/NaN (MindSpore's
-        ``drop_overflow_update=False``, TensorFlow's FixedLossScaleManager).
+        ``drop_overflow_update=False``; TensorFlow 1.x's LossScaleOptimizer always drops it).
         """
         return cls(dynamic=False, skip_on_overflow=skip_on_overflow)
 
@@ -202,11 +202,13 @@ class LossScalePolicy:
         """TensorFlow 1.x ExponentialUpdateLossScaleManager's knobs, expressed as this policy's.
 
         Its bad steps need not be consecutive: the counter is refilled when the scale grows or backs
-        off, not on a good step; a backoff never goes below 1.
+        off, not on a good step; a backoff never goes below 1. The ratios are rounded to float32, as
+        TensorFlow multiplies its float32 scale by them (0.8 is not a float32 number: unrounded, about
+        one update in three would differ from TensorFlow's in the last bit).
         """
         return cls(
-            growth_factor=incr_ratio,
-            backoff_factor=decr_ratio,
+            growth_factor=as_float32(incr_ratio),
+            backoff_factor=as_float32(decr_ratio),
             growth_interval=incr_every_n_steps,
             hysteresis=decr_every_n_nan_or_inf,
             hysteresis_refill_on_backoff=True,
