@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .flat_runs import FLAT_VIEWS_ATTR, flat_buffer, flat_runs
 from .launch_config import CHUNK, program_cap
 from .supported import is_supported_grad, raise_unsupported_grad
 
-#: Attribute set on a buffer made by tritonscale.flatten_grads_: the number of gradient views in it.
-FLAT_VIEWS_ATTR = "_tritonscale_flat_views"
+__all__ = ["FLAT_VIEWS_ATTR", "GradLayout", "describe_grads", "validate_group"]
 _TABLE_CACHE_SIZE = 16
 
 
@@ -64,12 +64,15 @@ def validate_group(grads: list[torch.Tensor]) -> None:
 
 
 def _flat_base(grads: list[torch.Tensor], nonempty: list[torch.Tensor]) -> torch.Tensor | None:
-    """The buffer to take as FLAT: the group's one non-empty contiguous tensor, or the flat buffer
-    (tritonscale.flatten_grads_) that all of the group's gradients -- empty ones too -- are views of."""
-    base = grads[0]._base  # preferred: padded to a multiple of 16 elements, so loads vectorise
-    if base is not None and getattr(base, FLAT_VIEWS_ATTR, None) == len(grads):
-        if all(g._base is base for g in grads):
-            return base
+    """The buffer to take as FLAT: the flat buffer (tritonscale.flatten_grads_) that all of the
+    group's gradients -- empty ones too -- are views of, or one run covering them all back to back
+    (a DDP bucket), or the group's one non-empty contiguous tensor."""
+    base = flat_buffer(grads)  # preferred: padded to a multiple of 16 elements, so loads vectorise
+    if base is not None:
+        return base
+    runs = flat_runs(nonempty)
+    if runs is not None and len(runs) == 1:
+        return runs[0]
     if len(nonempty) == 1 and nonempty[0].is_contiguous():
         return nonempty[0]
     return None

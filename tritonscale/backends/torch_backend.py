@@ -2,7 +2,9 @@
 
 The check is one norm pass over the raw gradients that also catches inf/NaN (they propagate into
 the norm); the apply is one ``_foreach_mul_`` by the combined factor. That is one read plus one
-read+write of gradient memory, against torch's unscale_ (read+write) + norm (read) + clip (read+write).
+read+write of gradient memory, against torch's unscale_ (read+write) + norm (read) + clip
+(read+write). Gradients that are views back to back in one buffer go as one tensor per run
+(``kernels/flat_runs.py``).
 
 Each tensor's norm accumulates in float32, as torch's does, and the per-tensor norms are combined
 as torch combines them (float32). Where a float32 result overflows while the gradients are finite
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.flat_runs import as_runs
 from .base import CheckResult, clip_coefficient, inverse_scale
 
 
@@ -78,13 +81,14 @@ class TorchBackend:
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         inv_scale = inverse_scale(scale)
         for grads in groups:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            torch._amp_foreach_non_finite_check_and_unscale_(as_runs(grads), found_inf, inv_scale)
 
     def check(
         self, groups: list[list[torch.Tensor]], scale: torch.Tensor, norm_type: float, max_norm: float | None
     ) -> CheckResult:
         ord = float(norm_type)
-        nonempty = [grads for grads in ([g for g in group if g.numel() > 0] for group in groups) if grads]
+        # Views back to back in one buffer (flatten_grads_, DDP buckets) are read as one run each.
+        nonempty = [runs for runs in map(as_runs, groups) if runs]
         inv_scale = inverse_scale(scale)
         per_tensor = (
             _per_tensor_norms(nonempty, ord) if nonempty else torch.zeros(1, dtype=torch.float32, device=scale.device)
@@ -105,7 +109,7 @@ class TorchBackend:
             factor = (inv_scale * clip_coef).reshape(())
         # As in the kernels' finalize: an overflowed step leaves its gradients untouched.
         factor = torch.where(found_inf > 0, torch.ones_like(factor), factor)
-        return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=groups)
+        return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=nonempty)
 
     def apply_(self, result: CheckResult) -> None:
         for grads in result.plan:
