@@ -24,6 +24,7 @@ from tritonscale.kernels import apply_factor_, describe_grads
 from tritonscale.kernels.reference import apply_ref, finalize_ref
 
 import tritonscale
+from tritonscale import GradScaler
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -78,3 +79,91 @@ def test_flat_buffer_with_an_empty_parameter_stays_flat():
     (buffer,) = tritonscale.flatten_grads_(params)
     layout = describe_grads([p.grad for p in params])
     assert layout.flat and layout.first is buffer
+
+
+# ------------------------------------------------- buckets and buffers through the scaler
+def _bucket_params(n_params, own, dtype=torch.float32, seed=0):
+    """Parameters whose gradients sit back to back in one bucket (DDP's gradient_as_bucket_view):
+    no flatten_grads_, no padding; the optimizer owns the ``own`` ones."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3, 2), (5,), (4,), (2, 2), (7,)][:n_params]
+    bucket = (torch.randn(sum(torch.Size(s).numel() for s in shapes), generator=g) * 2.0**10).to(dtype)
+    params, at = [], 0
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p.grad = bucket[at : at + p.numel()].view(shape)
+        at += p.numel()
+        params.append(p)
+    return [p for i, p in enumerate(params) if i in own], bucket
+
+
+@pytest.mark.parametrize("own", [(0, 1, 2, 3, 4), (1, 2), (0, 3, 4)], ids=["all", "middle", "gapped"])
+def test_bucket_views_give_exactly_the_optimizers_norm(backend, own):
+    # Oracle: torch's unscale_ + clip_grad_norm_ on copies of the same gradients, as separate tensors.
+    params, bucket = _bucket_params(5, own)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for t, p in zip(twins, params):
+        t.grad = p.grad.clone()
+    outside = [i for i in range(bucket.numel()) if not any(
+        p.grad.storage_offset() <= i < p.grad.storage_offset() + p.numel() for p in params)]  # fmt: skip
+    bucket_outside = bucket[outside].clone()
+    ours = GradScaler("cpu", init_scale=2.0**10, backend=backend)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for s in (ours, theirs):
+        s.scale(torch.ones(()))
+    norm = ours.clip_grad_norm_(torch.optim.SGD(params, lr=0.1), 0.5)
+    theirs.unscale_(twin_opt := torch.optim.SGD(twins, lr=0.1))
+    want = torch.nn.utils.clip_grad_norm_(twins, 0.5)
+    torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+    for p, t in zip(params, twins):
+        torch.testing.assert_close(p.grad, t.grad, rtol=2e-6, atol=1e-9)
+    assert torch.equal(bucket[outside], bucket_outside)  # other parameters' gradients untouched
+    del twin_opt
+
+
+def test_flat_buffer_is_recognised_without_walking_and_still_correct(backend, monkeypatch):
+    from tritonscale import grad_groups
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 17, 3)]
+    tritonscale.flatten_grads_(params)
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    hits = []
+    known = grad_groups.known_buffer
+    monkeypatch.setattr(grad_groups, "known_buffer", lambda a: hits.append(known(a)) or hits[-1])
+    scaler = GradScaler("cpu", init_scale=2.0**4, backend=backend)
+    twins = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 17, 3)]
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    twin_opt = torch.optim.SGD(twins, lr=1.0)
+    for s in (scaler, theirs):
+        s.scale(torch.ones(()))
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for p, t in zip(params, twins):
+            value = torch.randn(p.shape, generator=g) * 2.0**4
+            p.grad.copy_(value)  # the views persist (zero_grad(set_to_none=False))
+            t.grad = value.clone()
+        if step == 2:
+            params[1].grad = params[1].grad.clone()  # no longer a view: the buffer must not be used
+        norm = scaler.clip_grad_norm_(optimizer, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        theirs.unscale_(twin_opt)
+        want = torch.nn.utils.clip_grad_norm_(twins, 1.0)
+        theirs.step(twin_opt)
+        theirs.update()
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+        for p, t in zip(params, twins):
+            torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+    assert [h is not None for h in hits] == [False, True, False]  # step 1 recognised the buffer
+
+
+def test_flat_buffer_shortcut_keeps_torchs_fp16_refusal(backend):
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)) for _ in range(2)]
+    tritonscale.flatten_grads_(params)
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    scaler = GradScaler("cpu", backend=backend)
+    scaler.scale(torch.ones(()))
+    scaler.clip_grad_norm_(torch.optim.AdamW(params, fused=True), 1.0)  # the fold reads fp16: allowed
+    for _ in range(2):  # the second call goes through the remembered buffer
+        with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+            scaler.unscale_(optimizer)

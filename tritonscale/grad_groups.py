@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from .grad_sharding import is_dtensor, is_first_rank, local_shard, mesh_group, replica_group
+from .flat_grads import grad_addresses, known_buffer, remember_buffer
+from .grad_sharding import any_marked, is_dtensor, is_first_rank, local_shard, mesh_group, replica_group
+from .kernels.flat_runs import flat_buffer
 from .kernels.supported import is_dense, is_supported_grad
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
@@ -91,6 +93,14 @@ def collect_grads(
     are refused: the norm would count the shared elements once and the in-place passes scale them
     twice.
     """
+    addresses = grad_addresses(optimizer)
+    buffer = known_buffer(addresses) if addresses is not None and not any_marked() else None
+    if buffer is not None:  # all views of one flatten_grads_ buffer, validated at these addresses
+        if not allow_fp16 and buffer.dtype is torch.float16:
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        if kernels:
+            return Grads(kernel={buffer.device: [[buffer]]})
+        return Grads(other={buffer.device: [buffer]})
     counted, replicas = _Sorter(), _Sorter()
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
     to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]] = []
@@ -145,7 +155,20 @@ def collect_grads(
     result = counted.grads()
     result.mesh, result.marked_replicas = layouts.mesh(), layouts.marked
     result.replicas = replicas.grads() if replicas else None
+    _remember_if_one_buffer(addresses, result)
     return result
+
+
+def _remember_if_one_buffer(addresses: tuple[int, ...] | None, grads: Grads) -> None:
+    """If every gradient is a view of one flatten_grads_ buffer (validated just now), let the next
+    collect_grads recognise them by their addresses."""
+    if addresses is None or grads.other or grads.mesh is not None or grads.marked_replicas or len(grads.kernel) != 1:
+        return
+    (groups,) = grads.kernel.values()
+    if len(groups) == 1:
+        buffer = flat_buffer(groups[0])
+        if buffer is not None:
+            remember_buffer(addresses, buffer)
 
 
 class _ShardLayouts:

@@ -43,8 +43,19 @@ def mark_replicated(params: Iterable[torch.nn.Parameter], group: Any) -> None:
 
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    global _marked
     for param in params:
         setattr(param, REPLICATED_OVER_ATTR, group)
+        _marked = True
+
+
+_marked = False
+
+
+def any_marked() -> bool:
+    """Whether mark_replicated was ever called in this process (the flat-buffer shortcut then
+    walks every parameter, to see the marks)."""
+    return _marked
 
 
 def replica_group(param: torch.Tensor) -> Any:
