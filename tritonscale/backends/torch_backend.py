@@ -97,10 +97,18 @@ class TorchBackend:
         # (a bf16 run). Where it overflows on finite gradients (one tensor's squares, or the sum of
         # many tensors' norms), the float64 one stands in.
         raw32 = torch.linalg.vector_norm(per_tensor, ord)
-        wide = _wide_per_tensor_norms(nonempty, ord, per_tensor) if nonempty else per_tensor.double()
-        raw64 = torch.linalg.vector_norm(wide, ord)
-        found_inf = (~torch.isfinite(raw64)).float()
-        norm = torch.where(torch.isfinite(raw32), raw32 * inv_scale, (raw64 * inv_scale.double()).float()).reshape(())
+        if _host_reads_are_free(per_tensor.device) and bool(torch.isfinite(raw32)):
+            # The common case on the CPU, decided by one free read: nothing overflowed and nothing
+            # is inf/NaN, so the float64 path below gives these same values; skipping its ~8 small
+            # ops saves ~25 us of a ~300 us tiny step (2-core development machine).
+            found_inf = torch.zeros((), dtype=torch.float32, device=per_tensor.device)
+            norm = (raw32 * inv_scale).reshape(())
+        else:
+            wide = _wide_per_tensor_norms(nonempty, ord, per_tensor) if nonempty else per_tensor.double()
+            raw64 = torch.linalg.vector_norm(wide, ord)
+            found_inf = (~torch.isfinite(raw64)).float()
+            norm = torch.where(torch.isfinite(raw32), raw32 * inv_scale, (raw64 * inv_scale.double()).float())
+            norm = norm.reshape(())
         if max_norm is None:
             clip_coef = torch.ones_like(norm)
             factor = inv_scale.reshape(())
