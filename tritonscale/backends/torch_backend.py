@@ -41,7 +41,7 @@ def _per_tensor_norms(groups: list[list[torch.Tensor]], ord: float) -> torch.Ten
             per_group.append(torch.stack(torch._foreach_norm(grads, ord)).float())
         else:
             per_group.append(torch.stack(torch._foreach_norm(grads, ord, dtype=torch.float32)))
-    return torch.cat(per_group)
+    return per_group[0] if len(per_group) == 1 else torch.cat(per_group)
 
 
 def _host_reads_are_free(device: torch.device) -> bool:
