@@ -21,6 +21,8 @@ import torch
 
 #: Attribute set on a buffer made by tritonscale.flatten_grads_: the number of gradient views in it.
 FLAT_VIEWS_ATTR = "_tritonscale_flat_views"
+#: Attribute set on each run flat_runs makes (True): it spans several gradients.
+RUN_ATTR = "_tritonscale_run"
 
 #: (index of a gradient whose storage holds the run, storage offset, elements); elements -1: that
 #: gradient as it is (a non-contiguous one, never merged)
@@ -54,7 +56,21 @@ def flat_runs(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
             _spans.popitem(last=False)
     if spans is None:
         return None
-    return [grads[i] if numel < 0 else grads[i].as_strided((numel,), (1,), offset) for i, offset, numel in spans]
+    runs = []
+    for i, offset, numel in spans:
+        if numel < 0:
+            runs.append(grads[i])
+        else:
+            run = grads[i].as_strided((numel,), (1,), offset)
+            setattr(run, RUN_ATTR, True)
+            runs.append(run)
+    return runs
+
+
+def spans_several(t: torch.Tensor) -> bool:
+    """True for a run made by flat_runs or a flatten_grads_ buffer: one tensor standing for many
+    gradients (a norm over it must be as accurate as over each of them)."""
+    return getattr(t, RUN_ATTR, False) or getattr(t, FLAT_VIEWS_ATTR, None) is not None
 
 
 def _find_spans(grads: list[torch.Tensor]) -> list[Span] | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.flat_runs import as_runs
+from ..kernels.flat_runs import as_runs, spans_several
 from .base import CheckResult, clip_coefficient, inverse_scale
 
 
@@ -32,16 +32,42 @@ def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
     return grads[0].dtype is torch.bfloat16 and grads[0].device.type == "cpu"
 
 
+#: Elements per partial norm of a run spanning many gradients (see _run_norm).
+RUN_ROW = 4096
+
+
+def _run_norm(run: torch.Tensor, ord: float) -> torch.Tensor:
+    """float32 norm of a run (or flat buffer) spanning many gradients, as accurate as their norms
+    taken one by one. One float32 norm over 8M elements is off by ~2e-4 relative on the CPU (its
+    accumulators grow long); rows of 4096 combined are off by ~2e-9, and the row-wise reduction is
+    also ~2x faster (0.60 vs 1.11 ms over 8M float32 on the 2-core development machine). Only
+    norm types 1, 2 and inf reach the backends, and a norm of row norms is the norm for each."""
+    rows = run.numel() // RUN_ROW
+    parts = [torch.linalg.vector_norm(run[: rows * RUN_ROW].view(rows, RUN_ROW), ord, dim=1, dtype=torch.float32)]
+    if run.numel() > rows * RUN_ROW:
+        parts.append(torch.linalg.vector_norm(run[rows * RUN_ROW :], ord, dtype=torch.float32).reshape(1))
+    return torch.linalg.vector_norm(torch.cat(parts) if len(parts) > 1 else parts[0], ord)
+
+
 def _per_tensor_norms(groups: list[list[torch.Tensor]], ord: float) -> torch.Tensor:
     """float32 [T] norms of the raw gradients (same-dtype groups); inf/NaN where an element is (or
     where one tensor's float32 sum overflows)."""
     per_group = []
     for grads in groups:
-        if _rounds_norm_to_bf16(grads):
+        if any(spans_several(g) and g.numel() >= 2 * RUN_ROW for g in grads):
+            per_group.append(torch.stack([_run_norm(g, ord) if spans_several(g) else _one_norm(g, ord) for g in grads]))
+        elif _rounds_norm_to_bf16(grads):
             per_group.append(torch.stack(torch._foreach_norm(grads, ord)).float())
         else:
             per_group.append(torch.stack(torch._foreach_norm(grads, ord, dtype=torch.float32)))
     return per_group[0] if len(per_group) == 1 else torch.cat(per_group)
+
+
+def _one_norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
+    """One gradient's norm, as the foreach paths above take it."""
+    if _rounds_norm_to_bf16([grad]):
+        return torch._foreach_norm([grad], ord)[0].float()
+    return torch._foreach_norm([grad], ord, dtype=torch.float32)[0]
 
 
 def _host_reads_are_free(device: torch.device) -> bool:
