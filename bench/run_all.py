@@ -1,5 +1,6 @@
-"""The README's main job: the fused-clip experiments, the benchmark sweep and the compiled-kernel
-report, end to end, with a progress bar; PNG, JSON and logs go to one output folder.
+"""The README's main job: the fused-clip experiments, the benchmark sweep, the compiled-kernel
+report, the collectives and the whole training step, end to end, with a progress bar; PNG, JSON
+and logs go to one output folder.
 
 Stages (each one a script in bench/ that also runs on its own):
 
@@ -10,6 +11,8 @@ Stages (each one a script in bench/ that also runs on its own):
                         gfx942, with no GPU
 4. ``collectives.py``   combining norm and found_inf across 2 gloo ranks: our all-gather against
                         Megatron's two all-reduces and one all-reduce
+5. ``train_step.py``    a whole training step of a small transformer, phase by phase (forward,
+                        backward, scaler, step, update, zero_grad), torch's variants against ours
 
     python bench/run_all.py                     # CPU: a few minutes, results in out/
     python bench/run_all.py --device cuda       # GPU presets: bigger model, sizes up to 1G elements
@@ -30,10 +33,11 @@ import collectives
 import experiments
 import kernel_report
 import sweep
+import train_step
 from progress import ProgressBar
 
 # Share of the progress bar per stage, roughly their share of the CPU run's time.
-WEIGHTS = {"experiments": 0.44, "sweep": 0.46, "kernel_report": 0.07, "collectives": 0.03}
+WEIGHTS = {"experiments": 0.42, "sweep": 0.43, "kernel_report": 0.07, "collectives": 0.03, "train_step": 0.05}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,15 +55,18 @@ def stage_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
         "sweep": ["--out", str(out / "sweep"), "--device", args.device],
         "kernel_report": ["--out", str(out / "kernel_report.json")],
         "collectives": ["--out", str(out / "collectives")],
+        "train_step": ["--out", str(out / "train_step"), "--device", args.device],
     }
     if args.device == "cuda":
         stages["experiments"] += ["--preset", "gpu"]
         stages["sweep"] += ["--max-size", str(2**30)]
+        stages["train_step"] += ["--autocast", "float16"]  # the GPU preset (chosen by --device cuda)
     if args.quick:
         stages["experiments"] += ["--steps", "3", "--d-model", "32"]
         stages["sweep"] += ["--min-size", "4096", "--max-size", "4096", "--layouts", "flat", "200", "--repeats", "1"]
         stages["kernel_report"] += ["--targets", "sm90", "--dtypes", "fp32"]
         stages["collectives"] += ["--repeats", "3", "--numel", "4096", "--tensors", "4"]
+        stages["train_step"] += ["--quick"]
     return stages
 
 
@@ -72,6 +79,7 @@ def main(argv=None) -> int:
         "sweep": sweep.main,
         "kernel_report": kernel_report.main,
         "collectives": collectives.main,
+        "train_step": train_step.main,
     }
     logs, failed = {}, []
     start = time.perf_counter()

@@ -34,7 +34,8 @@ def test_run_all_quick_writes_every_result(tmp_path):
     out = done.stdout
     assert "%" in done.stderr  # the progress bar
     for name in ("experiments/experiments.png", "experiments/experiments.json", "sweep/sweep.png",
-                 "sweep/sweep.json", "kernel_report.json", "collectives/collectives.json"):  # fmt: skip
+                 "sweep/sweep.json", "kernel_report.json", "collectives/collectives.json",
+                 "train_step/train_step.json", "train_step/train_step.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0
         assert str(tmp_path / name) in out  # the main job says where its results are
 
@@ -69,6 +70,15 @@ def test_run_all_quick_writes_every_result(tmp_path):
     kernels = json.loads((tmp_path / "kernel_report.json").read_text())
     assert kernels and all(row["ok"] and row["spills"] == 0 for row in kernels)
 
+    steps = json.loads((tmp_path / "train_step/train_step.json").read_text())
+    assert steps["machine"]["device"] == "cpu" and steps["args"]["preset_name"] == "quick"
+    assert list(steps["variants"]) == ["no-scaling", "no-scaling+clip", "torch-fused", "torch-foreach",
+                                       "tritonscale-fold", "tritonscale-foreach", "tritonscale-flat"]  # fmt: skip
+    for name, result in steps["variants"].items():
+        assert set(result["phases"]) == {"forward", "backward", "scaler", "step", "update", "zero_grad"}
+        assert all(len(samples) == 3 for samples in steps["raw_ms"][name].values()), name  # 3 recorded steps
+        assert result["step"]["median_ms"] > 0 and 0 <= result["scaler_share"] < 1
+
 
 def test_experiments_with_the_triton_kernels_follow_torch(tmp_path):
     # The real kernels (through the interpreter) in the experiment loop, fused optimizer and not.
@@ -101,3 +111,19 @@ def test_bench_clip_cpu_writes_json(tmp_path):
     (point,) = data["points"]
     assert point["numel"] == 4096 and point["bytes_model"]["torch"] == 5 * 4096 * 4
     assert point["torch"]["median_ms"] > 0 and point["tritonscale"]["median_ms"] > 0
+
+
+def test_bars_prints_every_ratio(tmp_path, capsys):
+    out = tmp_path / "bars.json"
+    assert load("bars").main(["--quick", "--backend", "torch", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["machine"]["device"] == "cpu"
+    ratios = data["ratios"]
+    # bar 1: ideal/ours and torch/ours for two layouts; bar 2: torch/ours and the 3 knobs; bar 3: torch/ours
+    assert [r["bar"] for r in ratios] == ["1"] * 4 + ["2"] * 4 + ["3"]
+    assert all(r["value"] > 0 for r in ratios)
+    assert all(max(r["max_rel_diff_vs_torch"].values()) < 1e-5 for r in ratios[:4])  # ideal, ours, torch alike
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert "cpu (" in lines[0]  # the machine line
+    assert [line.split()[0] for line in lines if " = " in line] == [r["bar"] for r in ratios]  # one line per ratio

@@ -1,0 +1,260 @@
+"""The performance issue's three headline ratios, from one run, printed one line per ratio.
+
+1. Flat pre-optimizer section against the single-tensor ideal: 2000 gradients of 4096 float32
+   elements, a scaled SGD optimizer. ``ours`` = ``scaler.clip_grad_norm_(opt, 1.0)``; ``torch`` =
+   ``unscale_`` + ``torch.nn.utils.clip_grad_norm_(foreach=True)``; ``ideal`` = one
+   ``torch.linalg.vector_norm(buffer)`` + one ``buffer.mul_(factor)`` over the whole buffer (what
+   one hand-written tensor costs). Printed: ``ideal/ours`` (target >= 0.85) and ``torch/ours``, for
+   two layouts: views of a ``tritonscale.flatten_grads_`` buffer, and a DDP-like bucket (every
+   gradient assigned as ``bucket[a:b].view(shape)``, back to back, no padding, no flatten_grads_).
+   The gradients are restored (untimed) before every repeat; the scalers update after (untimed);
+   once, untimed, the gradients each leaves are compared with torch's (max relative difference).
+2. A tiny whole step against torch: one parameter of 1024 elements, the whole scaled step
+   (forward, ``scale(loss).backward()``, clip, step, update, zero_grad) with AdamW(fused=True);
+   torch's GradScaler (``unscale_`` + ``clip_grad_norm_``) against ours (``clip_grad_norm_``):
+   ``torch/ours`` (target >= 1.0). Then each policy knob (``hysteresis=2``,
+   ``skip_norm_factor=5.0``, ``max_consecutive_skips=10``) against ours with the defaults (target:
+   each costs <= 10%). Each sample is 20 steps (host overhead: per-step times are ~0.1 ms).
+3. 16M float32 elements in 200 tensors, AdamW(fused=True), the full scaled step without forward
+   and backward: torch (``unscale_`` + clip + step + update) against ours (the fold: clip + step +
+   update): ``torch/ours`` (the issue quoted 1.49x).
+
+All variants of a bar run interleaved (ABBA), medians of ``--repeats`` repeats (bar 2: 10x as many
+samples) after one warm-up round; JSON with the machine and every quantile goes to ``--out``.
+
+    python bench/bars.py                      # CPU, ~1 minute
+    python bench/bars.py --quick --out /tmp/bars.json   # tiny sizes (the smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from timing import describe, interleaved, machine, split_sizes
+
+import tritonscale
+
+MAX_NORM = 1.0
+SCALE = 2.0**16
+KNOBS = {"hysteresis=2": dict(hysteresis=2), "skip_norm_factor=5.0": dict(skip_norm_factor=5.0),
+         "max_consecutive_skips=10": dict(max_consecutive_skips=10)}  # fmt: skip
+TINY_STEPS_PER_SAMPLE = 20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=21, help="timed repeats per variant (bar 2: 10x samples)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats (the smoke test)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="tritonscale's")
+    parser.add_argument("--out", type=Path, default=Path("out/bars.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+    # (tensors, elements per tensor) of bar 1, elements of bar 2's parameter, (elements, tensors) of bar 3
+    args.bar1 = (16, 256) if args.quick else (2000, 4096)
+    args.bar2 = 1024
+    args.bar3 = (2**16, 8) if args.quick else (2**24, 200)
+    return args
+
+
+def synced(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """``fn`` followed by a device synchronize on CUDA (so the host clock sees the kernels' end)."""
+    if device.type != "cuda":
+        return fn
+    return lambda: (fn(), torch.cuda.synchronize(device))
+
+
+def scaler(kind: str, device: torch.device, backend: str, **knobs):
+    kw = dict(init_scale=SCALE, growth_interval=10**9)
+    if kind == "torch":
+        s = torch.amp.GradScaler(device.type, **kw)
+    else:
+        s = tritonscale.GradScaler(device.type, backend=backend, **kw, **knobs)
+    s.scale(torch.ones((), device=device))  # makes the scale tensor
+    return s
+
+
+def ratio_line(bar: str, what: str, num: str, den: str, timed: dict, target: str | None = None, note: str = "") -> dict:
+    """One printed line (and its JSON record): the ratio of two medians, with the medians."""
+    a, b = timed[num]["median_ms"], timed[den]["median_ms"]
+    ratio = a / b
+    ok = None
+    if target is not None:
+        op, value = target.split()
+        ok = ratio >= float(value) if op == ">=" else ratio <= float(value)
+    verdict = note if target is None else f" (target {target}: {'met' if ok else 'MISSED'})"
+    print(f"{bar} {what}: {num}/{den} = {ratio:.3f}{verdict}  [median ms: {num} {a:.4g}, {den} {b:.4g}]")
+    return {"bar": bar, "what": what, "ratio": f"{num}/{den}", "value": ratio, "target": target, "met": ok,
+            "numerator": timed[num], "denominator": timed[den]}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- bar 1
+
+
+def bar1(args, device: torch.device) -> list[dict]:
+    n_tensors, each = args.bar1
+    torch.manual_seed(0)
+    saved = torch.randn(n_tensors * each, device=device).mul_(SCALE)  # scaled gradients, back to back
+    layouts = ("flatten_grads_", "DDP-like bucket")
+    return [line for layout in layouts for line in bar1_layout(args, device, saved, layout)]
+
+
+def bar1_layout(args, device: torch.device, saved: torch.Tensor, layout: str) -> list[dict]:
+    n_tensors, each = args.bar1
+    params = [torch.nn.Parameter(torch.zeros(64, each // 64, device=device)) for _ in range(n_tensors)]
+    if layout == "flatten_grads_":
+        (buffer,) = tritonscale.flatten_grads_(params)
+    else:  # a DDP-like bucket: views back to back in one storage, no padding, no flatten_grads_
+        buffer = torch.empty(n_tensors * each, device=device)
+        for k, p in enumerate(params):
+            p.grad = buffer[k * each : (k + 1) * each].view(p.shape)
+    assert buffer.numel() == saved.numel()  # 4096 is a multiple of 16: flatten_grads_ pads nothing
+    opt = torch.optim.SGD(params, lr=0.0)
+    theirs, ours = scaler("torch", device, args.backend), scaler("ours", device, args.backend)
+    inv = 1.0 / SCALE
+
+    def torch_section():
+        theirs.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+
+    def ideal():
+        norm = torch.linalg.vector_norm(buffer)
+        buffer.mul_(torch.clamp(MAX_NORM / (norm * inv + 1e-6), max=1.0) * inv)
+
+    variants = {"ideal": ideal, "ours": lambda: ours.clip_grad_norm_(opt, MAX_NORM), "torch": torch_section}
+    updates = {"torch": theirs.update, "ours": ours.update, "ideal": lambda: None}
+    timed = interleaved(
+        {name: synced(fn, device) for name, fn in variants.items()},
+        args.repeats,
+        reset=lambda name: buffer.copy_(saved),
+        after=lambda name: updates[name](),
+    )
+    # Untimed: how far each variant's gradients (unscaled, clipped) are from torch's. One float32 norm
+    # over the whole buffer accumulates more rounding than torch's per-tensor norms.
+    results = {}
+    for name, fn in variants.items():
+        buffer.copy_(saved)
+        fn()
+        updates[name]()
+        results[name] = buffer.clone()
+    reference = results["torch"]
+    diff = {name: ((g - reference).abs().max() / reference.abs().max()).item() for name, g in results.items()}
+    what = f"pre-optimizer section, {n_tensors}x{each} float32 grads, {layout}"
+    lines = [ratio_line("1", what, "ideal", "ours", timed, ">= 0.85"), ratio_line("1", what, "torch", "ours", timed)]
+    for line in lines:
+        line["max_rel_diff_vs_torch"] = diff
+    print(f"1 {what}: gradients' max relative difference from torch's: ours {diff['ours']:.1e}, "
+          f"ideal {diff['ideal']:.1e}")  # fmt: skip
+    return lines
+
+
+# ----------------------------------------------------------------------------- bar 2
+
+
+class TinyStep:
+    """One 1024-element parameter, AdamW(fused=True), the whole scaled step."""
+
+    def __init__(self, kind: str, numel: int, device: torch.device, backend: str, **knobs):
+        torch.manual_seed(0)
+        self.kind = kind
+        self.p = torch.nn.Parameter(torch.randn(numel, device=device))
+        self.x = torch.randn(numel, device=device)
+        self.opt = torch.optim.AdamW([self.p], lr=1e-3, fused=True)
+        self.scaler = scaler(kind, device, backend, **knobs)
+
+    def step(self) -> None:
+        s = self.scaler
+        loss = (self.p * self.x).sum()
+        s.scale(loss).backward()
+        if self.kind == "torch":
+            s.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_([self.p], MAX_NORM)
+        else:
+            s.clip_grad_norm_(self.opt, MAX_NORM)
+        s.step(self.opt)
+        s.update()
+        self.opt.zero_grad()
+
+    def steps(self) -> None:
+        for _ in range(TINY_STEPS_PER_SAMPLE):
+            self.step()
+
+
+def bar2(args, device: torch.device) -> list[dict]:
+    setups = {"torch": TinyStep("torch", args.bar2, device, args.backend),
+              "ours": TinyStep("ours", args.bar2, device, args.backend)}  # fmt: skip
+    for knob, kw in KNOBS.items():
+        setups[f"ours+{knob}"] = TinyStep("ours", args.bar2, device, args.backend, **kw)
+    timed = interleaved(
+        {name: synced(s.steps, device) for name, s in setups.items()}, 10 * args.repeats, reset=lambda name: None
+    )
+    per_step = {name: {k: v / TINY_STEPS_PER_SAMPLE for k, v in t.items()} for name, t in timed.items()}
+    what = f"tiny whole step, 1 parameter of {args.bar2} elements, AdamW(fused=True)"
+    lines = [ratio_line("2", what, "torch", "ours", per_step, ">= 1.0")]
+    for knob in KNOBS:
+        lines.append(ratio_line("2", f"{what}, {knob} vs defaults", f"ours+{knob}", "ours", per_step, "<= 1.10"))
+    return lines
+
+
+# ----------------------------------------------------------------------------- bar 3
+
+
+def bar3(args, device: torch.device) -> list[dict]:
+    numel, n_tensors = args.bar3
+    sizes = split_sizes(numel, n_tensors)
+    torch.manual_seed(0)
+    saved = [torch.randn(s, device=device).mul_(SCALE) for s in sizes]
+    setups = {}
+    for kind in ("torch", "ours"):
+        params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in sizes]
+        for p, g in zip(params, saved):
+            p.grad = g.clone()
+        # Learning rate 0: the parameters stay fixed, so every repeat sees the same step.
+        opt = torch.optim.AdamW(params, lr=0.0, fused=True)
+        setups[kind] = (params, opt, scaler(kind, device, args.backend))
+
+    def step(kind: str) -> None:
+        params, opt, s = setups[kind]
+        if kind == "torch":
+            s.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        else:
+            s.clip_grad_norm_(opt, MAX_NORM)
+        s.step(opt)
+        s.update()
+
+    timed = interleaved(
+        {kind: synced(lambda kind=kind: step(kind), device) for kind in setups},
+        args.repeats,
+        reset=lambda kind: torch._foreach_copy_([p.grad for p in setups[kind][0]], saved),
+    )
+    what = f"{numel / 2**20:g}M float32 in {n_tensors} tensors, AdamW(fused=True), scaler + step + update"
+    return [ratio_line("3", what, "torch", "ours", timed, note=" (the issue measured 1.49x)")]
+
+
+def main(argv=None, progress=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    info = machine(device)
+    print(f"bars on {describe(info)}; {args.repeats} interleaved repeats per variant, medians")
+    lines = []
+    bars = (bar1, bar2, bar3)
+    for k, bar in enumerate(bars):
+        lines += bar(args, device)
+        if progress is not None:
+            progress(k + 1, len(bars))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(json.dumps({"machine": info, "args": meta, "ratios": lines}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

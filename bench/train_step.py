@@ -1,0 +1,303 @@
+"""A whole training step, phase by phase: what share of it is the scaler, against torch and against no scaling?
+
+Question answered: in a real step (forward, scaled backward, clip/unscale, optimizer step, scale
+update, zero_grad) of a small transformer LM, how long does each phase take per variant, and how
+much of the step is the loss scaler's?
+
+Variants (same model, same seed, same batches, AdamW, clipping at ``--max-norm``):
+
+* ``no-scaling``           loss.backward(); AdamW(fused=True).step() -- no scaler, no clipping
+* ``no-scaling+clip``      the same with ``torch.nn.utils.clip_grad_norm_(foreach=True)``
+* ``torch-fused``          torch.amp.GradScaler: scale(loss).backward(); unscale_; clip_grad_norm_(foreach=True);
+                           step (AdamW fused); update
+* ``torch-foreach``        the same with AdamW(foreach=True)
+* ``tritonscale-fold``     tritonscale.GradScaler: scale(loss).backward(); clip_grad_norm_ (folded into the
+                           fused AdamW: the optimizer unscales and clips in its own pass); step; update
+* ``tritonscale-foreach``  the same with AdamW(foreach=True): our clip writes the gradients
+* ``tritonscale-flat``     the fold with every gradient a view of one flat buffer (``flatten_grads_``)
+                           and ``zero_grad(set_to_none=False)`` (the others use ``set_to_none=True``)
+
+Phases, timed with ``time.perf_counter`` around each call (on CUDA with ``torch.cuda.synchronize()``
+at every phase boundary, so a phase owns its kernels): forward (the loss, under autocast when
+``--autocast`` is set), backward, scaler (the clip/unscale calls), step (``scaler.step`` or
+``optimizer.step``), update (``scaler.update``), zero_grad. The variants run interleaved step by
+step, in alternating order (ABBA), each on its own copy of the model, so machine drift hits all of
+them; the first ``--warmup`` steps are not recorded. Reported per variant: median and 20/80%
+quantiles of every phase and of the whole step, the scaler's share of the step (scaler median /
+step median), the step relative to ``no-scaling``, and scaler + step + update (the gradient
+handling). In the fold the unscale and the clip's multiply run inside the optimizer's step, so
+compare whole steps (or scaler + step + update), not the scaler phase alone.
+
+    python bench/train_step.py                                   # CPU preset: ~5M parameters, float32
+    python bench/train_step.py --device cuda --autocast float16  # GPU preset: ~100M parameters
+    python bench/train_step.py --quick --out /tmp/ts             # a tiny model, 3 steps (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import figures
+import torch
+from timing import describe, machine, quantiles
+
+import tritonscale
+
+VARIANTS = (
+    "no-scaling",
+    "no-scaling+clip",
+    "torch-fused",
+    "torch-foreach",
+    "tritonscale-fold",
+    "tritonscale-foreach",
+    "tritonscale-flat",
+)
+PHASES = ("forward", "backward", "scaler", "step", "update", "zero_grad")
+PHASE_COLORS = {
+    "forward": "tab:blue",
+    "backward": "tab:cyan",
+    "scaler": "tab:red",
+    "step": "tab:green",
+    "update": "tab:orange",
+    "zero_grad": "tab:gray",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+AUTOCAST = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Preset:
+    d_model: int
+    layers: int
+    context: int
+    batch: int
+    vocab: int
+    steps: int
+    warmup: int
+
+
+PRESETS = {
+    # ~4.9M parameters in 6 pre-norm blocks; 256 tokens a step: tens of ms on a 2-core CPU.
+    "cpu": Preset(d_model=256, layers=6, context=64, batch=4, vocab=256, steps=60, warmup=3),
+    # ~101M parameters, 8K tokens a step.
+    "gpu": Preset(d_model=1024, layers=8, context=512, batch=16, vocab=256, steps=50, warmup=5),
+    "quick": Preset(d_model=32, layers=1, context=16, batch=2, vocab=64, steps=3, warmup=1),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the same script runs on both)")
+    parser.add_argument("--preset", choices=list(PRESETS), help="default: gpu on cuda, else cpu")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 3 steps (the smoke run)")
+    parser.add_argument("--d-model", type=int, help="override the preset's width")
+    parser.add_argument("--layers", type=int, help="override the preset's number of blocks")
+    parser.add_argument("--batch", type=int, help="override the preset's sequences per step")
+    parser.add_argument("--steps", type=int, help="override the preset's recorded steps per variant")
+    parser.add_argument("--warmup", type=int, help="override the preset's unrecorded first steps")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="parameter dtype")
+    parser.add_argument("--autocast", choices=list(AUTOCAST), default="none", help="autocast dtype of the forward")
+    parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="tritonscale's")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--max-norm", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("out/train_step"))
+    args = parser.parse_args(argv)
+    name = "quick" if args.quick else args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
+    overrides = {k: getattr(args, k) for k in ("d_model", "layers", "batch", "steps", "warmup")}
+    args.preset_name = name
+    args.preset = Preset(**{**asdict(PRESETS[name]), **{k: v for k, v in overrides.items() if v is not None}})
+    return args
+
+
+class LM(torch.nn.Module):
+    """A pre-norm causal transformer over tokens (torch.nn.TransformerEncoderLayer blocks)."""
+
+    def __init__(self, p: Preset):
+        super().__init__()
+        self.embed = torch.nn.Embedding(p.vocab, p.d_model)
+        self.position = torch.nn.Parameter(torch.randn(p.context, p.d_model) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(
+            p.d_model, nhead=max(1, p.d_model // 64), dim_feedforward=4 * p.d_model, dropout=0.0,
+            batch_first=True, norm_first=True,
+        )  # fmt: skip
+        self.blocks = torch.nn.TransformerEncoder(layer, p.layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(p.d_model)
+        self.head = torch.nn.Linear(p.d_model, p.vocab)
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(p.context)
+        self.register_buffer("causal", causal, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        x = self.blocks(x, mask=self.causal, is_causal=True)
+        return self.head(self.norm(x))
+
+
+class Variant:
+    """One variant's model, optimizer and scaler, and its per-phase samples (seconds)."""
+
+    def __init__(self, name: str, args, device: torch.device):
+        self.name, self.device = name, device
+        torch.manual_seed(args.seed)
+        self.model = LM(args.preset).to(device=device, dtype=DTYPES[args.dtype])
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        fused = name in ("no-scaling", "no-scaling+clip", "torch-fused", "tritonscale-fold", "tritonscale-flat")
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, fused=fused or None, foreach=None if fused else True)
+        self.flat = name == "tritonscale-flat"
+        if self.flat:
+            tritonscale.flatten_grads_(self.params)
+        kw = dict(init_scale=2.0**16)
+        if name.startswith("torch"):
+            self.scaler = torch.amp.GradScaler(device.type, **kw)
+        elif name.startswith("tritonscale"):
+            self.scaler = tritonscale.GradScaler(device.type, backend=args.backend, **kw)
+        else:
+            self.scaler = None
+        self.autocast = AUTOCAST[args.autocast]
+        self.max_norm = args.max_norm
+        self.cuda = device.type == "cuda"
+        self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
+
+    def tick(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def loss(self, batch) -> torch.Tensor:
+        tokens, targets = batch
+        context = torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext()
+        with context:
+            logits = self.model(tokens)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def clip(self) -> None:
+        name, scaler = self.name, self.scaler
+        if name == "no-scaling+clip":
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
+        elif name.startswith("torch"):
+            scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
+        elif scaler is not None:
+            scaler.clip_grad_norm_(self.opt, self.max_norm)
+
+    def step(self, batch, record: bool) -> None:
+        scaler = self.scaler
+        marks = [self.tick()]
+        loss = self.loss(batch)
+        marks.append(self.tick())
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        marks.append(self.tick())
+        self.clip()
+        marks.append(self.tick())
+        scaler.step(self.opt) if scaler is not None else self.opt.step()
+        marks.append(self.tick())
+        if scaler is not None:
+            scaler.update()
+        marks.append(self.tick())
+        self.opt.zero_grad(set_to_none=not self.flat)
+        marks.append(self.tick())
+        if record:
+            for phase, start, end in zip(PHASES, marks, marks[1:]):
+                self.samples[phase].append(end - start)
+
+    def summary(self) -> dict:
+        steps = [sum(parts) for parts in zip(*(self.samples[phase] for phase in PHASES))]
+        result = {"phases": {phase: quantiles(self.samples[phase]) for phase in PHASES}, "step": quantiles(steps)}
+        handling = [sum(parts) for parts in zip(*(self.samples[phase] for phase in ("scaler", "step", "update")))]
+        result["scaler_step_update"] = quantiles(handling)
+        result["scaler_share"] = result["phases"]["scaler"]["median_ms"] / result["step"]["median_ms"]
+        if scaler_ := self.scaler:
+            result["final_scale"] = scaler_.get_scale() if scaler_.is_enabled() else None
+        return result
+
+
+def make_batches(p: Preset, device: torch.device, seed: int, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of random tokens (the timing does not depend on what is learned)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(n):
+        window = torch.randint(p.vocab, (p.batch, p.context + 1), generator=gen)
+        batches.append((window[:, :-1].to(device), window[:, 1:].to(device)))
+    return batches
+
+
+def plot(results: dict, path: Path, title: str) -> Path:
+    """Stacked bars: one bar per variant, one segment per phase (medians), the step's median on top."""
+    plt = figures.pyplot()
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 5.2))
+    bottoms = [0.0] * len(names)
+    for phase in PHASES:
+        heights = [results[n]["phases"][phase]["median_ms"] for n in names]
+        ax.bar(names, heights, bottom=bottoms, color=PHASE_COLORS[phase], label=phase, width=0.6)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for x, (name, top) in enumerate(zip(names, bottoms)):
+        r = results[name]
+        ax.text(x, top, f"{r['step']['median_ms']:.1f} ms\nscaler {r['scaler_share']:.1%}", ha="center",
+                va="bottom", fontsize=8)  # fmt: skip
+    ax.set_ylim(0, max(bottoms) * 1.18)
+    ax.set_ylabel("ms per step (median of each phase)")
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return figures.save(fig, path, title)
+
+
+def main(argv=None, progress=None) -> int:
+    """Run the benchmark; ``progress(done, total)`` is called after every step of all variants (run_all's bar)."""
+    args = parse_args(argv)
+    p = args.preset
+    device = torch.device(args.device)
+    info = machine(device)
+    variants = {name: Variant(name, args, device) for name in args.variants}
+    n_params = sum(x.numel() for x in next(iter(variants.values())).params)
+    n_tensors = len(next(iter(variants.values())).params)
+    batches = make_batches(p, device, args.seed)
+    setup = (f"{n_params / 1e6:.2f}M parameters in {n_tensors} tensors ({p.layers} blocks, d_model {p.d_model}), "
+             f"{p.batch}x{p.context} tokens, {args.dtype}, autocast {args.autocast}, clip {args.max_norm}")  # fmt: skip
+    print(f"train_step on {describe(info)}")
+    print(f"{setup}; {p.steps} steps after {p.warmup} warm-up, interleaved ABBA; median ms [20%, 80%]")
+    total = p.warmup + p.steps
+    order = list(variants.values())
+    for i in range(total):
+        for v in order if i % 2 == 0 else order[::-1]:
+            v.step(batches[i % len(batches)], record=i >= p.warmup)
+        if progress is not None:
+            progress(i + 1, total)
+    results = {name: v.summary() for name, v in variants.items()}
+    base = results.get("no-scaling")
+    for r in results.values():
+        r["vs_no_scaling"] = r["step"]["median_ms"] / base["step"]["median_ms"] if base else None
+
+    print(f"{'variant':>20} " + " ".join(f"{ph:>9}" for ph in PHASES) + f" {'step [20%, 80%]':>24} {'scaler':>7} "
+          f"{'vs none':>7} {'scaler+step+update':>18}")  # fmt: skip
+    for name, r in results.items():
+        cells = " ".join(f"{r['phases'][ph]['median_ms']:>9.3f}" for ph in PHASES)
+        s = r["step"]
+        step = f"{s['median_ms']:.2f} [{s['q20_ms']:.2f}, {s['q80_ms']:.2f}]"
+        versus = f"{r['vs_no_scaling']:>6.3f}x" if r["vs_no_scaling"] else f"{'-':>7}"
+        print(
+            f"{name:>20} {cells} {step:>24} {r['scaler_share']:>7.1%} {versus} "
+            f"{r['scaler_step_update']['median_ms']:>18.3f}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / "train_step.json"
+    meta = {k: v for k, v in vars(args).items() if k not in ("out", "preset")} | {"preset": asdict(p)}
+    json_path.write_text(json.dumps({
+        "machine": info, "args": meta, "parameters": n_params, "tensors": n_tensors, "phases": list(PHASES),
+        "median_step_ms": {n: r["step"]["median_ms"] for n, r in results.items()}, "variants": results,
+        "raw_ms": {n: {ph: [t * 1e3 for t in v.samples[ph]] for ph in PHASES} for n, v in variants.items()},
+    }, indent=2))  # fmt: skip
+    png = plot(results, args.out / "train_step.png", f"one training step, {setup}\n{describe(info)}")
+    print(f"wrote {json_path} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
