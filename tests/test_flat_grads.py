@@ -123,11 +123,16 @@ def test_bucket_views_give_exactly_the_optimizers_norm(backend, own):
     del twin_opt
 
 
-def test_flat_buffer_is_recognised_without_walking_and_still_correct(backend, monkeypatch):
+@pytest.mark.parametrize("layout", ["flatten_grads_", "bucket"])
+def test_flat_buffer_is_recognised_without_walking_and_still_correct(backend, monkeypatch, layout):
     from tritonscale import grad_groups
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 17, 3)]
-    tritonscale.flatten_grads_(params)
+    if layout == "flatten_grads_":
+        tritonscale.flatten_grads_(params)
+    else:  # views back to back in one bucket, as DDP's gradient_as_bucket_view makes them
+        bucket = torch.zeros(25)
+        params[0].grad, params[1].grad, params[2].grad = bucket[:5], bucket[5:22], bucket[22:]
     optimizer = torch.optim.SGD(params, lr=1.0)
     hits = []
     known = grad_groups.known_buffer

@@ -17,7 +17,7 @@ import torch
 
 from .flat_grads import grad_addresses, known_buffer, remember_buffer
 from .grad_sharding import any_marked, is_dtensor, is_first_rank, local_shard, mesh_group, replica_group
-from .kernels.flat_runs import flat_buffer
+from .kernels.flat_runs import flat_buffer, flat_runs
 from .kernels.supported import is_dense, is_supported_grad
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
@@ -160,15 +160,20 @@ def collect_grads(
 
 
 def _remember_if_one_buffer(addresses: tuple[int, ...] | None, grads: Grads) -> None:
-    """If every gradient is a view of one flatten_grads_ buffer (validated just now), let the next
-    collect_grads recognise them by their addresses."""
+    """If the gradients (validated just now) are all the views of one flatten_grads_ buffer, or one
+    run back to back in a bucket, let the next collect_grads recognise them by their addresses."""
     if addresses is None or grads.other or grads.mesh is not None or grads.marked_replicas or len(grads.kernel) != 1:
         return
     (groups,) = grads.kernel.values()
-    if len(groups) == 1:
-        buffer = flat_buffer(groups[0])
-        if buffer is not None:
-            remember_buffer(addresses, buffer)
+    if len(groups) != 1:
+        return
+    buffer = flat_buffer(groups[0])
+    if buffer is not None:
+        remember_buffer(addresses, buffer)
+        return
+    base, runs = groups[0][0]._base, flat_runs(groups[0])
+    if base is not None and runs is not None and len(runs) == 1 and all(g._base is base for g in groups[0]):
+        remember_buffer(addresses, base, (runs[0].storage_offset(), runs[0].numel()))
 
 
 class _ShardLayouts:
