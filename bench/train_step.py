@@ -14,8 +14,8 @@ Variants (same model, same seed, same batches, AdamW, clipping at ``--max-norm``
 * ``tritonscale-fold``     tritonscale.GradScaler: scale(loss).backward(); clip_grad_norm_ (folded into the
                            fused AdamW: the optimizer unscales and clips in its own pass); step; update
 * ``tritonscale-foreach``  the same with AdamW(foreach=True): our clip writes the gradients
-* ``tritonscale-flat``     the fold with every gradient a view of one flat buffer (``flatten_grads_``)
-                           and ``zero_grad(set_to_none=False)`` (the others use ``set_to_none=True``)
+* ``tritonscale-flat``     the fold with every gradient a view of one flat buffer (``flatten_grads_``),
+                           zeroed with one ``buffer.zero_()`` (the others use ``zero_grad(set_to_none=True)``)
 
 Phases, timed with ``time.perf_counter`` around each call (on CUDA with ``torch.cuda.synchronize()``
 at every phase boundary, so a phase owns its kernels): forward (the loss, under autocast when
@@ -150,8 +150,7 @@ class Variant:
         fused = name in ("no-scaling", "no-scaling+clip", "torch-fused", "tritonscale-fold", "tritonscale-flat")
         self.opt = torch.optim.AdamW(self.params, lr=1e-4, fused=fused or None, foreach=None if fused else True)
         self.flat = name == "tritonscale-flat"
-        if self.flat:
-            tritonscale.flatten_grads_(self.params)
+        self.buffers = tritonscale.flatten_grads_(self.params) if self.flat else []
         kw = dict(init_scale=2.0**16)
         if name.startswith("torch"):
             self.scaler = torch.amp.GradScaler(device.type, **kw)
@@ -200,7 +199,11 @@ class Variant:
         if scaler is not None:
             scaler.update()
         marks.append(self.tick())
-        self.opt.zero_grad(set_to_none=not self.flat)
+        if self.flat:  # one fill per buffer; optimizer.zero_grad(set_to_none=False) fills view by view
+            for buffer in self.buffers:
+                buffer.zero_()
+        else:
+            self.opt.zero_grad(set_to_none=True)
         marks.append(self.tick())
         if record:
             for phase, start, end in zip(PHASES, marks, marks[1:]):
