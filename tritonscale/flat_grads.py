@@ -81,6 +81,11 @@ def grad_addresses(optimizer: torch.optim.Optimizer) -> tuple[int, ...] | None:
         return None
 
 
+def any_known() -> bool:
+    """Whether any buffer is remembered: until then collect_grads does not read addresses at all."""
+    return bool(_KNOWN)
+
+
 def known_buffer(addresses: tuple[int, ...]) -> torch.Tensor | None:
     """The one tensor covering the gradients whose views had exactly these addresses when last
     validated: a flatten_grads_ buffer, or the run they form back to back in a bucket."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .flat_grads import grad_addresses, known_buffer, remember_buffer
+from .flat_grads import any_known, grad_addresses, known_buffer, remember_buffer
 from .grad_sharding import any_marked, is_dtensor, is_first_rank, local_shard, mesh_group, replica_group
 from .kernels.flat_runs import flat_buffer, flat_runs
 from .kernels.supported import is_dense, is_supported_grad
@@ -93,7 +93,8 @@ def collect_grads(
     are refused: the norm would count the shared elements once and the in-place passes scale them
     twice.
     """
-    addresses = grad_addresses(optimizer)
+    # Reading 2000 addresses costs ~0.3 ms: only once some buffer was seen (flatten_grads_, buckets).
+    addresses = grad_addresses(optimizer) if any_known() else None
     buffer = known_buffer(addresses) if addresses is not None and not any_marked() else None
     if buffer is not None:  # all views of one flatten_grads_ buffer, validated at these addresses
         if not allow_fp16 and buffer.dtype is torch.float16:
@@ -155,25 +156,27 @@ def collect_grads(
     result = counted.grads()
     result.mesh, result.marked_replicas = layouts.mesh(), layouts.marked
     result.replicas = replicas.grads() if replicas else None
-    _remember_if_one_buffer(addresses, result)
+    _remember_if_one_buffer(optimizer, addresses, result)
     return result
 
 
-def _remember_if_one_buffer(addresses: tuple[int, ...] | None, grads: Grads) -> None:
+def _remember_if_one_buffer(optimizer: torch.optim.Optimizer, addresses: tuple[int, ...] | None, grads: Grads) -> None:
     """If the gradients (validated just now) are all the views of one flatten_grads_ buffer, or one
     run back to back in a bucket, let the next collect_grads recognise them by their addresses."""
-    if addresses is None or grads.other or grads.mesh is not None or grads.marked_replicas or len(grads.kernel) != 1:
+    if grads.other or grads.mesh is not None or grads.marked_replicas or len(grads.kernel) != 1:
         return
     (groups,) = grads.kernel.values()
     if len(groups) != 1:
         return
-    buffer = flat_buffer(groups[0])
-    if buffer is not None:
-        remember_buffer(addresses, buffer)
-        return
-    base, runs = groups[0][0]._base, flat_runs(groups[0])
-    if base is not None and runs is not None and len(runs) == 1 and all(g._base is base for g in groups[0]):
-        remember_buffer(addresses, base, (runs[0].storage_offset(), runs[0].numel()))
+    buffer, span = flat_buffer(groups[0]), None
+    if buffer is None:
+        base, runs = groups[0][0]._base, flat_runs(groups[0])
+        if base is None or runs is None or len(runs) != 1 or not all(g._base is base for g in groups[0]):
+            return
+        buffer, span = base, (runs[0].storage_offset(), runs[0].numel())
+    addresses = addresses if addresses is not None else grad_addresses(optimizer)
+    if addresses is not None:
+        remember_buffer(addresses, buffer, span)
 
 
 class _ShardLayouts:
