@@ -218,8 +218,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             unscale_on_overflow=not self._policy.skip_on_overflow,
             backend=self._backend_name,
             group=self._group(grads, process_group),
-            prior_found_inf=record.take_rank_flag(),
+            prior_found_inf=record.pending_rank_flag(),
         )
+        record.flags_combined()  # only now: a clip that raised leaves the pending flag as it was
         if fold:
             record.grad_scale = folded_grad_scale(pending, result.clip_coef)
         if grads.devices or grads.replicas:  # no gradients, no inf check: torch's step() then raises, as after unscale_

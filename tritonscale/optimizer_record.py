@@ -86,14 +86,17 @@ class OptimizerRecord:
         ``device``: where a rank without gradients makes its zero flag."""
         self._flags, self._flags_group, self._flags_device = flags, group, device
 
-    def take_rank_flag(self) -> torch.Tensor | None:
-        """The rank-local flag still to be combined, handed to a caller whose collective carries it
-        (its result replaces the flags); None if there is none."""
+    def pending_rank_flag(self) -> torch.Tensor | None:
+        """The rank-local flag still to be combined, for a caller whose collective carries it (which
+        then calls ``flags_combined``); None if there is none. Changes nothing."""
         if self._flags_group is None:
             return None
-        self._flags_group = None
         flags = list(self._flags.values())
         return combine_flags([t.to(flags[0].device, non_blocking=True) for t in flags]) if flags else None
+
+    def flags_combined(self) -> None:
+        """The caller's collective carried the pending flag: the flags need no combining any more."""
+        self._flags_group = None
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._TORCH_KEYS:
