@@ -45,6 +45,10 @@ def flat_buffer(grads: list[torch.Tensor]) -> torch.Tensor | None:
 def flat_runs(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """1-D tensors covering exactly the elements of ``grads`` (dense, non-overlapping, one dtype),
     or None when no two of them are back to back (nothing to gain: use the tensors themselves)."""
+    if grads[0]._base is None and grads[-1]._base is None:
+        # Gradients autograd allocated are not views: skip the layout key (~0.4 ms for 2000
+        # tensors each step). Only a speed-up is lost if a mixed list is misjudged, never a value.
+        return None
     key = tuple((g.data_ptr(), g.numel()) for g in grads)
     if key in _spans:
         _spans.move_to_end(key)
