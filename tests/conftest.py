@@ -30,11 +30,12 @@ def backend(request) -> str:
 def forbid_host_reads(monkeypatch):
     """Make every Tensor->host read raise while the fixture's flag is on.
 
-    The torch backend reads a CPU tensor where that waits for nothing (the CPU is the host); here
-    it takes the path it takes on a GPU instead, which must read nothing."""
-    from tritonscale.backends import torch_backend
+    On the CPU the step reads values where that waits for nothing (the CPU is the host: the torch
+    backend's overflow probe, the policy rule on Python numbers); here it takes the paths it takes
+    on a GPU instead, which must read nothing."""
+    from tritonscale import host_reads
 
-    monkeypatch.setattr(torch_backend, "_host_reads_are_free", lambda device: False)
+    monkeypatch.setattr(host_reads, "are_free", lambda device: False)
     return HostReadGuard(monkeypatch.setattr)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tritonscale
-from tritonscale import GradScaler, LossScalePolicy, OptState, ScalerConfigError
+from tritonscale import GradScaler, LossScalePolicy, OptState, ScalerConfigError, host_reads
 from tritonscale.checkpoint_import import from_deepspeed
 
 SCALE = 2.0**10
@@ -124,10 +124,8 @@ def test_one_tensor_beyond_float32_norm(backend, fused, gpu_path, clip, monkeypa
     # 3e19 squared overflows float32. The Triton kernels scale each block by a power of two; the
     # torch backend recomputes that tensor's norm in float64 (on the CPU only that tensor, behind a
     # host probe; on a GPU every tensor, with no read). Either way: a finite gradient, a step.
-    from tritonscale.backends import torch_backend
-
     if gpu_path:
-        monkeypatch.setattr(torch_backend, "_host_reads_are_free", lambda device: False)
+        monkeypatch.setattr(host_reads, "are_free", lambda device: False)
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
     optimizer = torch.optim.SGD(params, lr=1e-20, fused=fused)
     scaler = GradScaler("cpu", init_scale=2.0**16, backend=backend)
@@ -149,10 +147,8 @@ def test_one_tensor_beyond_float32_norm(backend, fused, gpu_path, clip, monkeypa
 def test_beside_a_large_finite_tensor_an_inf_is_still_an_overflow(gpu_path, bad, monkeypatch):
     # The float64 recomputation must tell "squares past float32" from a real inf/NaN, also when
     # both are present in one step (the inf in its own tensor and inside the large one).
-    from tritonscale.backends import torch_backend
-
     if gpu_path:
-        monkeypatch.setattr(torch_backend, "_host_reads_are_free", lambda device: False)
+        monkeypatch.setattr(host_reads, "are_free", lambda device: False)
     for where in (0, 1):
         p = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
         optimizer = torch.optim.SGD(p, lr=1.0)

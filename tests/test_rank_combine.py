@@ -60,9 +60,9 @@ def _run_flow(flow, scaler, optimizer):
 
 
 def zero_worker(rank: int, world: int) -> dict:
-    from tritonscale.backends import torch_backend
+    import tritonscale.host_reads
 
-    torch_backend._host_reads_are_free = lambda device: False  # the GPU path: no host reads at all
+    tritonscale.host_reads.are_free = lambda device: False  # the GPU paths: no host reads at all
     counter = CollectiveCounter()
     host_reads = HostReadGuard()
     out = {}

@@ -23,6 +23,7 @@ from tritonscale import (
     GradScaler,
     LossScalePolicy,
     ScalerConfigError,
+    host_reads,
     scale_managers,
 )
 
@@ -157,6 +158,8 @@ def test_dynamic_manager_raises_once_more_than_1000_overflows_come_in_a_row(form
 
 
 def test_dynamic_manager_checks_the_limit_with_one_host_read_per_1000_updates(monkeypatch):
+    # The GPU path (on the CPU the policy rule reads its state on the host, where that is free).
+    monkeypatch.setattr(host_reads, "are_free", lambda device: False)
     reads = []
     item = torch.Tensor.item
     monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or item(t))

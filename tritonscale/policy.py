@@ -21,43 +21,47 @@ Every policy other frameworks ship is a setting of these knobs (README, "Policie
   skip step): ``skip_norm_above`` and/or ``skip_norm_factor`` times the running average of past
   norms skip the step on the device like an overflow, without backing the scale off.
 
-The rule is written once, with torch tensor ops on the device-resident state (so it runs on any
-device, both backends share it, nothing branches on a device value, and every tensor is updated in
-place at a fixed address: the step can be captured in a CUDA graph). Only the opt-in checks that
-must stop training ("warn"/"raise" at the floor, ``max_consecutive_skips``) read one device value
-per update on the host.
+The rule is written once, over the device-resident state, and runs in one of two forms
+(``policy_forms.py``): on the device with tensor ops (so nothing branches on a device value on a
+GPU, and the update can be compiled and captured in a CUDA graph), or, on the CPU, where reading a
+value waits for nothing, on Python numbers read from the state and written back -- bit for bit the
+same state, at a fraction of the cost of ~10-40 tiny tensor ops. Every tensor is updated in place
+at a fixed address. On the device, only the opt-in checks that must stop training ("warn"/"raise"
+at the floor, ``max_consecutive_skips``) read one device value per update on the host.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 import warnings
 from dataclasses import asdict, dataclass, fields
 from enum import IntFlag
+from typing import Any
 
 import torch
 
 from .errors import ScalerConfigError
+from .policy_forms import ON_DEVICE, RuleForm, as_float32
 
 ON_MIN_SCALE = ("clamp", "warn", "raise")
 
 # Slots of the int32 counters tensor.
 HYSTERESIS_LEFT, CONSECUTIVE_SKIPS, SKIPPED_STEPS, LAST_SKIPPED, UPDATES = range(5)
 COUNTER_NAMES = ("hysteresis_left", "consecutive_skips", "skipped_steps", "last_skipped", "updates")
-# count_step_ as one vector op, per counter (in the order above): consecutive_skips +1 on a skip and
-# 0 after a step; skipped_steps +1 on a skip; last_skipped the flag; updates +1; hysteresis_left kept.
-_KEEP = (1, 0, 1, 0, 1)
-_KEEP_IF_SKIPPED = (0, 1, 0, 0, 0)
-_ADD_IF_SKIPPED = (0, 1, 1, 1, 0)
-_ADD = (0, 0, 0, 0, 1)
+# count_step_ as counters * keep + add, per counter (in the order above): consecutive_skips +1 on a
+# skip and 0 after a step; skipped_steps +1 on a skip; last_skipped the flag; updates +1;
+# hysteresis_left kept.
+_KEEP_STEPPED, _KEEP_SKIPPED = (1, 0, 1, 0, 1), (1, 1, 1, 0, 1)
+_ADD_STEPPED, _ADD_SKIPPED = (0, 0, 0, 0, 1), (0, 1, 1, 1, 1)
 _count_vector_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
 
 def _count_vectors(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(keep if stepped, keep if skipped, add if stepped, add if skipped) as int32 tensors on ``device``."""
     if device not in _count_vector_cache:
         _count_vector_cache[device] = tuple(
-            torch.tensor(v, dtype=torch.int32, device=device) for v in (_KEEP, _KEEP_IF_SKIPPED, _ADD_IF_SKIPPED, _ADD)
+            torch.tensor(v, dtype=torch.int32, device=device)
+            for v in (_KEEP_STEPPED, _KEEP_SKIPPED, _ADD_STEPPED, _ADD_SKIPPED)
         )
     return _count_vector_cache[device]
 
@@ -79,14 +83,6 @@ def _is_number(value: object) -> bool:
 
 #: The device state's int32 counters (growth tracker, counters) hold values below this.
 INT32_LIMIT = 2**31
-
-
-def as_float32(value: float) -> float:
-    """``value`` rounded to float32 (inf past the float32 range), as the device state stores it."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
 
 
 def check_scale_value(name: str, value: float) -> float:
@@ -233,67 +229,83 @@ class LossScalePolicy:
         )
 
     # ------------------------------------------------------------ the rule
+    # Every method below takes ``form`` (policy_forms.py): ON_DEVICE computes on the 0-dim device
+    # tensors and reads nothing back; ON_HOST reads them into Python numbers first (on the CPU).
+    # Tensors are only ever written through ``form.store`` or torch's in-place ops, at their addresses.
     def has_norm_skip(self) -> bool:
         return self.skip_norm_above is not None or self.skip_norm_factor is not None
 
     def skip_decision(
-        self, found_inf: torch.Tensor, norm: torch.Tensor | None, norm_stats: torch.Tensor
+        self, found_inf: torch.Tensor, norm: torch.Tensor | None, norm_stats: torch.Tensor, form: RuleForm = ON_DEVICE
     ) -> torch.Tensor:
-        """float32 0-dim: 1.0 where the optimizer step must be skipped (decided on the device)."""
-        skip = found_inf > 0 if self.skip_on_overflow else torch.zeros_like(found_inf, dtype=torch.bool)
+        """float32 0-dim: 1.0 where the optimizer step must be skipped."""
+        found = form.read(found_inf)
+        skip = found > 0 if self.skip_on_overflow else form.false(found)
         if norm is not None and self.has_norm_skip():
-            norm = norm.to(found_inf.device, torch.float32)
-            spike = torch.zeros_like(skip)
+            value = form.read(norm.to(found_inf.device, torch.float32))
+            spike = form.false(found)
             if self.skip_norm_above is not None:
-                spike = spike | (norm > self.skip_norm_above)
+                spike = spike | (value > as_float32(self.skip_norm_above))
             if self.skip_norm_factor is not None:
-                warmed_up = norm_stats[NORM_COUNT] >= self.norm_warmup_steps
-                spike = spike | (warmed_up & (norm > self.skip_norm_factor * norm_stats[NORM_AVERAGE]))
-            skip = skip | (spike & torch.isfinite(norm))
-        return skip.float()
+                stats = form.read(norm_stats)
+                warmed_up = stats[NORM_COUNT] >= self.norm_warmup_steps
+                limit = form.f32(as_float32(self.skip_norm_factor) * stats[NORM_AVERAGE])
+                spike = spike | (warmed_up & (value > limit))
+            skip = skip | (spike & form.isfinite(value))
+        return form.flag(skip, found_inf.device)
 
     def needs_host_check(self) -> bool:
         """True when an update must read one device value: "warn"/"raise" at the floor, or a skip limit."""
         floor_check = self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp"
         return floor_check or self.max_consecutive_skips is not None
 
-    def _backs_off(self, counters: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-        """bool 0-dim: this overflow backs the scale off (with hysteresis, once the budget is spent)."""
-        overflow = found_inf > 0
+    def _backs_off(self, overflow: Any, counters: Any) -> Any:
+        """This overflow backs the scale off (with hysteresis, once the budget is spent)."""
         return overflow if self.hysteresis == 1 else overflow & (counters[HYSTERESIS_LEFT] <= 1)
 
     def _hysteresis_update_(
-        self, growth_tracker: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor
+        self, growth_tracker: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor, form: RuleForm
     ) -> torch.Tensor:
         """Spend or refill the hysteresis budget; return the float32 flag "back off now"."""
-        left = counters[HYSTERESIS_LEFT]
-        overflow = found_inf > 0
-        back_off = self._backs_off(counters, found_inf)
-        grow = ~overflow & (growth_tracker + 1 == self.growth_interval)
+        read = form.read(counters)
+        left, tracker = read[HYSTERESIS_LEFT], form.read(growth_tracker)
+        overflow = form.read(found_inf) > 0
+        back_off = self._backs_off(overflow, read)
+        grow = form.not_(overflow) & (tracker + 1 == self.growth_interval)
         # Megatron refills the budget when the scale grows; DeepSpeed's consecutive_hysteresis on
         # every good step; TensorFlow also after each backoff.
-        refill = ~overflow if self.consecutive_hysteresis else grow
-        full = torch.full_like(left, self.hysteresis)
-        spent = torch.clamp(left - 1, min=0)
+        refill = form.not_(overflow) if self.consecutive_hysteresis else grow
+        spent = form.at_least(left - 1, 0)
         if self.hysteresis_refill_on_backoff:
-            spent = torch.where(back_off, full, spent)
-        left.copy_(torch.where(overflow, spent, torch.where(refill, full, left)))
+            spent = form.where(back_off, self.hysteresis, spent)
+        new_left = form.where(overflow, spent, form.where(refill, self.hysteresis, left))
         # An overflow the budget absorbs still restarts the growth count: -1 here, +1 in the update.
-        growth_tracker.copy_(torch.where(overflow & ~back_off, torch.full_like(growth_tracker, -1), growth_tracker))
-        return back_off.float()
+        new_tracker = form.where(overflow & form.not_(back_off), -1, tracker)
+        form.store(counters, HYSTERESIS_LEFT, new_left, left)
+        form.store(growth_tracker, (), new_tracker, tracker)
+        return form.flag(back_off, found_inf.device)
 
     def host_check_flags(
-        self, scale: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor, skipped: torch.Tensor
-    ) -> torch.Tensor:
-        """int32 0-dim ``HostCheck`` bits, computed before the update: AT_MIN_SCALE is DeepSpeed's
-        raise_error_at_min_scale condition, TOO_MANY_SKIPS MindSpore's bad_step_max condition."""
-        flags = torch.zeros((), dtype=torch.int32, device=scale.device)
+        self,
+        scale: torch.Tensor,
+        counters: torch.Tensor,
+        found_inf: torch.Tensor,
+        skipped: torch.Tensor,
+        form: RuleForm = ON_DEVICE,
+    ) -> Any:
+        """``HostCheck`` bits (an int, or an integer 0-dim tensor on the device) computed before the
+        update: AT_MIN_SCALE is DeepSpeed's raise_error_at_min_scale condition, TOO_MANY_SKIPS
+        MindSpore's bad_step_max condition."""
+        read = form.read(counters)
+        flags = 0
         if self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp":
-            at_floor = self._backs_off(counters, found_inf) & (scale <= self.min_scale)
-            flags = flags + int(HostCheck.AT_MIN_SCALE) * at_floor.int()
+            at_floor = self._backs_off(form.read(found_inf) > 0, read) & (
+                form.read(scale) <= as_float32(self.min_scale)
+            )
+            flags = flags + form.where(at_floor, int(HostCheck.AT_MIN_SCALE), 0)
         if self.max_consecutive_skips is not None:
-            limit = (skipped > 0) & (counters[CONSECUTIVE_SKIPS] + 1 > self.max_consecutive_skips)
-            flags = flags + int(HostCheck.TOO_MANY_SKIPS) * limit.int()
+            limit = (form.read(skipped) > 0) & (read[CONSECUTIVE_SKIPS] + 1 > self.max_consecutive_skips)
+            flags = flags + form.where(limit, int(HostCheck.TOO_MANY_SKIPS), 0)
         return flags
 
     def act_on_host_checks(self, flags: HostCheck, scale: torch.Tensor, counters: torch.Tensor) -> None:
@@ -328,14 +340,14 @@ class LossScalePolicy:
         found_inf: torch.Tensor,
         skipped: torch.Tensor,
         norm: torch.Tensor | None,
+        form: RuleForm = ON_DEVICE,
     ) -> None:
         """One step of the rule, in place. ``found_inf`` > 0: the step overflowed (backs off);
         ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes)."""
-        was_skipped = skipped > 0
         if self.dynamic:
-            back_off = found_inf.float()
+            back_off = found_inf
             if self.hysteresis > 1:
-                back_off = self._hysteresis_update_(growth_tracker, counters, found_inf)
+                back_off = self._hysteresis_update_(growth_tracker, counters, found_inf, form)
             # The growth/backoff arithmetic is torch's own kernel (one launch): torch's rule by
             # construction, float32 scale times float64 factor rounded once, non-finite growth kept out.
             torch._amp_update_scale_(
@@ -343,27 +355,30 @@ class LossScalePolicy:
             )
             if self.min_scale is not None or self.max_scale is not None:
                 scale.clamp_(min=self.min_scale, max=self.max_scale)
-        self.count_step_(counters, skipped)
+        was_skipped = form.read(skipped) > 0
+        self.count_step_(counters, was_skipped, form)
         if norm is not None and self.skip_norm_factor is not None:
-            norm = norm.to(scale.device, torch.float32)
-            take = ~was_skipped & torch.isfinite(norm)
-            count = norm_stats[NORM_COUNT]
+            value = form.read(norm.to(scale.device, torch.float32))
+            stats = form.read(norm_stats)
+            average, count = stats[NORM_AVERAGE], stats[NORM_COUNT]
+            take = form.not_(was_skipped) & form.isfinite(value)
             # Bias-corrected start: the first norm is the average, then an exponential average.
-            decay = torch.where(count > 0, torch.full_like(count, self.norm_average_decay), torch.zeros_like(count))
-            average = decay * norm_stats[NORM_AVERAGE] + (1 - decay) * norm
-            norm_stats[NORM_AVERAGE].copy_(torch.where(take, average, norm_stats[NORM_AVERAGE]))
-            norm_stats[NORM_COUNT].add_(take.float())
+            decay = form.where(count > 0, as_float32(self.norm_average_decay), 0.0)
+            moved = form.f32(form.f32(decay * average) + form.f32(form.f32(1 - decay) * value))
+            form.store(norm_stats, NORM_AVERAGE, form.where(take, moved, average), average)
+            form.store(norm_stats, NORM_COUNT, form.where(take, form.f32(count + 1), count), count)
 
     @staticmethod
-    def count_step_(counters: torch.Tensor, skipped: torch.Tensor) -> None:
+    def count_step_(counters: torch.Tensor, skipped: Any, form: RuleForm = ON_DEVICE) -> None:
         """The skip counters of one finished iteration, in place (also when the scale was set by hand).
 
-        One vector op instead of four indexed ones (~22 -> ~8 us per update on the development CPU):
-        with s = skipped, counters <- counters * (KEEP + s * KEEP_IF_SKIPPED) + s * ADD_IF_SKIPPED + ADD.
+        ``skipped``: a bool 0-dim tensor (ON_DEVICE) or a bool (ON_HOST). Two vector ops, whose
+        operands are picked by the flag: ``counters <- counters * keep + add``.
         """
-        s = (skipped > 0).int()
-        keep, keep_if_skipped, add_if_skipped, add = _count_vectors(counters.device)
-        counters.mul_(keep + s * keep_if_skipped).add_(s * add_if_skipped + add)
+        keep_stepped, keep_skipped, add_stepped, add_skipped = _count_vectors(counters.device)
+        counters.mul_(form.where(skipped, keep_skipped, keep_stepped)).add_(
+            form.where(skipped, add_skipped, add_stepped)
+        )
 
     def knobs(self) -> dict:
         return asdict(self)

@@ -1,20 +1,24 @@
 """The end of an iteration: the optimizers' flags go into the policy's rule, on the device.
 
-``PolicyRunner`` runs a ``LossScalePolicy``'s rule methods on the scaler's device state, through
-``torch.compile`` where that is on (default: on CUDA, where the rule's ~10-40 tiny ops would
-otherwise each cost a launch; measured on CPU, eager ``update()`` takes ~29 us with the default
-knobs). The only host read is the opt-in check of policies that must stop or warn.
+``PolicyRunner`` runs a ``LossScalePolicy``'s rule methods on the scaler's device state: on the
+device through ``torch.compile`` where that is on (default: on CUDA, where the rule's ~10-40 tiny
+ops would otherwise each cost a launch), on the device eagerly elsewhere, and on the host where
+reading a value is free (the CPU; ``policy_forms.py``). On the device the only host read is the
+opt-in check of policies that must stop or warn.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from . import host_reads
 from .optimizer_record import OptimizerRecord, combine_flags
 from .policy import HostCheck, LossScalePolicy
+from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
 from .scaler_state import DeviceState
 
 
@@ -26,20 +30,30 @@ class PolicyRunner:
 
     def __init__(self, compile_policy: bool | None) -> None:
         self.compile_policy = compile_policy
-        self._compiled: dict[tuple[str, int], Callable[..., Any]] = {}
+        self._rules: dict[tuple[str, int, RuleForm, bool], Callable[..., Any]] = {}
+
+    def _compiles(self, device: torch.device) -> bool:
+        return self.compile_policy if self.compile_policy is not None else device.type == "cuda"
+
+    def form(self, device: torch.device) -> RuleForm:
+        """The form the rule runs in on ``device``: on the host where reads are free, unless compiled."""
+        return ON_HOST if host_reads.are_free(device) and not self._compiles(device) else ON_DEVICE
 
     def rule(self, policy: LossScalePolicy, name: str, device: torch.device) -> Callable[..., Any]:
-        """The policy method ``name``, compiled where that is on; compiled once per policy object."""
-        method = getattr(policy, name)
-        use = self.compile_policy if self.compile_policy is not None else device.type == "cuda"
-        if not use:
-            return method
-        key = (name, id(policy))
-        if key not in self._compiled:
-            # A new policy (load_state_dict) drops the rules compiled for the old one.
-            self._compiled = {k: v for k, v in self._compiled.items() if k[1] == id(policy)}
-            self._compiled[key] = torch.compile(method, fullgraph=True, dynamic=False)
-        return self._compiled[key]
+        """The policy method ``name`` in the form it runs in on ``device`` (``form=`` bound), or
+        compiled where that is on. Made once per policy object (~1 us saved per call on the CPU)."""
+        compiled, form = self._compiles(device), self.form(device)
+        key = (name, id(policy), form, compiled)
+        if key not in self._rules:
+            # A new policy (load_state_dict) drops the rules made for the old one.
+            self._rules = {k: v for k, v in self._rules.items() if k[1] == id(policy)}
+            method = getattr(policy, name)
+            self._rules[key] = (
+                torch.compile(method, fullgraph=True, dynamic=False)
+                if compiled
+                else functools.partial(method, form=form)
+            )
+        return self._rules[key]
 
     def update_(
         self,
@@ -58,8 +72,8 @@ class PolicyRunner:
         norm = norms[-1].to(device, non_blocking=True) if norms else None
         if policy.needs_host_check():
             # Opt-in checks that must stop or warn: one host read, before anything changes.
-            flags = HostCheck(int(policy.host_check_flags(state.scale, state.counters, found_inf, skipped).item()))
-            policy.act_on_host_checks(flags, state.scale, state.counters)
+            flags = policy.host_check_flags(state.scale, state.counters, found_inf, skipped, form=self.form(device))
+            policy.act_on_host_checks(HostCheck(int(flags)), state.scale, state.counters)
         self.rule(policy, "update_", device)(
             state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm
         )
@@ -70,7 +84,8 @@ class PolicyRunner:
         (stats(), last_step_skipped()). Nothing recorded (torch allows that here): nothing counted."""
         found_inf, skipped = self._flags(policy, state, list(records))
         if found_inf is not None:
-            policy.count_step_(state.counters, skipped)
+            form = self.form(state.counters.device)
+            policy.count_step_(state.counters, form.read(skipped) > 0, form)
 
     def _flags(
         self, policy: LossScalePolicy, state: DeviceState, records: list[OptimizerRecord]
@@ -89,4 +104,4 @@ class PolicyRunner:
         return found_inf, self.rule(policy, "skip_decision", device)(found_inf, None, state.norm_stats)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"compile_policy": self.compile_policy, "_compiled": {}}  # compiled rules are rebuilt on use
+        return {"compile_policy": self.compile_policy, "_rules": {}}  # rules (compiled ones too) are rebuilt on use

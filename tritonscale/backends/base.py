@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from .. import host_reads
+from ..policy_forms import ON_DEVICE, RuleForm, as_float32
 
 _last_inverse: list = [None, -1, None]  # [scale tensor, its version, 1 / scale]
 
@@ -20,18 +24,31 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     try:
         version = scale._version
     except RuntimeError:  # an inference tensor keeps no version counter: nothing to key on
-        return scale.double().reciprocal().float()
+        return _inverse(scale)
     held, held_version, inverse = _last_inverse
     if held is scale and held_version == version:
         return inverse
-    inverse = scale.double().reciprocal().float()
+    inverse = _inverse(scale)
     _last_inverse[:] = [scale, version, inverse]
     return inverse
 
 
-def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_'s coefficient, op for op: min(max_norm / (norm + 1e-6), 1)."""
-    return torch.clamp(max_norm * (norm + 1e-6).reciprocal(), max=1.0)
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    if host_reads.are_free(scale.device) and scale.numel() == 1:
+        # The same float64 division and rounding on the host: one read and one new tensor instead
+        # of three ops (~1.5 vs ~4 us on the development CPU).
+        value = scale.item()
+        inverse = as_float32(1.0 / value) if value else math.inf
+        return torch.full(scale.shape, inverse, dtype=torch.float32, device=scale.device)
+    return scale.double().reciprocal().float()
+
+
+def clip_coefficient(norm: Any, max_norm: float, form: RuleForm = ON_DEVICE) -> Any:
+    """torch.nn.utils.clip_grad_norm_'s coefficient, op for op: min(max_norm / (norm + 1e-6), 1)
+    (torch's ``max_norm / x`` is ``x.reciprocal() * max_norm``). ``form`` ON_HOST: ``norm`` is a
+    float32 value as a Python float, and so is the result (policy_forms.py)."""
+    shifted = form.f32(norm + as_float32(1e-6))
+    return form.at_most(form.f32(form.reciprocal(shifted) * as_float32(max_norm)), 1.0)
 
 
 @dataclass
