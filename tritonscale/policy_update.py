@@ -35,14 +35,16 @@ class PolicyRunner:
     def _compiles(self, device: torch.device) -> bool:
         return self.compile_policy if self.compile_policy is not None else device.type == "cuda"
 
-    def form(self, device: torch.device) -> RuleForm:
+    def form(self, device: torch.device, compiled: bool | None = None) -> RuleForm:
         """The form the rule runs in on ``device``: on the host where reads are free, unless compiled."""
-        return ON_HOST if host_reads.are_free(device) and not self._compiles(device) else ON_DEVICE
+        compiled = self._compiles(device) if compiled is None else compiled
+        return ON_DEVICE if compiled or not host_reads.are_free(device) else ON_HOST
 
     def rule(self, policy: LossScalePolicy, name: str, device: torch.device) -> Callable[..., Any]:
         """The policy method ``name`` in the form it runs in on ``device`` (``form=`` bound), or
         compiled where that is on. Made once per policy object (~1 us saved per call on the CPU)."""
-        compiled, form = self._compiles(device), self.form(device)
+        compiled = self._compiles(device)
+        form = self.form(device, compiled)
         key = (name, id(policy), form, compiled)
         if key not in self._rules:
             # A new policy (load_state_dict) drops the rules made for the old one.

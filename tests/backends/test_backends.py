@@ -110,3 +110,26 @@ def test_unscale_matches_torch_amp(backend, dtype, scale, inject_kind):
         assert found_ours.item() == found_theirs.item() == (1.0 if inject_kind else 0.0)
         for i, (a, b) in enumerate(zip(ours, theirs)):
             assert_bitwise(a, b, f"{backend.name} unscale_ of gradient {i} ({dtype_id(dtype)})", nan_aware=True)
+
+
+@SETTINGS
+@given(
+    dtype=st.sampled_from(DTYPES),
+    sizes=st.lists(st.one_of(st.integers(0, 3000), st.sampled_from(EDGE_SIZES)), min_size=1, max_size=6),
+    seed=seeds_st,
+    factor=st.floats(2.0**-27, 4.0, width=32),
+    large=st.booleans(),
+)
+def test_apply_multiplies_as_foreach_mul(dtype, sizes, seed, factor, large):
+    # The CPU apply multiplies small tensors through torch's unscale kernel and large ones with
+    # _foreach_mul_: both must be _foreach_mul_'s result by the float32 factor, bit for bit.
+    from tritonscale.backends import torch_backend
+
+    grads = make_grads(sizes, dtype, seed, 2.0**8)
+    expected = [g.clone() for g in grads]
+    torch._foreach_mul_(expected, torch.tensor(factor))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_backend, "SMALL_TENSORS", -1 if large else math.inf)
+        torch_backend._multiply_(grads, torch.tensor(factor))
+    for k, (got, want) in enumerate(zip(grads, expected)):
+        assert_bitwise(got, want, f"tensor {k}")

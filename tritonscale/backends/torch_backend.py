@@ -123,6 +123,33 @@ def _wide_per_tensor_norms(groups: list[list[torch.Tensor]], ord: float, per_ten
     return wide.index_put((torch.tensor(index),), torch.stack(recomputed))
 
 
+#: Mean elements per tensor up to which the CPU apply goes through torch's unscale kernel (_multiply_).
+SMALL_TENSORS = 32768
+
+
+def _multiply_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """g <- g * factor in place (one float32 product per element, rounded once to g's dtype).
+
+    On the CPU, torch's fused unscale kernel does this multiply (and an inf/NaN check whose flag is
+    dropped) in one multi-tensor loop, bit for bit as ``_foreach_mul_`` by a float32 0-dim tensor,
+    while the foreach op goes tensor by tensor. Measured on the 2-core development machine: 200
+    tensors over 64K elements 0.07 vs 0.24 ms (bfloat16) and 0.06 vs 0.09 ms (float32), 2000 x
+    4096 2.9 vs 4.6 ms (bfloat16) and 1.8 vs 2.0 ms (float32); from ~64K elements per tensor the
+    extra check costs 2-15% instead, so larger tensors keep the foreach op."""
+    if grads[0].device.type == "cpu" and _mean_numel(grads) <= SMALL_TENSORS:
+        scratch = torch.zeros((), dtype=torch.float32, device=factor.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, scratch, factor)
+    else:
+        torch._foreach_mul_(grads, factor)
+
+
+def _mean_numel(grads: list[torch.Tensor]) -> float:
+    """Elements per tensor, estimated from at most 8 tensors spread over the list (for a choice of
+    kernel only: summing 2000 sizes in Python would cost more than the choice saves)."""
+    sample = grads[:: max(1, len(grads) // 8)]
+    return sum(g.numel() for g in sample) / len(sample)
+
+
 def _finalize_on_host(raw: float, inv_scale: torch.Tensor, max_norm: float | None, plan: list) -> CheckResult:
     """The finalize of a step whose float32 norm came out finite (so nothing is inf/NaN and nothing
     overflowed: the float64 path would give these same values), on Python numbers: the same
@@ -180,4 +207,4 @@ class TorchBackend:
 
     def apply_(self, result: CheckResult) -> None:
         for grads in result.plan:
-            torch._foreach_mul_(grads, result.factor)
+            _multiply_(grads, result.factor)
