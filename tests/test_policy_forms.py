@@ -122,3 +122,26 @@ def test_inverse_scale_on_the_host_is_torchs_rounding(scale):
     expected = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
     assert host_reads.are_free(torch.device("cpu"))
     assert bits(inverse_scale(torch.tensor(scale, dtype=torch.float32))) == bits(expected)
+
+
+def test_forms_agree_under_a_float64_default_dtype():
+    # The state stays float32 whatever torch's default dtype: a Python number in the device form
+    # must not make a float64 intermediate that rounds once instead of after every operation.
+    policy = LossScalePolicy(skip_norm_factor=2.0, norm_average_decay=as_float32(0.9), norm_warmup_steps=1)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        states = [HostState.initial(2.0**16, policy).to_device(torch.device("cpu")) for _ in range(2)]
+        values = torch.rand(40, generator=torch.Generator().manual_seed(0), dtype=torch.float32) + 0.5
+        for value in values.tolist():
+            found_inf, norm = torch.zeros((), dtype=torch.float32), torch.tensor(value, dtype=torch.float32)
+            for state, form in zip(states, (ON_DEVICE, ON_HOST)):
+                skipped = policy.skip_decision(found_inf, norm, state.norm_stats, form=form)
+                policy.update_(
+                    state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm,
+                    form=form,
+                )  # fmt: skip
+            assert bits(states[0].norm_stats) == bits(states[1].norm_stats)
+        assert states[0].norm_stats.dtype is torch.float32
+    finally:
+        torch.set_default_dtype(default)

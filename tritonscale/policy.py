@@ -363,7 +363,7 @@ class LossScalePolicy:
             average, count = stats[NORM_AVERAGE], stats[NORM_COUNT]
             take = form.not_(was_skipped) & form.isfinite(value)
             # Bias-corrected start: the first norm is the average, then an exponential average.
-            decay = form.where(count > 0, as_float32(self.norm_average_decay), 0.0)
+            decay = form.where(count > 0, form.full_like(count, as_float32(self.norm_average_decay)), 0.0)
             moved = form.f32(form.f32(decay * average) + form.f32(form.f32(1 - decay) * value))
             form.store(norm_stats, NORM_AVERAGE, form.where(take, moved, average), average)
             form.store(norm_stats, NORM_COUNT, form.where(take, form.f32(count + 1), count), count)

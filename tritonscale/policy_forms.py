@@ -55,6 +55,11 @@ class OnDevice:
         return torch.zeros_like(like, dtype=torch.bool)
 
     @staticmethod
+    def full_like(like: torch.Tensor, value: float) -> torch.Tensor:
+        """``value`` in ``like``'s dtype (a bare Python number would take torch's default dtype)."""
+        return torch.full_like(like, value)
+
+    @staticmethod
     def isfinite(value: torch.Tensor) -> torch.Tensor:
         return torch.isfinite(value)
 
@@ -103,6 +108,10 @@ class OnHost:
     @staticmethod
     def false(like: Any) -> bool:
         return False
+
+    @staticmethod
+    def full_like(like: Any, value: float) -> float:
+        return value
 
     isfinite = staticmethod(math.isfinite)
     at_least = staticmethod(max)
