@@ -106,18 +106,27 @@ def collect_grads(
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
     to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]] = []
     layouts = _ShardLayouts()
+    # Plain tensors need no layout work once one was seen (unless mark_replicated was ever called):
+    # the common case, ~0.6 instead of ~1.1 us a gradient (2-core development machine).
+    plain_fast, plain_seen = not any_marked(), False
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
             grad = param.grad
             if grad is None:
                 continue
-            grad, counted_here = layouts.local(param, grad, g_index, p_index)
-            into = counted if counted_here or not split_replicas else replicas
+            plain = type(grad) is torch.Tensor
+            if plain and plain_seen:
+                into = counted
+            else:
+                grad, counted_here = layouts.local(param, grad, g_index, p_index)
+                into = counted if counted_here or not split_replicas else replicas
+                plain_seen = plain and plain_fast
             if not allow_fp16 and grad.dtype is torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if kernels and is_supported_grad(grad):
-                into.per_device[grad.device][grad.dtype].append(grad)
-                dense[grad.device].append(grad)
+                device = grad.device
+                into.per_device[device][grad.dtype].append(grad)
+                dense[device].append(grad)
                 continue
             if not grad.is_floating_point():
                 raise TypeError(f"{_where(g_index, p_index)} has a non-floating gradient of dtype {grad.dtype}")
