@@ -19,7 +19,7 @@
    and backward: torch (``unscale_`` + clip + step + update) against ours (the fold: clip + step +
    update): ``torch/ours`` (the issue quoted 1.49x).
 
-All variants of a bar run interleaved (ABBA), medians of ``--repeats`` repeats (bar 2: 10x as many
+All variants of a bar run interleaved (``timing.interleaved``), medians of ``--repeats`` repeats (bar 2: 10x as many
 samples) after one warm-up round; JSON with the machine and every quantile goes to ``--out``.
 
     python bench/bars.py                      # CPU, ~1 minute

@@ -9,7 +9,7 @@ Gradient memory traffic (bytes model, b bytes per element, N elements): torch re
 unscale_, reads in the norm, reads+writes in the clip = 5 N b; tritonscale reads in the check pass
 and reads+writes in the apply pass = 3 N b, an ideal 1.67x at the bandwidth limit.
 
-Both variants are timed in one process, interleaved (ABBA) with the gradients restored (untimed)
+Both variants are timed in one process, interleaved (``timing.interleaved``) with the gradients restored (untimed)
 before each repeat; medians and 20/80% quantiles are reported, and a JSON file of every point.
 
     python bench/bench_clip_cpu.py                     # 1M..64M fp32 elements in 200 tensors

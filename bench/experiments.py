@@ -41,7 +41,7 @@ from pathlib import Path
 
 import figures
 import torch
-from timing import describe, machine
+from timing import describe, machine, round_order
 
 import tritonscale
 
@@ -289,7 +289,7 @@ def run_experiment(name: str, args, preset: Preset, device: torch.device, progre
     if name == "overflow":
         runs.append(Run("tritonscale + Megatron/OLMo policy", task, setting, args, device, POLICY_RUN))
     for i, batch in enumerate(task.batches):
-        for run in runs if i % 2 == 0 else runs[::-1]:
+        for run in round_order(runs, i):
             run.step(i, batch)
         if progress is not None:
             progress()

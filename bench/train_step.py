@@ -21,8 +21,8 @@ Phases, timed with ``time.perf_counter`` around each call (on CUDA with ``torch.
 at every phase boundary, so a phase owns its kernels): forward (the loss, under autocast when
 ``--autocast`` is set), backward, scaler (the clip/unscale calls), step (``scaler.step`` or
 ``optimizer.step``), update (``scaler.update``), zero_grad. The variants run interleaved step by
-step, in alternating order (ABBA), each on its own copy of the model, so machine drift hits all of
-them; the first ``--warmup`` steps are not recorded. Reported per variant: median and 20/80%
+step, in rotating order (``timing.round_order``), each on its own copy of the model, so machine
+drift hits all of them; the first ``--warmup`` steps are not recorded. Reported per variant: median and 20/80%
 quantiles of every phase and of the whole step, the scaler's share of the step (scaler median /
 step median), the step relative to ``no-scaling``, and scaler + step + update (the gradient
 handling). In the fold the unscale and the clip's multiply run inside the optimizer's step, so
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import figures
 import torch
-from timing import describe, machine, quantiles
+from timing import describe, machine, quantiles, round_order
 
 import tritonscale
 
@@ -265,11 +265,11 @@ def main(argv=None, progress=None) -> int:
     setup = (f"{n_params / 1e6:.2f}M parameters in {n_tensors} tensors ({p.layers} blocks, d_model {p.d_model}), "
              f"{p.batch}x{p.context} tokens, {args.dtype}, autocast {args.autocast}, clip {args.max_norm}")  # fmt: skip
     print(f"train_step on {describe(info)}")
-    print(f"{setup}; {p.steps} steps after {p.warmup} warm-up, interleaved ABBA; median ms [20%, 80%]")
+    print(f"{setup}; {p.steps} steps after {p.warmup} warm-up, interleaved; median ms [20%, 80%]")
     total = p.warmup + p.steps
     order = list(variants.values())
     for i in range(total):
-        for v in order if i % 2 == 0 else order[::-1]:
+        for v in round_order(order, i):
             v.step(batches[i % len(batches)], record=i >= p.warmup)
         if progress is not None:
             progress(i + 1, total)
