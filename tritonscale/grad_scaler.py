@@ -308,9 +308,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
         norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
-        record.skip = skip_decision(
-            found_inf if found_inf.dim() == 0 else found_inf.reshape(()), norm, self._norm_stats
-        )
+        record.skip = skip_decision(found_inf, norm, self._norm_stats)  # combine_flags gives 0-dim flags
         return record.skip
 
     # ---------------------------------------------------------------- update

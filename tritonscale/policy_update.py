@@ -1,4 +1,4 @@
-"""The end of an iteration: the optimizers' flags go into the policy's rule, on the device.
+"""The end of an iteration: the optimizers' flags go into the policy's rule.
 
 ``PolicyRunner`` runs a ``LossScalePolicy``'s rule methods on the scaler's device state: on the
 device through ``torch.compile`` where that is on (default: on CUDA, where the rule's ~10-40 tiny

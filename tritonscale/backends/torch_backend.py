@@ -1,18 +1,19 @@
 """Torch backend: the same design with torch's own ops, for CPU tensors (and as a fallback).
 
 The check is one norm pass over the raw gradients that also catches inf/NaN (they propagate into
-the norm); the apply is one ``_foreach_mul_`` by the combined factor. That is one read plus one
-read+write of gradient memory, against torch's unscale_ (read+write) + norm (read) + clip
-(read+write). Gradients that are views back to back in one buffer go as one tensor per run
-(``kernels/flat_runs.py``).
+the norm); the apply is one multi-tensor multiply by the combined factor (``_multiply_``). That
+is one read plus one read+write of gradient memory, against torch's unscale_ (read+write) + norm
+(read) + clip (read+write). Gradients that are views back to back in one buffer go as one tensor
+per run (``kernels/flat_runs.py``).
 
 Each tensor's norm accumulates in float32, as torch's does, and the per-tensor norms are combined
 as torch combines them (float32). Where a float32 result overflows while the gradients are finite
 (a scaled |g| above ~1.8e19 for the 2-norm, or many such tensors), float64 stands in, so found_inf
 means "a gradient is inf/NaN", never "the norm overflowed" (``_wide_per_tensor_norms``). For
 bfloat16 gradients on CPU each tensor's norm is rounded to bfloat16, as torch's clip_grad_norm_
-does (see ``_rounds_norm_to_bf16``); the Triton kernels keep it in float32. Nothing here reads a
-device value on the host: on the CPU, the host *is* the device.
+does (see ``_rounds_norm_to_bf16``); the Triton kernels keep it in float32. Off the CPU nothing
+here reads a device value on the host; on the CPU, where such a read waits for nothing, one read
+of the norm decides the common case and the finalize runs on Python numbers (``_finalize_on_host``).
 """
 
 from __future__ import annotations
