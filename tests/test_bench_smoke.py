@@ -127,3 +127,14 @@ def test_bars_prints_every_ratio(tmp_path, capsys):
     lines = printed.splitlines()
     assert "cpu (" in lines[0]  # the machine line
     assert [line.split()[0] for line in lines if " = " in line] == [r["bar"] for r in ratios]  # one line per ratio
+
+
+def test_cpu_norms_writes_every_candidate(tmp_path):
+    out = tmp_path / "norms.json"
+    assert load("cpu_norms").main(["--size", "65536", "--tensors", "4", "--repeats", "2", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    names = ["vector_norm", "rows of 4096", "dot", "foreach", "mul_"]
+    assert [(r["data"], r["norm"]) for r in results] == [(d, n) for d in ("normal", "subnormal squares") for n in names]
+    assert all(r["median_ms"] > 0 for r in results)
+    normal = {r["norm"]: r["error"] for r in results if r["data"] == "normal"}
+    assert normal["rows of 4096"] < 1e-5 and normal["mul_"] is None  # a norm close to float64's
