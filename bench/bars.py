@@ -29,13 +29,12 @@ samples) after one warm-up round; JSON with the machine and every quantile goes 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from timing import describe, interleaved, machine, split_sizes
+from timing import describe, interleaved, machine, split_sizes, write_results
 
 import tritonscale
 
@@ -249,9 +248,7 @@ def main(argv=None, progress=None) -> int:
         lines += bar(args, device)
         if progress is not None:
             progress(k + 1, len(bars))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"machine": info, "args": meta, "ratios": lines}, indent=2))
+    write_results(args.out, info, args, ratios=lines)
     print(f"wrote {args.out}")
     return 0
 

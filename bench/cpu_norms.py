@@ -24,12 +24,11 @@ read (two passes for ``mul_``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
-from timing import describe, interleaved, machine
+from timing import describe, interleaved, machine, write_results
 
 from tritonscale.backends.torch_backend import _run_norm
 
@@ -76,9 +75,7 @@ def main(argv=None) -> int:
                             "gb_per_s": passes * x.numel() * 4 / (ms * 1e-3) / 1e9})  # fmt: skip
             shown = "" if error is None else f"{error:.1e}"
             print(f"{data:>18} {name:>13} {ms:>8.2f} {results[-1]['gb_per_s']:>7.1f} {shown:>22}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"machine": info, "args": meta, "results": results}, indent=2))
+    write_results(args.out, info, args, results=results)
     print(f"wrote {args.out}")
     return 0
 

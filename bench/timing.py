@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -98,3 +99,10 @@ def describe(info: dict[str, object]) -> str:
 def split_sizes(numel: int, n_tensors: int) -> list[int]:
     """``numel`` elements in ``n_tensors`` nearly equal tensors."""
     return [numel // n_tensors + (1 if i < numel % n_tensors else 0) for i in range(n_tensors)]
+
+
+def write_results(out: Path, info: dict, args: object, **results: object) -> None:
+    """``{"machine": info, "args": vars(args) (paths as strings), **results}`` as JSON at ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    out.write_text(json.dumps({"machine": info, "args": meta, **results}, indent=2))

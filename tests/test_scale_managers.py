@@ -398,6 +398,15 @@ def train_by_hand(manager, steps=8):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def reference_scales(ref, steps=8) -> list[float]:
+    """The reference's scale after each of ``steps`` updates, overflowing at INF_AT."""
+    scales = []
+    for i in range(steps):
+        ref.update(i in INF_AT)
+        scales.append(ref.scale)
+    return scales
+
+
 def assert_same(a, b):
     """Equal parameters (lists of tensors), bit for bit, NaN where the other has NaN."""
     assert len(a) == len(b)
@@ -414,10 +423,7 @@ def assert_same_run(a, b):
 def test_mindspore_dynamic_manager_end_to_end(backend):
     make = lambda: DynamicLossScaleManager(2**10, 2, 2, backend=backend)
     ref = MindSporeRef(2**10, 2, 2)
-    expected = []
-    for i in range(8):
-        ref.update(i in INF_AT)
-        expected.append(ref.scale)
+    expected = reference_scales(ref)
     params, scales = train(make().grad_scaler, clip=False)
     assert scales == expected
     # torch's own GradScaler: the same rule while the floor is not reached.
@@ -432,10 +438,7 @@ def test_mindspore_dynamic_manager_end_to_end(backend):
 def test_tf1_exponential_manager_end_to_end(backend):
     make = lambda: ExponentialUpdateLossScaleManager(2**10, 2, 2, 2, 0.5, backend=backend)
     ref = TensorFlowExponentialRef(2**10, 2, 2, 2, 0.5)
-    expected = []
-    for i in range(8):
-        ref.update(i in INF_AT)
-        expected.append(ref.scale)
+    expected = reference_scales(ref)
     params, scales = train(make().grad_scaler, clip=False)
     assert scales == expected
     assert_same(params, train_by_hand(make()))
