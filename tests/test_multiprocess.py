@@ -1,0 +1,49 @@
+"""The multi-process harness itself: a rank that dies or hangs is reported, with what it printed,
+and a rank that dies only while leaving the group, after every rank saved its result, fails nothing."""
+
+import os
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+from multiprocess import RanksFailed, run_ranks
+
+
+def dies_in_cpp_worker(rank: int, world: int) -> int:
+    if rank == 1:
+        print("rank 1: about to abort", file=sys.stderr, flush=True)
+        os.abort()  # no Python traceback, like gloo's "terminate called without an active exception"
+    return rank
+
+
+def test_a_rank_that_dies_without_a_traceback_is_reported_with_its_stderr():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(dies_in_cpp_worker, 2, deadline_s=60)
+    message = str(failed.value)
+    assert "SIGABRT" in message and "rank 1: about to abort" in message
+    assert 1 not in failed.value.results
+
+
+def dies_leaving_the_group_worker(rank: int, world: int) -> list[int]:
+    if rank == 1:
+        dist.destroy_process_group = lambda *args, **kwargs: os.abort()
+    return [rank, world]
+
+
+def test_a_rank_that_dies_leaving_the_group_after_saving_its_result_does_not_fail():
+    assert run_ranks(dies_leaving_the_group_worker, 2, deadline_s=60) == [[0, 2], [1, 2]]
+
+
+def hangs_worker(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(120)
+    return rank
+
+
+def test_a_rank_that_hangs_is_killed_at_the_deadline_and_reported():
+    start = time.monotonic()
+    with pytest.raises(RanksFailed, match="ran past 10 s") as failed:
+        run_ranks(hangs_worker, 2, deadline_s=10)
+    assert time.monotonic() - start < 30
+    assert failed.value.results == {0: 0}
