@@ -13,8 +13,10 @@ A group (one device, one dtype) reaches a kernel in one of two layouts:
   Persistent programs walk the chunk rows grid-stride, so the launch count is one per pass no
   matter how many tensors there are, and the per-program partials have a fixed count.
 
-The tables are cached by (addresses, sizes): gradients that persist between steps
-(``zero_grad(set_to_none=False)``, flat buffers) cost no host work after the first step.
+The tables are cached by (device, dtype, addresses, sizes): everything in a table is computed
+from exactly that key, so a hit is the table these gradients need, whatever happened to the
+memory in between. Gradients that persist between steps (``zero_grad(set_to_none=False)``)
+cost no host work after the first step.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .flat_runs import FLAT_VIEWS_ATTR, flat_buffer, flat_runs
+from .flat_runs import FLAT_SLOTS_ATTR, flat_runs
 from .launch_config import CHUNK, program_cap
 from .supported import is_supported_grad, raise_unsupported_grad
 
-__all__ = ["FLAT_VIEWS_ATTR", "GradLayout", "describe_grads", "validate_group"]
+__all__ = ["FLAT_SLOTS_ATTR", "GradLayout", "describe_grads", "validate_group"]
 _TABLE_CACHE_SIZE = 16
 
 
@@ -63,13 +65,10 @@ def validate_group(grads: list[torch.Tensor]) -> None:
             raise ValueError(f"gradients of mixed dtypes in one group: {dtype} and {g.dtype} (gradient {i})")
 
 
-def _flat_base(grads: list[torch.Tensor], nonempty: list[torch.Tensor]) -> torch.Tensor | None:
-    """The buffer to take as FLAT: the flat buffer (tritonscale.flatten_grads_) that all of the
-    group's gradients -- empty ones too -- are views of, or one run covering them all back to back
-    (a DDP bucket), or the group's one non-empty contiguous tensor."""
-    base = flat_buffer(grads)  # preferred: padded to a multiple of 16 elements, so loads vectorise
-    if base is not None:
-        return base
+def _flat_base(nonempty: list[torch.Tensor]) -> torch.Tensor | None:
+    """The buffer to take as FLAT: the flat buffer (tritonscale.flatten_grads_) whose slots the
+    group's gradients fill (padded to a multiple of 16 elements, so loads vectorise), or one run
+    covering them all back to back (a DDP bucket), or the group's one contiguous tensor."""
     runs = flat_runs(nonempty)
     if runs is not None and len(runs) == 1:
         return runs[0]
@@ -127,7 +126,7 @@ def describe_grads(grads: list[torch.Tensor], *, validate: bool = True) -> GradL
     nonempty = [g for g in grads if g.numel() > 0]
     if not nonempty:
         return None
-    base = _flat_base(grads, nonempty)
+    base = _flat_base(nonempty)
     grads = nonempty
     cap = program_cap(grads[0].device)
     if base is not None:

@@ -135,8 +135,8 @@ def test_flat_buffer_is_recognised_without_walking_and_still_correct(backend, mo
         params[0].grad, params[1].grad, params[2].grad = bucket[:5], bucket[5:22], bucket[22:]
     optimizer = torch.optim.SGD(params, lr=1.0)
     hits = []
-    known = grad_groups.known_buffer
-    monkeypatch.setattr(grad_groups, "known_buffer", lambda a: hits.append(known(a)) or hits[-1])
+    known = grad_groups.known_run
+    monkeypatch.setattr(grad_groups, "known_run", lambda o: hits.append(known(o)) or hits[-1])
     scaler = GradScaler("cpu", init_scale=2.0**4, backend=backend)
     twins = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 17, 3)]
     theirs = torch.amp.GradScaler("cpu", init_scale=2.0**4)

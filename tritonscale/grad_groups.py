@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 
-from .flat_grads import any_known, grad_addresses, known_buffer, remember_buffer
+from .flat_grads import known_run, remember_run
 from .grad_sharding import any_marked, is_dtensor, is_first_rank, local_shard, mesh_group, replica_group
-from .kernels.flat_runs import flat_buffer, flat_runs
+from .kernels.flat_runs import flat_runs
 from .kernels.supported import is_dense, is_supported_grad
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
 
-#: Gradient layouts already found free of overlaps; a persistent layout is checked once.
+#: Gradient layouts already found free of overlaps, keyed by each gradient's (address, bytes): the
+#: check reads nothing else, so a hit is its answer for the memory as it is now.
 _NO_OVERLAP: OrderedDict[tuple, None] = OrderedDict()
 _NO_OVERLAP_CACHE_SIZE = 16
 _NBYTES = attrgetter("nbytes")
@@ -93,15 +94,14 @@ def collect_grads(
     are refused: the norm would count the shared elements once and the in-place passes scale them
     twice.
     """
-    # Reading 2000 addresses costs ~0.3 ms: only once some buffer was seen (flatten_grads_, buckets).
-    addresses = grad_addresses(optimizer) if any_known() else None
-    buffer = known_buffer(addresses) if addresses is not None and not any_marked() else None
-    if buffer is not None:  # all views of one flatten_grads_ buffer, validated at these addresses
-        if not allow_fp16 and buffer.dtype is torch.float16:
+    # All views of one flatten_grads_ buffer or one bucket run, proved again now (flat_grads.py).
+    # Only for the norms the kernels compute: a norm of partial norms is the norm for 1, 2 and
+    # inf, not for 0 or negative orders, which also count the buffer's padding.
+    run = known_run(optimizer) if kernels and not any_marked() else None
+    if run is not None:
+        if not allow_fp16 and run.dtype is torch.float16:
             raise ValueError("Attempting to unscale FP16 gradients.")
-        if kernels:
-            return Grads(kernel={buffer.device: [[buffer]]})
-        return Grads(other={buffer.device: [buffer]})
+        return Grads(kernel={run.device: [[run]]})
     counted, replicas = _Sorter(), _Sorter()
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
     to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]] = []
@@ -165,27 +165,23 @@ def collect_grads(
     result = counted.grads()
     result.mesh, result.marked_replicas = layouts.mesh(), layouts.marked
     result.replicas = replicas.grads() if replicas else None
-    _remember_if_one_buffer(optimizer, addresses, result)
+    if kernels:
+        _remember_if_one_run(optimizer, result)
     return result
 
 
-def _remember_if_one_buffer(optimizer: torch.optim.Optimizer, addresses: tuple[int, ...] | None, grads: Grads) -> None:
-    """If the gradients (validated just now) are all the views of one flatten_grads_ buffer, or one
-    run back to back in a bucket, let the next collect_grads recognise them by their addresses."""
+def _remember_if_one_run(optimizer: torch.optim.Optimizer, grads: Grads) -> None:
+    """If the gradients (validated just now) are exactly one flatten_grads_ buffer, or one run back
+    to back in a bucket, let the next collect_grads take the run after a per-step proof."""
     if grads.other or grads.mesh is not None or grads.marked_replicas or len(grads.kernel) != 1:
         return
     (groups,) = grads.kernel.values()
-    if len(groups) != 1:
+    if len(groups) != 1 or groups[0][0]._base is None:
         return
-    buffer, span = flat_buffer(groups[0]), None
-    if buffer is None:
-        base, runs = groups[0][0]._base, flat_runs(groups[0])
-        if base is None or runs is None or len(runs) != 1 or not all(g._base is base for g in groups[0]):
-            return
-        buffer, span = base, (runs[0].storage_offset(), runs[0].numel())
-    addresses = addresses if addresses is not None else grad_addresses(optimizer)
-    if addresses is not None:
-        remember_buffer(addresses, buffer, span)
+    nonempty = [g for g in groups[0] if g.numel()]
+    runs = flat_runs(nonempty) if nonempty else None
+    if runs is not None and len(runs) == 1:
+        remember_run(optimizer, runs[0])
 
 
 class _ShardLayouts:
