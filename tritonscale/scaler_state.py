@@ -245,11 +245,12 @@ def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScal
         raise ScalerConfigError(f"state_dict: {error}") from None
     policy.check_scale_in_bounds("state_dict['scale']", scale)
     host = HostState.initial(scale, policy)
-    # Good steps since the last growth: at growth_interval the scale grows and the count restarts.
+    # Good steps since the last growth. Any count that fits the int32 tracker loads, as in torch,
+    # also one at or past growth_interval (our own state_dict after set_growth_interval lowered it):
+    # torch's rule grows when the count *equals* the interval, so such a tracker counts on without
+    # growing, and ours continues the same way (the rule is torch's own op).
     host.growth_tracker = check_counter(
-        "state_dict['_growth_tracker']",
-        _as_int(state_dict["_growth_tracker"], "_growth_tracker"),
-        min(policy.growth_interval, INT32_LIMIT),
+        "state_dict['_growth_tracker']", _as_int(state_dict["_growth_tracker"], "_growth_tracker")
     )
     saved_counters = _section(state_dict, "counters")
     unknown = sorted(set(saved_counters) - set(COUNTER_NAMES))
