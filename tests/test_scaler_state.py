@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import pytest
 import torch
@@ -143,3 +145,14 @@ def test_pytorchs_tracker_7_with_growth_interval_1_loads(backend):
     theirs.load_state_dict(saved)
     assert _drive(ours, PATTERN) == _drive(theirs, PATTERN)
 
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
+def test_a_copied_torch_fused_optimizer_still_takes_amp_scaling(cls):
+    # torch drops _step_supports_amp_scaling when it pickles an optimizer (only defaults, state and
+    # param_groups travel), yet the copy steps fused: it must fold as the original does.
+    fused = cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1, fused=True)
+    plain = cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    for copied in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        assert not hasattr(copied, "_step_supports_amp_scaling") and takes_amp_scaling(copied)
+    assert takes_amp_scaling(fused) and not takes_amp_scaling(copy.deepcopy(plain))
