@@ -107,6 +107,45 @@ def test_sparse_gradient_with_a_fused_optimizer_is_refused_before_anything_chang
     assert scaler._per_optimizer_states[id(optimizer)]["stage"].name == "READY"
 
 
+class _SparseAmpSGD(torch.optim.SGD):
+    """An optimizer of torch's grad_scale/found_inf protocol that steps sparse gradients: divides
+    by grad_scale, skips on found_inf (as the fused optimizers do), and records what it was handed."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        self.handed = (self.grad_scale.clone(), self.found_inf.clone())
+        if self.found_inf.item() == 0:
+            with torch.no_grad():
+                for p in self.param_groups[0]["params"]:
+                    p.add_((p.grad.float() / self.grad_scale).to(p.dtype), alpha=-self.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize(
+    "values", [[16.0, 32.0, 64.0], [64000.0, 32.0, 64000.0], [16.0, math.inf, 64.0]], ids=["finite", "sum-inf", "inf"]
+)
+def test_sparse_fp16_gradient_with_an_amp_scaling_optimizer_steps_as_in_torch(backend, values):
+    # The step() half of PyTorch's test_grad_scaling_unscale_sparse: an optimizer that takes
+    # grad_scale/found_inf gets a float16 sparse gradient with a duplicated index. torch coalesces
+    # it (64000 + 64000 overflows float16 only then), checks the coalesced values and hands the
+    # scale and the flag over; the optimizer skips on inf. Oracle: torch's GradScaler.
+    index = torch.tensor([[0, 1, 0], [2, 0, 2]])
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=4.0), GradScaler("cpu", init_scale=4.0, backend=backend)):
+        param = torch.nn.Parameter(torch.ones(2, 3, dtype=torch.float16))
+        optimizer = _SparseAmpSGD([param], lr=0.5)
+        param.grad = torch.sparse_coo_tensor(index, torch.tensor(values), (2, 3), dtype=torch.float16)
+        scaler.scale(torch.ones(()))
+        scaler.step(optimizer)
+        scaler.update()
+        grad, scale = param.grad, scaler.get_scale()
+        results.append((*optimizer.handed, grad.is_coalesced(), grad.indices(), grad.values(), param, scale))
+    theirs, ours = results
+    for a, b in zip(theirs, ours):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), (theirs, ours)
+    assert float(ours[1]) == (0.0 if values[0] == 16.0 and math.isfinite(values[1]) else 1.0)
+
+
 def test_a_gradient_overlapping_itself_is_refused_before_anything_changes(backend):
     # torch's unscale_ fails on it halfway ("more than one element of the written-to tensor refers
     # to a single memory location"), after unscaling the gradients before it; ours refuses first.

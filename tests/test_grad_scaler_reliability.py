@@ -264,7 +264,6 @@ def _good_state():
 
 BAD_STATES = {
     "tracker-int32": ({"_growth_tracker": 2**31, "growth_interval": 2**31 + 5}, r"_growth_tracker"),
-    "tracker-past-interval": ({"_growth_tracker": 2000}, r"_growth_tracker.*\[0, 2000\)"),
     "counter-int32": ({"counters": {"skipped_steps": 2**31}}, r"skipped_steps"),
     "scale-float32-inf": ({"scale": 1e39}, r"float32"),
     "scale-float32-zero": ({"scale": 1e-46}, r"float32"),

@@ -10,7 +10,9 @@ GradScaler.
 from __future__ import annotations
 
 import copy
+import io
 import math
+import pickle
 import warnings
 
 import pytest
@@ -186,6 +188,52 @@ def test_state_dict_carries_the_scale_and_resumes_bitwise(backend):
             o.backward_and_step(loss_of(m, step))
             o.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
+
+
+def _through_torch_save(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
+    "torch.save": _through_torch_save,
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+@pytest.mark.parametrize("how", list(COPIES))
+def test_copy_mid_training_continues_bitwise_as_the_original(backend, fused, how):
+    # As a plain optimizer with a GradScaler does: copied between iterations (model and optimizer
+    # together, so they share the copied parameters), the copy continues exactly as the original.
+    policy = LossScalePolicy(growth_interval=2)
+    model, optimizer = make(fused, backend, max_norm=0.5, policy=policy, init_scale=2.0**8)
+    for step in range(3):
+        optimizer.backward_and_step(loss_of(model, step, poison=step == 1))
+        optimizer.zero_grad()
+    copied_model, copied = COPIES[how]((model, optimizer))
+    assert type(copied) is LossScaleOptimizer and copied.scaler is not optimizer.scaler
+    assert copied.param_groups[0]["params"][0] is next(copied_model.parameters())
+    assert (copied.max_norm, copied.loss_scale) == (0.5, optimizer.loss_scale)
+    scales = []
+    for step in range(3, 8):  # a growth at step 3, an overflow at 4, a growth at 6
+        norms = []
+        for m, o in ((model, optimizer), (copied_model, copied)):
+            norms.append(o.backward_and_step(loss_of(m, step, poison=step == 4)))
+            o.zero_grad()
+        assert same_bits(bits(norms[0]), bits(norms[1])), f"step {step}"
+        assert copied.loss_scale == optimizer.loss_scale, f"step {step}"
+        scales.append(optimizer.loss_scale)
+    assert scales == [2.0**8, 2.0**7, 2.0**7, 2.0**8, 2.0**8]
+    for ours, theirs in zip(model.parameters(), copied_model.parameters()):
+        assert same_bits(bits(ours), bits(theirs))
+    assert same_bits(
+        [bits(t) for s in optimizer.optimizer.state.values() for t in s.values()],
+        [bits(t) for s in copied.optimizer.state.values() for t in s.values()],
+    )
 
 
 # ------------------------------------------------------------- bad input

@@ -297,17 +297,113 @@ def test_deepspeed_raise_error_at_min_scale(seed):
     pytest.fail("the pattern never reached the floor")
 
 
+COMPILED_KNOBS = {
+    "megatron+spike": dict(init_scale=2.0**8, growth_interval=3, min_scale=1.0, hysteresis=2, skip_norm_factor=4.0,
+                           norm_warmup_steps=2),
+    "floor": dict(init_scale=2.0**16, backoff_factor=1e-20, growth_interval=2),  # backs off to 2**-126
+}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_compiled_rule_equals_eager_rule():
+@pytest.mark.parametrize("knobs", list(COMPILED_KNOBS))
+def test_compiled_rule_equals_eager_rule(knobs):
     # On a GPU the rule runs through torch.compile (one fused kernel); here inductor compiles it for
-    # the CPU (~30 s), which checks the same traced graph against the eager ops.
-    kw = dict(init_scale=2.0**8, growth_interval=3, min_scale=1.0, hysteresis=2, skip_norm_factor=4.0,
-              norm_warmup_steps=2, backend="torch")  # fmt: skip
+    # the CPU (~15-30 s), which checks the same traced graph against the eager ops.
+    kw = dict(**COMPILED_KNOBS[knobs], backend="torch")
     eager, compiled = GradScaler("cpu", **kw), GradScaler("cpu", compile_policy=True, **kw)
     loops = [Loop(eager, "torch", clip=True), Loop(compiled, "torch", clip=True)]
-    rng = random.Random(3)
+    rng, scales = random.Random(3), set()
     for overflow in overflow_pattern(3, steps=25, p=0.4):
         value = rng.choice([1.0, 1.0, 2.0, 20.0])
         for loop in loops:
             loop.step(overflow, grad_value=value)
         assert eager.state_dict() == compiled.state_dict()
+        scales.add(eager.get_scale())
+    assert knobs != "floor" or 2.0**-126 in scales
+
+
+# ------------------------------------------------- the scale never backs off to 0 (unlike torch)
+FLOOR = 2.0**-126  # the smallest normal float32: README, "Differences from torch"
+
+
+def f32_times(scale: float, factor: float) -> float:
+    """torch's backoff: the float32 scale times the float64 factor, rounded once to float32."""
+    return torch.tensor(scale * factor, dtype=torch.float64).float().item()
+
+
+def test_backoff_that_torch_rounds_to_zero_stops_at_the_floor(backend):
+    # Hand-worked: 2**16 backs off by 1e-20 twice (still normal numbers), the third backoff rounds
+    # to 0 in float32 -- where torch's scale stays for good -- and ours stops at 2**-126, grows from
+    # there after growth_interval good steps, and backs off to the floor again.
+    scaler = GradScaler("cpu", backoff_factor=1e-20, growth_interval=2, backend=backend)
+    theirs = torch.amp.GradScaler("cpu", backoff_factor=1e-20, growth_interval=2)
+    first = f32_times(2.0**16, 1e-20)
+    pattern = [True, True, True, False, False, True, True]
+    expected = [first, f32_times(first, 1e-20), FLOOR, FLOOR, 2 * FLOOR, FLOOR, FLOOR]
+    assert f32_times(expected[1], 1e-20) == 0.0  # where torch's rule leaves the scale
+    ours_loop, their_loop = Loop(scaler, backend), Loop(theirs, backend)
+    for i, (overflow, scale) in enumerate(zip(pattern, expected)):
+        ours_loop.step(overflow)
+        their_loop.step(overflow)
+        assert scaler.get_scale() == scale, f"step {i}"
+    assert theirs.get_scale() == 0.0  # torch's is stuck at 0
+    assert 1.0 / scaler.get_scale() == 2.0**126 and torch.tensor(1.0 / FLOOR, dtype=torch.float32).isfinite()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "init_scale, backoff",
+    [(2.0**16, 1e-20), (2.0**-124, 0.5), (1.0, 1e-30), (2.0**-120, 1e-3)],
+    ids=["2**16-by-1e-20", "2**-124-by-0.5", "1-by-1e-30", "2**-120-by-1e-3"],
+)
+def test_tiny_backoffs_follow_torch_down_to_the_floor(backend, seed, init_scale, backoff):
+    # Oracle: torch's own GradScaler, step for step (scale and growth tracker bit for bit). Where a
+    # torch backoff lands below 2**-126 (0 included), ours holds 2**-126, and torch is set there too
+    # before the next step (its rule plus the documented floor).
+    kw = dict(init_scale=init_scale, backoff_factor=backoff, growth_interval=2)
+    scaler, theirs = GradScaler("cpu", backend=backend, **kw), torch.amp.GradScaler("cpu", **kw)
+    ours_loop, their_loop = Loop(scaler, backend), Loop(theirs, backend)
+    floored = 0
+    for i, overflow in enumerate(overflow_pattern(seed, steps=40, p=0.5)):
+        ours_loop.step(overflow)
+        their_loop.step(overflow)
+        if overflow and theirs.get_scale() < FLOOR:
+            floored += 1
+            assert scaler.get_scale() == FLOOR, f"step {i}"
+            theirs._scale.fill_(FLOOR)
+        assert scaler.get_scale() == theirs.get_scale(), f"step {i}"
+        assert scaler._get_growth_tracker() == theirs._get_growth_tracker(), f"step {i}"
+    assert floored > 0  # the pattern reached the floor
+
+
+@pytest.mark.parametrize("min_scale", [None, 2.0**-140, 1.0], ids=["none", "2**-140", "1"])
+def test_checkpoint_with_a_zero_scale_loads_at_the_floor(backend, min_scale):
+    # torch writes scale 0 after backing off to it; ours loads it as its own rule would have left it
+    # (2**-126, or min_scale when that is higher), and continues as torch from there.
+    theirs = torch.amp.GradScaler("cpu", backoff_factor=1e-20, growth_interval=2)
+    their_loop = Loop(theirs, backend)
+    for _ in range(3):
+        their_loop.step(True)
+    saved = theirs.state_dict()
+    assert saved["scale"] == 0.0
+    scaler = GradScaler("cpu", min_scale=min_scale, backend=backend)
+    scaler.load_state_dict(saved)
+    floor = FLOOR if min_scale in (None, 2.0**-140) else min_scale
+    assert scaler.get_scale() == floor and scaler.get_backoff_factor() == 1e-20
+    theirs._scale.fill_(floor)
+    ours_loop = Loop(scaler, backend)
+    for overflow in (False, False, False, True, False):
+        ours_loop.step(overflow)
+        their_loop.step(overflow)
+        assert scaler.get_scale() == max(theirs.get_scale(), floor)
+
+
+def test_floor_on_the_device_reads_nothing_back(backend, forbid_host_reads):
+    # The GPU form of the rule: the floor is a tensor op after torch's _amp_update_scale_.
+    scaler = GradScaler("cpu", backoff_factor=1e-20, backend=backend)
+    scaler.scale(torch.ones(()))
+    forbid_host_reads.on = True
+    for _ in range(4):
+        scaler.update(found_inf=torch.ones(()))
+    forbid_host_reads.on = False
+    assert scaler.get_scale() == FLOOR

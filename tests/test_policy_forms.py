@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tritonscale import LossScalePolicy, host_reads
 from tritonscale.backends import clip_coefficient, inverse_scale
-from tritonscale.policy_forms import ON_DEVICE, ON_HOST, as_float32
+from tritonscale.policy_forms import ON_DEVICE, ON_HOST, SCALE_FLOOR, as_float32
 from tritonscale.scaler_state import HostState
 
 # Norms as the rule meets them: ordinary, equal to a threshold, at float32's edges, inf and NaN.
@@ -29,8 +29,10 @@ NORMS = st.one_of(
 )
 # Factors that are not powers of two round differently from float64 if the forms disagree.
 GROWTH = st.sampled_from([2.0, 1.5, 3.0, as_float32(1.1)])
-BACKOFF = st.sampled_from([0.5, 0.25, 0.8, as_float32(0.8), 1 / 3])
-OPTIONAL_SCALE = st.one_of(st.none(), st.sampled_from([1.0, 0.5, 2.0**-20, 3.0, 2.0**24]))
+# 1e-20 and 1e-30 back a scale off to float32's bottom in a few steps: torch's rule reaches 0 there,
+# ours stops at SCALE_FLOOR; min_scale 2**-140 (a subnormal) is below that floor, 2**-100 above it.
+BACKOFF = st.sampled_from([0.5, 0.25, 0.8, as_float32(0.8), 1 / 3, 1e-20, 1e-30])
+OPTIONAL_SCALE = st.one_of(st.none(), st.sampled_from([1.0, 0.5, 2.0**-20, 3.0, 2.0**24, 2.0**-140, 2.0**-100]))
 
 
 @st.composite
@@ -70,7 +72,11 @@ def bits(t: torch.Tensor) -> list:
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(policy=policies(), steps=STEPS, scale=st.sampled_from([1.0, 2.0**16, 3.0, 2.0**-20, 3.0e38]))
+@given(
+    policy=policies(),
+    steps=STEPS,
+    scale=st.sampled_from([1.0, 2.0**16, 3.0, 2.0**-20, 3.0e38, 2.0**-120, SCALE_FLOOR, 2.0**-149, 3 * 2.0**-140]),
+)
 def test_host_form_equals_device_form(policy, steps, scale):
     if policy.min_scale is not None:
         scale = max(scale, policy.min_scale)
@@ -93,6 +99,11 @@ def test_host_form_equals_device_form(policy, steps, scale):
         assert outcome[0] == outcome[1], f"step {step}: skip flag / host checks differ"
         for name in ("scale", "growth_tracker", "counters", "norm_stats"):
             assert bits(getattr(device_state, name)) == bits(getattr(host_state, name)), f"step {step}: {name}"
+        # The scale never reaches 0, and a backoff leaves at least the floor (unless max_scale is lower).
+        assert device_state.scale.item() > 0, f"step {step}: the scale reached 0"
+        if policy.dynamic and overflow and policy.hysteresis == 1:
+            lowest = min(as_float32(policy.backoff_floor()), as_float32(policy.max_scale or math.inf))
+            assert device_state.scale.item() >= lowest, f"step {step}: backed off below the floor"
 
 
 @settings(max_examples=100, deadline=None)

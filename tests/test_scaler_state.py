@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import pytest
 import torch
@@ -86,3 +88,71 @@ def test_fold_handshake_sets_attributes_for_one_step_and_always_removes_them():
     with pytest.raises(RuntimeError, match="optimizer failed"):
         step_with_amp_attributes(optimizer, optimizer, attributes, (), {"fail": True})
     assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+
+
+# ------------------------------------- a growth tracker at or past growth_interval (torch keeps it)
+def _drive(scaler, pattern):
+    """One step per entry (True: an inf gradient), through scale/step/update; each step's
+    (scale, growth tracker)."""
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([param], lr=1e-3)
+    seen = []
+    for overflow in pattern:
+        optimizer.zero_grad()
+        scaler.scale(param.sum()).backward()
+        if overflow:
+            param.grad[1] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        seen.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return seen
+
+
+# The tracker counts past the interval without growing (torch grows only when it *equals* the
+# interval) until an overflow restarts it; then growth every 3 good steps.
+PATTERN = [False] * 4 + [True] + [False] * 7 + [True, False, False, False]
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before-scale", "after-scale"])
+def test_own_state_dict_after_lowering_growth_interval_loads_and_continues_as_torch(backend, started):
+    ours = tritonscale.GradScaler("cpu", init_scale=4.0, growth_interval=10, backend=backend)
+    _drive(ours, [False] * 5)
+    ours.set_growth_interval(3)
+    saved = ours.state_dict()
+    assert saved["_growth_tracker"] == 5 and saved["growth_interval"] == 3
+    loaded = tritonscale.GradScaler("cpu", backend=backend)
+    if started:
+        loaded.scale(torch.ones(()))
+    loaded.load_state_dict(saved)
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(saved)
+    expected = _drive(theirs, PATTERN)
+    assert max(tracker for _, tracker in expected) > 3  # the pattern counts past the interval
+    assert _drive(loaded, PATTERN) == expected
+    assert _drive(ours, PATTERN) == expected  # and so does the scaler that saved it
+
+
+def test_pytorchs_tracker_7_with_growth_interval_1_loads(backend):
+    # PyTorch's test_grad_scaling_state_dict sets _init_growth_tracker = 7 beside growth_interval=1.
+    source = torch.amp.GradScaler("cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
+    source._init_growth_tracker = 7
+    saved = source.state_dict()
+    assert saved["_growth_tracker"] == 7
+    ours = tritonscale.GradScaler("cpu", backend=backend)
+    ours.load_state_dict(saved)
+    assert ours._get_growth_tracker() == 7 and ours.get_growth_interval() == 1
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(saved)
+    assert _drive(ours, PATTERN) == _drive(theirs, PATTERN)
+
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
+def test_a_copied_torch_fused_optimizer_still_takes_amp_scaling(cls):
+    # torch drops _step_supports_amp_scaling when it pickles an optimizer (only defaults, state and
+    # param_groups travel), yet the copy steps fused: it must fold as the original does.
+    fused = cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1, fused=True)
+    plain = cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    for copied in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        assert not hasattr(copied, "_step_supports_amp_scaling") and takes_amp_scaling(copied)
+    assert takes_amp_scaling(fused) and not takes_amp_scaling(copy.deepcopy(plain))

@@ -21,8 +21,22 @@ from .optimizer_record import OptState
 
 
 def takes_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
-    """True for optimizers that divide by ``grad_scale`` and skip on ``found_inf`` themselves."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    """True for optimizers that divide by ``grad_scale`` and skip on ``found_inf`` themselves.
+
+    torch's fused optimizers set ``_step_supports_amp_scaling`` in ``__init__`` only, and
+    torch.optim.Optimizer pickles ``defaults``, ``state`` and ``param_groups``: a deepcopied,
+    unpickled or ``torch.load``ed one has lost the flag but still steps fused (and reads
+    ``grad_scale``/``found_inf``). It is recognised by its ``fused`` default, so that a copy
+    continues exactly as the original (the fold's division is not the in-place unscale's, bit for bit).
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) or is_torch_fused(optimizer)
+
+
+def is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """One of torch's own optimizers made with ``fused=True`` (which take dense gradients only)."""
+    defaults = getattr(optimizer, "defaults", None)
+    fused = isinstance(defaults, dict) and bool(defaults.get("fused"))
+    return fused and type(optimizer).__module__.startswith("torch.optim.")
 
 
 def takes_grad_scaler_argument(optimizer: Any) -> bool:

@@ -23,6 +23,7 @@ from .diagnostics import device_stats
 from .fold import (
     folded_grad_scale,
     grad_scale_for_step,
+    is_torch_fused,
     step_with_amp_attributes,
     takes_amp_scaling,
     takes_grad_scaler_argument,
@@ -261,8 +262,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
                 record.stage = OptState.STEPPED
                 return retval
             if record.stage is OptState.READY:
-                # The optimizer divides by grad_scale itself: only the read-only check pass runs.
-                grads = collect_grads(inner, allow_fp16=True, allow_sparse=False)
+                # The optimizer divides by grad_scale itself: only the read-only check pass runs
+                # (sparse gradients coalesced first, as torch does; torch's fused ones take none).
+                grads = collect_grads(inner, allow_fp16=True, allow_sparse=not is_torch_fused(inner))
                 record.record_rank_flags(
                     check_grads(grads, scale, self._backend_name), self._group(grads), scale.device
                 )

@@ -22,6 +22,10 @@ from .scaler_state import TORCH_INIT_SCALE
 
 #: The key under which state_dict() carries the scaler's state beside the inner optimizer's.
 SCALER_KEY = "loss_scaler"
+#: torch.optim.Optimizer's hook registries, kept on the wrapper itself (not the inner optimizer).
+_HOOK_DICTS = tuple(
+    f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict", "load_state_dict") for when in ("pre", "post")
+)
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -66,15 +70,27 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer  # the real one: GradScaler unwraps wrappers through .optimizer
         self.scaler = scaler
         self._backward_since_step = False
-        # What torch.optim.Optimizer.__init__ sets up besides the parameters (those are the inner
-        # optimizer's): the wrapper's own hooks, and step() patched to run them and be profiled.
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._init_optimizer_parts()
+
+    def _init_optimizer_parts(self) -> None:
+        """What torch.optim.Optimizer.__init__ sets up besides the parameters (those are the inner
+        optimizer's): the wrapper's own hooks, empty, and step() patched to run them and be profiled."""
+        for name in _HOOK_DICTS:
+            setattr(self, name, OrderedDict())
         self._patch_step_function()
+
+    # ---------------------------------------- deepcopy, pickle, torch.save
+    def __getstate__(self) -> dict[str, Any]:
+        """The wrapper whole: the inner optimizer, the scaler (which pickles between iterations, as
+        torch's does) and the settings. torch.optim.Optimizer's would save ``param_groups``,
+        ``state`` and ``defaults`` only, which here are properties of the inner optimizer, and its
+        __setstate__ would then read them before ``optimizer`` exists. Hooks are left out, as
+        torch.optim.Optimizer leaves its own out."""
+        return {name: value for name, value in self.__dict__.items() if name not in _HOOK_DICTS}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_optimizer_parts()
 
     # ----------------------------------------------- the inner optimizer's view
     @property

@@ -11,7 +11,7 @@ Every policy other frameworks ship is a setting of these knobs (README, "Policie
 * ``min_scale`` / ``max_scale`` clamps (Megatron, DeepSpeed, ColossalAI, apex), and what happens
   when an overflow meets a scale already at the floor: ``on_min_scale`` = "clamp", "warn" or
   "raise" (DeepSpeed's ``raise_error_at_min_scale``); ``min_scale=None`` (the default, torch's
-  behaviour) allows any scale, also below 1;
+  behaviour) allows scales below 1, but a backoff never below 2**-126 (torch's can reach 0);
 * ``max_consecutive_skips`` (MindSpore's ``bad_step_max``): raise when more than that many steps in
   a row were skipped;
 * a fixed scale (``dynamic=False``; TensorFlow's and MindSpore's FixedLossScaleManager) that never
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .errors import ScalerConfigError
-from .policy_forms import ON_DEVICE, RuleForm, as_float32
+from .policy_forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
 
 ON_MIN_SCALE = ("clamp", "warn", "raise")
 
@@ -254,6 +254,10 @@ class LossScalePolicy:
             skip = skip | (spike & form.isfinite(value))
         return form.flag(skip, found_inf.device)
 
+    def backoff_floor(self) -> float:
+        """The lowest scale a backoff leaves: ``min_scale``, never below ``SCALE_FLOOR`` (policy_forms.py)."""
+        return SCALE_FLOOR if self.min_scale is None else max(SCALE_FLOOR, self.min_scale)
+
     def needs_host_check(self) -> bool:
         """True when an update must read one device value: "warn"/"raise" at the floor, or a skip limit."""
         floor_check = self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp"
@@ -353,6 +357,8 @@ class LossScalePolicy:
             torch._amp_update_scale_(
                 scale, growth_tracker, back_off, self.growth_factor, self.backoff_factor, self.growth_interval
             )
+            if self.backoff_floor() == SCALE_FLOOR:  # else min_scale is the floor: the clamp keeps it
+                form.raise_to_(scale, SCALE_FLOOR, form.read(back_off) > 0)  # never to 0, unlike torch
             if self.min_scale is not None or self.max_scale is not None:
                 scale.clamp_(min=self.min_scale, max=self.max_scale)
         was_skipped = form.read(skipped) > 0

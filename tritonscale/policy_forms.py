@@ -89,6 +89,11 @@ class OnDevice:
         """Write ``value`` into ``destination[index]`` (which read as ``current``)."""
         destination[index].copy_(value)
 
+    @staticmethod
+    def raise_to_(tensor: torch.Tensor, floor: float, condition: torch.Tensor) -> None:
+        """Where ``condition``, raise the 0-dim ``tensor`` to at least ``floor`` in place."""
+        tensor.clamp_(min=torch.where(condition, floor, 0.0))
+
 
 class OnHost:
     """The rule on Python numbers read from the state (where reads are free)."""
@@ -138,7 +143,21 @@ class OnHost:
         if value != current or math.copysign(1.0, value) != math.copysign(1.0, current):
             destination[index].fill_(value)
 
+    @staticmethod
+    def raise_to_(tensor: torch.Tensor, floor: float, condition: bool) -> None:
+        """Where ``condition``, raise the 0-dim ``tensor`` to at least ``floor`` in place."""
+        if condition and tensor.item() < floor:
+            tensor.fill_(floor)
+
 
 ON_DEVICE = OnDevice()
 ON_HOST = OnHost()
 RuleForm = OnDevice | OnHost
+
+#: The lowest loss scale a backoff leaves (``LossScalePolicy.backoff_floor``): 2**-126, the smallest
+#: normal float32. torch's backoff can round the scale to 0 (``backoff_factor=1e-20``, a tiny
+#: scale), and there it stays: every later gradient is 0, or 0 * inf. The floor must keep 1/scale
+#: usable: 2**126 is finite and exact, and flush-to-zero arithmetic (``torch.set_flush_denormal``,
+#: GPU kernels) keeps 2**-126. A subnormal floor would not: 1/2**-149 overflows float32 (torch's
+#: inverse scale, a float64 reciprocal rounded to float32, is inf from 2**-128 down).
+SCALE_FLOOR = 2.0**-126

@@ -226,7 +226,7 @@ def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScal
     missing = [k for k in STATE_KEYS if k not in state_dict]
     if missing:
         raise ScalerConfigError(f"state_dict is missing {missing}; expected keys {list(STATE_KEYS)}")
-    scale = check_scale_value("scale", _as_number(state_dict["scale"], "scale"))
+    scale = _as_number(state_dict["scale"], "scale")
     knobs = _section(state_dict, "policy")
     unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()))
     if unknown:
@@ -243,13 +243,16 @@ def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScal
         ).validate()
     except ScalerConfigError as error:
         raise ScalerConfigError(f"state_dict: {error}") from None
-    policy.check_scale_in_bounds("state_dict['scale']", scale)
+    if scale == 0:  # torch's backoff can leave 0 (ours stops at the policy's floor): loads as ours would be
+        scale = policy.backoff_floor()
+    policy.check_scale_in_bounds("state_dict['scale']", check_scale_value("scale", scale))
     host = HostState.initial(scale, policy)
-    # Good steps since the last growth: at growth_interval the scale grows and the count restarts.
+    # Good steps since the last growth. Any count that fits the int32 tracker loads, as in torch,
+    # also one at or past growth_interval (our own state_dict after set_growth_interval lowered it):
+    # torch's rule grows when the count *equals* the interval, so such a tracker counts on without
+    # growing, and ours continues the same way (the rule is torch's own op).
     host.growth_tracker = check_counter(
-        "state_dict['_growth_tracker']",
-        _as_int(state_dict["_growth_tracker"], "_growth_tracker"),
-        min(policy.growth_interval, INT32_LIMIT),
+        "state_dict['_growth_tracker']", _as_int(state_dict["_growth_tracker"], "_growth_tracker")
     )
     saved_counters = _section(state_dict, "counters")
     unknown = sorted(set(saved_counters) - set(COUNTER_NAMES))
