@@ -150,7 +150,8 @@ def _with_others(
 ) -> CheckResult:
     """The kernels' result with the torch-op gradients folded in: one norm, one found_inf, one
     factor for both. The total is torch's: the ``norm_type`` norm of the per-tensor norms."""
-    inv_scale = inverse_scale(scale).double()
+    inv_scale32 = inverse_scale(scale)  # once: the per-tensor norms and the factor share it
+    inv_scale = inv_scale32.double()
     norms = [kernel.norm.double().reshape(1)] if kernel.plan else []  # no kernel gradients: nothing
     for same_dtype in _by_dtype([t for t in others if t.numel()]):
         wide = torch.float64 if same_dtype[0].dtype is torch.float64 else torch.float32
@@ -159,5 +160,5 @@ def _with_others(
     found_inf = _other_found_inf(others, kernel.found_inf)
     norm = total.float().reshape(())
     clip_coef = clip_coefficient(norm, max_norm)
-    factor = torch.where(found_inf > 0, torch.ones_like(norm), (inverse_scale(scale) * clip_coef).reshape(()))
+    factor = torch.where(found_inf > 0, torch.ones_like(norm), (inv_scale32 * clip_coef).reshape(()))
     return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=kernel.plan)

@@ -7,6 +7,7 @@ stages (``optimizer_record.py``) and hands each iteration's flags to the policy'
 accessors and private members in ``torch_private_api.py``. The scale, the growth
 tracker and every found_inf stay on the device; only get_scale()/state_dict() (explicitly) and
 step() for an optimizer that cannot take found_inf read a device value on the host.
+Under torch.compile each call runs eagerly, as torch's do (compile_boundary.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from .backends import check_backend_name
+from .compile_boundary import runs_eagerly
 from .diagnostics import device_stats
 from .fold import (
     folded_grad_scale,
@@ -109,6 +111,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         self._disabled_skip: torch.Tensor | None = None  # a disabled scaler's last step() skip flag
 
     # ------------------------------------------------------------------ scale
+    @runs_eagerly
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor, or each tensor of a (nested) list/tuple/iterable, by the scale.
 
@@ -139,6 +142,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             raise RuntimeError(f"{funcname}() is being called after step().")
         return record
 
+    @runs_eagerly
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN on the device.
 
@@ -161,6 +165,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         record.record_rank_flags(unscale_grads_(grads, scale, self._backend_name), self._group(grads), scale.device)
         record.stage = OptState.UNSCALED
 
+    @runs_eagerly
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0, *, process_group: Any = None
     ) -> torch.Tensor:
@@ -232,6 +237,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         return result.norm
 
     # ------------------------------------------------------------------ step
+    @runs_eagerly
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless already done this iteration) and step, skipping the step on inf/NaN.
 
@@ -314,6 +320,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         return record.skip
 
     # ---------------------------------------------------------------- update
+    @runs_eagerly
     def update(
         self, new_scale: float | torch.Tensor | None = None, *, found_inf: bool | torch.Tensor | None = None
     ) -> None:
@@ -346,6 +353,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         self._per_optimizer_states = defaultdict(OptimizerRecord)
 
     # ------------------------------------------------------------ diagnostics
+    @runs_eagerly
     def stats(self) -> dict[str, torch.Tensor]:
         """This scaler's per-step statistics as 0-dim device tensors -- no host sync.
 
@@ -361,6 +369,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         scale, tracker = self._check_scale_growth_tracker("stats")
         return device_stats(scale, tracker, self._counters, self._last_found_inf, self._last_norm)
 
+    @runs_eagerly
     def last_step_skipped(self) -> bool:
         """Whether the last completed iteration skipped its step (a host read).
 
@@ -374,6 +383,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         return bool(self._counters[LAST_SKIPPED].item())
 
     # -------------------------------------------------------- knobs and state
+    @runs_eagerly
     def get_scale(self) -> float:
         """The current scale as a Python float (a host sync), or 1.0 when disabled."""
         if not self._enabled:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .compile_boundary import runs_eagerly
 from .grad_scaler import GradScaler
 from .kernels.supported import check_max_norm, check_norm_type
 from .policy import LossScalePolicy
@@ -132,6 +133,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.scaler.scale(loss).backward(**backward_kwargs)
         self._backward_since_step = True
 
+    @runs_eagerly
     def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor | None:
         """Unscale + inf/NaN check (+ clip), the inner step unless it overflowed, the scale update.
 

@@ -53,6 +53,7 @@ COUNTER_NAMES = ("hysteresis_left", "consecutive_skips", "skipped_steps", "last_
 # hysteresis_left kept.
 _KEEP_STEPPED, _KEEP_SKIPPED = (1, 0, 1, 0, 1), (1, 1, 1, 0, 1)
 _ADD_STEPPED, _ADD_SKIPPED = (0, 0, 0, 0, 1), (0, 1, 1, 1, 1)
+# Constants per device, never written: a pure function of the key.
 _count_vector_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
 

@@ -30,6 +30,9 @@ class PolicyRunner:
 
     def __init__(self, compile_policy: bool | None) -> None:
         self.compile_policy = compile_policy
+        # A pure function of its key: each rule is bound to its policy, which it keeps alive, so the
+        # id in the key names that policy as long as the entry exists. A knob set later still counts:
+        # the eager rule reads it at each call, a compiled one recompiles on Dynamo's guards.
         self._rules: dict[tuple[str, int, RuleForm, bool], Callable[..., Any]] = {}
 
     def _compiles(self, device: torch.device) -> bool:

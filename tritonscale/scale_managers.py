@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from .compile_boundary import runs_eagerly
 from .errors import ScalerConfigError
 from .grad_scaler import GradScaler
 from .policy import CONSECUTIVE_SKIPS, INT32_LIMIT, LossScalePolicy, as_float32
@@ -186,6 +187,7 @@ class _BadStepLimitGradScaler(GradScaler):
         self._bad_step_max = bad_step_max
         self._skips_bound = self._host.counters[CONSECUTIVE_SKIPS]
 
+    @runs_eagerly
     def update(
         self, new_scale: float | torch.Tensor | None = None, *, found_inf: bool | torch.Tensor | None = None
     ) -> None:
@@ -201,6 +203,7 @@ class _BadStepLimitGradScaler(GradScaler):
                 f"(MindSpore's limit); the loss scale is now {self.get_scale():g}"
             )
 
+    @runs_eagerly
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._skips_bound = self._host.counters[CONSECUTIVE_SKIPS]  # the loaded count, exact

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .compile_boundary import runs_eagerly
 from .errors import ScalerConfigError
 from .policy import (
     CONSECUTIVE_SKIPS,
@@ -110,6 +111,7 @@ class ScalerStateIO:
         """The current values as Python numbers (a host sync once they live on the device)."""
         return self._tensors.to_host() if self._tensors is not None else self._host
 
+    @runs_eagerly
     def state_dict(self) -> dict[str, Any]:
         """torch.amp.GradScaler's five entries, plus this scaler's policy knobs and counters.
 
@@ -120,6 +122,7 @@ class ScalerStateIO:
             return {}
         return to_state_dict(self._policy, self._host_state())
 
+    @runs_eagerly
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict from this class or from torch.amp.GradScaler; validated before any change.
 

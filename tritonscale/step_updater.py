@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import torch
 
+from .compile_boundary import runs_eagerly
 from .fold import takes_amp_scaling, takes_grad_scaler_argument
 from .grad_scaler import GradScaler
 from .kernels.supported import check_max_norm, check_norm_type
@@ -419,6 +420,7 @@ class Updater:
             self.scaler._last_found_inf, self.scaler._last_norm = last_found_inf, last_norm
 
     # ------------------------------------------------------------------ step
+    @runs_eagerly
     def update(self, iteration: int | None = None) -> UpdateResult:
         """Run one training step; return what it did.
 

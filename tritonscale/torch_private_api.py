@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .compile_boundary import runs_eagerly
 from .grad_groups import collect_grads
 from .grad_passes import check_grads, torch_unscale_
 from .optimizer_wrappers import unwrap_optimizer
@@ -56,6 +57,7 @@ class TorchPrivateAPI:
     _init_scale = _initial("scale")
     _init_growth_tracker = _initial("growth_tracker")
 
+    @runs_eagerly
     def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
         self._tensors = self._host.to_device(device)
 
@@ -67,6 +69,7 @@ class TorchPrivateAPI:
             raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
         return self._scale, self._growth_tracker
 
+    @runs_eagerly
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
             return 0
@@ -76,18 +79,21 @@ class TorchPrivateAPI:
     def get_growth_factor(self) -> float:
         return self._policy.growth_factor
 
+    @runs_eagerly
     def set_growth_factor(self, new_factor: float) -> None:
         self._policy.growth_factor = check_growth_factor(new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._policy.backoff_factor
 
+    @runs_eagerly
     def set_backoff_factor(self, new_factor: float) -> None:
         self._policy.backoff_factor = check_backoff_factor(new_factor)
 
     def get_growth_interval(self) -> int:
         return self._policy.growth_interval
 
+    @runs_eagerly
     def set_growth_interval(self, new_interval: int) -> None:
         self._policy.growth_interval = check_growth_interval(new_interval)
 
@@ -100,6 +106,7 @@ class TorchPrivateAPI:
         """The scale tensor itself, no host read (None before the first scale())."""
         return self._scale
 
+    @runs_eagerly
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Check the optimizer's (still scaled) gradients for inf/NaN without writing them; record
         and return the flag per device, as torch's does with its dummy unit-scale unscale."""
@@ -114,6 +121,7 @@ class TorchPrivateAPI:
         return self._per_optimizer_states[id(unwrap_optimizer(optimizer))].found_inf_per_device
 
     # ------------------------------------------------- pieces of unscale_ and step, as torch's
+    @runs_eagerly
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
@@ -127,6 +135,7 @@ class TorchPrivateAPI:
             torch_unscale_(tensors, result[device], per_device_inv_scale.get(device))
         return result
 
+    @runs_eagerly
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` unless a recorded found_inf is set (one host read, as torch)."""
         if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):

@@ -11,32 +11,18 @@ import torch
 from .. import host_reads
 from ..policy_forms import ON_DEVICE, RuleForm, as_float32
 
-_last_inverse: list = [None, -1, None]  # [scale tensor, its version, 1 / scale]
-
 
 def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     """1 / scale with torch.amp.GradScaler's rounding: the reciprocal in float64, then float32
     (the kernels' finalize computes it the same way).
 
-    Several passes of a step ask for it while the scale stays put: the last result is kept until
-    the scale tensor changes (its in-place version counter moves), which saves three small ops per
-    call (~8 us on the development CPU). The result is shared: never modify it in place."""
-    try:
-        version = scale._version
-    except RuntimeError:  # an inference tensor keeps no version counter: nothing to key on
-        return _inverse(scale)
-    held, held_version, inverse = _last_inverse
-    if held is scale and held_version == version:
-        return inverse
-    inverse = _inverse(scale)
-    _last_inverse[:] = [scale, version, inverse]
-    return inverse
-
-
-def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    Computed anew from the scale as it is now, on every call, as torch does: nothing is kept
+    between calls. A cache keyed by the scale's version counter went stale where the counter does
+    not move -- a write through ``scale.data``, or the scale read as a constant of a compiled
+    graph -- and gave norms off by the scale's growth."""
     if host_reads.are_free(scale.device) and scale.numel() == 1:
         # The same float64 division and rounding on the host: one read and one new tensor instead
-        # of three ops (~1.5 vs ~4 us on the development CPU).
+        # of three ops.
         value = scale.item()
         inverse = as_float32(1.0 / value) if value else math.inf
         return torch.full(scale.shape, inverse, dtype=torch.float32, device=scale.device)
