@@ -22,7 +22,7 @@ from multiprocess import CollectiveCounter, run_ranks
 from scaler_twins import bits, same_bits
 
 import tritonscale
-from tritonscale.rank_checks import RankMismatchError
+from tritonscale import RankMismatchError
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 
@@ -163,7 +163,7 @@ def test_different_scales_raise_on_every_rank_and_apply_nothing(scaler_run, flow
     for rank, out in enumerate(scaler_run):
         message = out["scale", flow]
         assert message is not None, f"rank {rank} went on with scales {SCALE} and {2 * SCALE}"
-        assert f"scale differs between the ranks (rank 0: {SCALE!r}, rank 1: {2 * SCALE!r})" in message
+        assert f"the loss scale differs between the ranks (rank 0: {SCALE!r}, rank 1: {2 * SCALE!r})" in message
         assert "state_dict on every rank" in message
         assert out["scale", flow, "untouched"], f"rank {rank}: the rejected step changed something"
 
@@ -175,8 +175,8 @@ def test_an_extra_clip_on_one_rank_raises_at_the_first_mismatched_call_on_every_
     assert scaler_run[1]["sequence"][:2] == (1, 0)
     for out in scaler_run:
         message = out["sequence"][2]
-        assert "iteration differs between the ranks (rank 0: 1, rank 1: 2)" in message
-        assert "call differs between the ranks (rank 0: 1, rank 1: 0)" in message
+        assert "the scaler's iteration differs between the ranks (rank 0: 1, rank 1: 2)" in message
+        assert "the combine's index in the iteration differs between the ranks (rank 0: 1, rank 1: 0)" in message
 
 
 def test_the_same_calls_on_every_rank_raise_nothing(scaler_run):
@@ -194,13 +194,13 @@ def test_on_the_gpu_paths_a_mismatch_skips_reads_nothing_and_raises_at_the_next_
     for rank, out in enumerate(scaler_run):
         assert out["gpu", flow, "collectives"] == 1, "the check must ride in the step's one collective"
         assert out["gpu", flow, "untouched"], f"rank {rank}: parameters, optimizer or scaler state changed"
-        assert out["gpu", flow] is not None and "scale differs between the ranks" in out["gpu", flow]
+        assert out["gpu", flow] is not None and "the loss scale differs between the ranks" in out["gpu", flow]
         assert out["gpu", flow, "cleared"] == (SCALE if rank == 0 else 2 * SCALE)
 
 
 def test_on_the_gpu_paths_a_plain_optimizers_step_raises_where_it_reads_the_skip_flag(scaler_run):
     for out in scaler_run:
-        assert out["gpu", "sgd step"] is not None and "scale differs" in out["gpu", "sgd step"]
+        assert out["gpu", "sgd step"] is not None and "the loss scale differs" in out["gpu", "sgd step"]
         assert out["gpu", "sgd step", "untouched"]
 
 
@@ -303,6 +303,9 @@ class _TwoLayers(torch.nn.Module):
         self.a, self.b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
 
 
+ODD_SCALES = (1234.5678, 1234.57)  # two float32 values with full mantissas
+
+
 def updater_mismatch_worker(rank: int, world: int) -> dict:
     from tritonscale import GradScaler, Updater, UpdaterError
 
@@ -310,16 +313,30 @@ def updater_mismatch_worker(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randn(2, 3, generator=g) for _ in range(4)]
 
-    def make(scale: float, uses_b: bool, fused: bool = False):
-        model = _TwoLayers()
+    def make(scale: float, uses_b: bool, fused: bool = False, dtype: torch.dtype = torch.float32):
+        model = _TwoLayers().to(dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
-        loss = lambda x: model.a(x).square().mean() + (model.b(x).square().mean() if uses_b else 0.0)  # noqa: E731
+
+        def loss(x):
+            x = x.to(dtype)
+            return (model.a(x).square().mean() + (model.b(x).square().mean() if uses_b else 0.0)).float()
+
         scaler = GradScaler("cpu", init_scale=scale, backend="torch")
         updater = Updater(loss, optimizer, iter(batches), scaler=scaler, max_norm=1.0, process_group=dist.group.WORLD)
         return model, optimizer, scaler, updater
 
-    for case, scale, uses_b in (("scale", SCALE * (1 + rank), True), ("unused", SCALE, rank == 0)):
-        model, optimizer, scaler, updater = make(scale, uses_b)
+    counter = CollectiveCounter()
+    model, optimizer, scaler, updater = make(SCALE, True)
+    counter.take()
+    updater.update()  # the ranks agree: one all-reduce, the check inside it
+    out["agreeing collectives"] = counter.take()
+    cases = (
+        ("scale", SCALE * (1 + rank), True, torch.float32),
+        ("unused", SCALE, rank == 0, torch.float32),
+        ("bfloat16 scale", ODD_SCALES[rank], True, torch.bfloat16),  # the header's bytes, exact in bf16
+    )
+    for case, scale, uses_b, dtype in cases:
+        model, optimizer, scaler, updater = make(scale, uses_b, dtype=dtype)
         params = list(model.parameters())
         state = _state(params, optimizer, scaler)
         before = (state[0], state[2], state[3])  # not the gradients: every update() zeroes them first
@@ -356,8 +373,17 @@ def test_updater_with_different_scales_raises_on_every_rank_and_applies_nothing(
         assert out["scale"] is not None, f"rank {rank} summed gradients of scales {SCALE} and {2 * SCALE}"
         phase, cause, message = out["scale"]
         assert (phase, cause) == ("comm", "RankMismatchError")
-        assert f"scale differs between the ranks (rank 0: {SCALE!r}, rank 1: {2 * SCALE!r})" in message
+        assert f"the loss scale differs between the ranks (rank 0: {SCALE!r}, rank 1: {2 * SCALE!r})" in message
         assert out["scale", "untouched"]
+
+
+def test_updater_checks_in_its_one_all_reduce_and_carries_any_float32_scale_exactly(updater_run):
+    exact = [float(torch.tensor(s, dtype=torch.float32)) for s in ODD_SCALES]
+    for out in updater_run:
+        assert out["agreeing collectives"] == 1
+        phase, cause, message = out["bfloat16 scale"]
+        assert (phase, cause) == ("comm", "RankMismatchError")
+        assert f"the loss scale differs between the ranks (rank 0: {exact[0]!r}, rank 1: {exact[1]!r})" in message
 
 
 def test_updater_with_a_parameter_unused_on_one_rank_raises_on_every_rank(updater_run):
@@ -365,7 +391,7 @@ def test_updater_with_a_parameter_unused_on_one_rank_raises_on_every_rank(update
     for out in updater_run:
         phase, cause, message = out["unused"]
         assert (phase, cause) == ("comm", "RankMismatchError")
-        assert "gradients differs between the ranks (rank 0: 4, rank 1: 2)" in message
+        assert "the number of gradients differs between the ranks (rank 0: 4, rank 1: 2)" in message
         assert "find_unused_parameters=True" in message
         assert out["unused", "untouched"]
 
@@ -373,4 +399,4 @@ def test_updater_with_a_parameter_unused_on_one_rank_raises_on_every_rank(update
 def test_updater_on_the_gpu_paths_skips_reads_nothing_and_raises_at_the_next_read(updater_run):
     for out in updater_run:
         assert out["gpu", "skipped"] and out["gpu", "untouched"]
-        assert out["gpu"] is not None and "scale differs between the ranks" in out["gpu"]
+        assert out["gpu"] is not None and "the loss scale differs between the ranks" in out["gpu"]

@@ -31,7 +31,7 @@ from .fold import (
 from .grad_groups import Grads, collect_grads
 from .grad_passes import check_grads, clip_grads, unscale_grads_
 from .kernels.supported import check_max_norm, check_norm_type, kernels_compute
-from .optimizer_record import OptimizerRecord, OptState, combine_flags
+from .optimizer_record import OptimizerRecord, OptState
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import LAST_SKIPPED, LossScalePolicy
 from .policy_update import PolicyRunner
@@ -223,7 +223,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             backend=self._backend_name,
             group=group,
             prior_found_inf=record.pending_rank_flag(),
-            ranks=self._ranks,
+            ranks=self._ranks,  # with the scale: what the ranks must agree on (rank_checks.py)
             loss_scale=scale,
         )
         record.flags_combined()  # only now: a clip that raised leaves the pending flag as it was
@@ -232,8 +232,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         # No gradients, no inf check (torch's step() then raises, as after unscale_); but an empty
         # partition of a process group has the group's found_inf, and steps with the others.
         if grads.devices or grads.replicas or group is not None:
-            found = record.found_inf_per_device
-            found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
+            record.add_flag(device, result.found_inf)
         record.norm = result.norm
         record.stage = OptState.UNSCALED
         return result.norm
@@ -286,10 +285,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if record.stage is OptState.READY:
             self.unscale_(inner)
         retval = None
-        if not self._skip_flag(record, scale.device).item():  # the one host read
+        if not self._ranks.read_skip(self._skip_flag(record, scale.device)):  # the one host read
             retval = optimizer.step(*args, **kwargs)
-        else:  # a skip may be a mismatch between ranks a GPU path flagged: raised here
-            self._ranks.raise_if_flagged()
         record.stage = OptState.STEPPED
         return retval
 
@@ -303,21 +300,14 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return optimizer.step(*args, **kwargs)
         if takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer):  # skip on the device
             return step_with_amp_attributes(optimizer, inner, {"found_inf": record.skip}, args, kwargs)
-        if record.skip.item():  # the one host read, as in the enabled path
-            self._ranks.raise_if_flagged()
+        if self._ranks.read_skip(record.skip):  # the one host read, as in the enabled path
             return None
         return optimizer.step(*args, **kwargs)
 
     def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
-
-        ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0.
-        """
-        found_inf = combine_flags([t.to(device, non_blocking=True) for t in record.found_inf_per_device.values()])
-        if found_inf is None:
-            if required:
-                raise AssertionError("No inf checks were recorded for this optimizer.")
-            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0."""
+        found_inf = record.found_inf_on(device, required)
         norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
         record.skip = self._ranks.skip(skip_decision(found_inf, norm, self._norm_stats))  # 0-dim flags
@@ -394,11 +384,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         self._ranks.raise_if_flagged()
         return self._init_scale if self._scale is None else float(self._scale.item())
 
-    def state_dict(self) -> dict[str, Any]:
-        self._ranks.raise_if_flagged()  # a mismatch between ranks a GPU path flagged (rank_checks.py)
-        return super().state_dict()
-
-    state_dict.__doc__ = ScalerStateIO.state_dict.__doc__
+    def _host_state(self) -> HostState:  # state_dict() reads the host: a flagged rank mismatch raises there
+        self._ranks.raise_if_flagged()
+        return super()._host_state()
 
     def is_enabled(self) -> bool:
         return self._enabled

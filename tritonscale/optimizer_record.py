@@ -99,6 +99,21 @@ class OptimizerRecord:
         flags = list(self._flags.values())
         return combine_flags([t.to(flags[0].device, non_blocking=True) for t in flags]) if flags else None
 
+    def add_flag(self, device: torch.device, found_inf: torch.Tensor) -> None:
+        """Raise the flag of ``device`` with ``found_inf`` (a pass's, already the group's)."""
+        found = self.found_inf_per_device
+        found[device] = torch.maximum(found[device], found_inf) if device in found else found_inf
+
+    def found_inf_on(self, device: torch.device, required: bool = True) -> torch.Tensor:
+        """The recorded flags as one 0-dim flag on ``device``. None recorded (no gradients): torch's
+        error if ``required``, else 0."""
+        found_inf = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
+        if found_inf is None:
+            if required:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        return found_inf
+
     def flags_combined(self) -> None:
         """The caller's collective carried the pending flag: the flags need no combining any more."""
         self._flags_group = None

@@ -24,8 +24,9 @@ before anything is written, naming the ranks and their values. On a GPU the step
 the host, and a collective across ranks must not make it start (it would stall every step to
 catch a misuse). There the mismatch becomes a device flag that (1) counts as an overflow in the
 combine, so the clip writes nothing and a fused optimizer skips, (2) forces the step's skip flag,
-and (3) makes ``update()`` keep the scale and its trackers as they were; a mismatched step
-changes nothing. The error is raised at the next call that reads the host anyway:
+and (3) makes ``update()`` keep the scale and its trackers as they were (it saves and restores
+them on the device: a few small ops per ``update()`` once a process group is in use); a
+mismatched step changes nothing. The error is raised at the next call that reads the host anyway:
 ``get_scale()``, ``state_dict()``, ``last_step_skipped()``, or the ``step()`` of an optimizer
 that does not take ``found_inf`` (which reads the skip flag). Until then every step is skipped.
 """
@@ -40,27 +41,34 @@ from typing import Any
 import torch
 
 from . import host_reads
+from .errors import RankMismatchError
 
-#: What each checked column means, and what to do when the ranks disagree on it.
+_UNUSED = (
+    "the ranks hold gradients for different parameters (a parameter unused in some rank's loss), and "
+    "the all-reduce sums the same gradients on every rank: make each parameter take part in every "
+    "rank's loss (times 0 will do), or use DistributedDataParallel(find_unused_parameters=True)"
+)
+#: Each checked column: what it is, and what to do when the ranks disagree on it.
 CHECKED = {
-    "scale": "every rank must divide by the same loss scale (a scaler state_dict loaded on some ranks "
-    "only, or per-rank checkpoints): load the same scaler state_dict on every rank",
-    "iteration": "the ranks are at different iterations of this scaler: every rank must call update() "
-    "(and, when disabled, step()) the same number of times",
-    "call": "the ranks called unscale_/clip_grad_norm_/step on this process group a different number "
-    "of times in an iteration: every rank must make the same scaler calls",
-    "gradients": "the ranks hold gradients for different parameters (a parameter unused in some rank's "
-    "loss), and the all-reduce sums the same gradients on every rank: make each parameter take part "
-    "in every rank's loss (times 0 will do), or use DistributedDataParallel(find_unused_parameters=True)",
+    "scale": (
+        "the loss scale",
+        "every rank must divide by the same scale (a scaler state_dict loaded on some ranks only, or "
+        "per-rank checkpoints): load the same scaler state_dict on every rank",
+    ),
+    "iteration": (
+        "the scaler's iteration",
+        "every rank must call update() (and, when disabled, step()) the same number of times",
+    ),
+    "call": (
+        "the combine's index in the iteration",
+        "the ranks called unscale_/clip_grad_norm_/step on this process group a different number of "
+        "times in an iteration: every rank must make the same scaler calls",
+    ),
+    "gradients": ("the number of gradients", _UNUSED),
+    "layout": ("which parameters have a gradient (a hash)", _UNUSED),
 }
-CHECKED["layout"] = CHECKED["gradients"]  # which parameters have one (a hash), when the counts agree
 #: The columns a scaler's all-gather row carries after [norm, found_inf].
 STAMP = ("scale", "iteration", "call")
-
-
-class RankMismatchError(RuntimeError):
-    """The ranks of a process group disagree on a value that must be the same on all of them;
-    raised on every rank. Nothing of the step that found it was applied."""
 
 
 class RankChecks:
@@ -83,8 +91,7 @@ class RankChecks:
         scale is exact in it), counting the combine."""
         call = self._calls.get(group, 0)
         self._calls[group] = call + 1
-        sequence = torch.tensor([self.iteration, call], dtype=torch.float64, device=scale.device)
-        return torch.cat([scale.detach().reshape(1).double(), sequence])
+        return torch.cat([scale.detach().reshape(1).double(), on_device([self.iteration, call], scale.device)])
 
     def judge(self, checked: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor | None:
         """``checked``: [world, len(names)], every rank's values in rank order (the same on every
@@ -115,6 +122,14 @@ class RankChecks:
         if pending.item():
             raise RankMismatchError(describe(checked.tolist(), names))
 
+    def read_skip(self, skip: torch.Tensor) -> bool:
+        """Read a step's skip flag on the host (a step that reads it anyway); a skip that was a
+        pending mismatch raises it."""
+        if not skip.item():
+            return False
+        self.raise_if_flagged()
+        return True
+
     def skip(self, skip: torch.Tensor) -> torch.Tensor:
         """A step's skip flag, forced on while a mismatch is pending."""
         if self.pending is None:
@@ -142,6 +157,12 @@ class RankChecks:
         return {"iteration": self.iteration, "_calls": {}, "pending": None, "_seen": None}
 
 
+def on_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Host numbers as a tensor on ``device``, copied without waiting for the device's queue (a
+    ``torch.tensor(..., device=cuda)`` copy waits for the stream)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def describe(values: list[list[float]], names: tuple[str, ...]) -> str:
     """The error message: each column the ranks disagree on, every rank's value, what to do."""
     lines = []
@@ -149,7 +170,8 @@ def describe(values: list[list[float]], names: tuple[str, ...]) -> str:
         seen = [row[column] for row in values]
         if any(v != seen[0] for v in seen):
             shown = ", ".join(f"rank {r}: {_shown(name, v)}" for r, v in enumerate(seen))
-            lines.append(f"{name} differs between the ranks ({shown}); {CHECKED[name]}")
+            label, advice = CHECKED[name]
+            lines.append(f"{label} differs between the ranks ({shown}); {advice}")
     return (
         f"tritonscale: the {len(values)} ranks of the process group disagree, so the combined step "
         "would be wrong on some of them; nothing of this step was applied. " + ". ".join(lines)

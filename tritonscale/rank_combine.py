@@ -2,14 +2,14 @@
 
 Where each rank holds a part of the gradients (FSDP2 shards, ZeRO partitions, pipeline stages),
 the norm and the overflow flag of the step are those of all ranks' gradients together. Each rank
-contributes one row, ``[its norm, its found_inf]`` in float64 (then the values every rank must
-agree on: ``rank_checks.py``), and a single all-gather
-(``all_gather_single``) gives every rank every row. Every rank then combines the rows itself,
-in rank order, with the same ops: the results are bitwise the same on every rank whatever order
-the transport reduced in (an ``all_reduce`` promises no such thing), and the norm is torch's
-combination of per-part norms (``vector_norm`` of the norms), in float64 so no number of ranks can
-overflow it. One collective per step, found_inf and norm together (Megatron issues two); it is
-enqueued like any other op, so on a GPU nothing waits on the host.
+contributes one row, ``[its norm, its found_inf]`` in float64 followed by what every rank must
+agree on (``rank_checks.py``), and a single all-gather (``all_gather_single``) gives every rank
+every row. Every rank then combines the rows itself, in rank order, with the same ops: the results
+are bitwise the same on every rank whatever order the transport reduced in (an ``all_reduce``
+promises no such thing), and the norm is torch's combination of per-part norms (``vector_norm`` of
+the norms), in float64 so no number of ranks can overflow it. One collective per step, found_inf
+and norm together (Megatron issues two); it is enqueued like any other op, so on a GPU nothing
+waits on the host.
 
 Replicated gradients (DDP after its all-reduce, a DTensor replicated over its mesh) need no
 collective: every rank already holds the whole. No process group, no collective.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .backends import CheckResult, clip_coefficient, inverse_scale
-from .rank_checks import STAMP, RankChecks
+from .rank_checks import STAMP, RankChecks, on_device
 
 #: A torch.distributed ProcessGroup, or None for "this rank's gradients are the whole".
 Group = Any
@@ -171,10 +171,10 @@ def _header(group: Group, loss_scale: Any, counts: list[int], dtype: torch.dtype
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     scale = loss_scale if loss_scale is not None else torch.ones((), device=device)
-    shifts = torch.tensor(_SHIFTS, device=device)
+    shifts = on_device(list(_SHIFTS), device, torch.int64)
     bits = scale.detach().reshape(1).to(device, torch.float32).view(torch.int32).long() & 0xFFFFFFFF
     host = [(value >> shift) & 255 for value in counts for shift in _SHIFTS]
-    mine = torch.cat([(bits >> shifts) & 255, torch.tensor(host, device=device)])
+    mine = torch.cat([(bits >> shifts) & 255, on_device(host, device, torch.int64)])
     header = torch.zeros(world, 12, dtype=dtype, device=device)
     header[rank] = mine.to(dtype)
     return header.reshape(-1)
@@ -182,7 +182,7 @@ def _header(group: Group, loss_scale: Any, counts: list[int], dtype: torch.dtype
 
 def _read_header(header: torch.Tensor) -> torch.Tensor:
     """[world, 3, 4] bytes -> [world, 3] float64: the scale (exact), the count, the hash."""
-    shifts = torch.tensor(_SHIFTS, device=header.device)
+    shifts = on_device(list(_SHIFTS), header.device, torch.int64)
     values = (header.double().round().long() << shifts).sum(-1)  # [world, 3], each in [0, 2**32)
     bits = torch.where(values[:, 0] >= 2**31, values[:, 0] - 2**32, values[:, 0]).to(torch.int32)
     return torch.stack([bits.view(torch.float32).double(), values[:, 1].double(), values[:, 2].double()], dim=1)

@@ -339,9 +339,6 @@ class Updater:
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self._inner.param_groups for p in group["params"]]
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params() if p.grad is not None]
-
     def _fire(self, name: str, iteration: int, micro_batch: int | None = None) -> None:
         for callback in self.callbacks[name]:
             try:
