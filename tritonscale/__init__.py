@@ -11,7 +11,7 @@ The Triton kernels are ``tritonscale.kernels``; in the source tree that package 
 """
 
 from .diagnostics import ScaleHistory, nonfinite_grads
-from .errors import ScalerConfigError
+from .errors import RankMismatchError, ScalerConfigError
 from .flat_grads import flatten_grads_
 from .grad_scaler import GradScaler, OptState
 from .grad_sharding import mark_replicated
@@ -29,6 +29,7 @@ __all__ = [
     "LossScaleOptimizer",
     "LossScalePolicy",
     "OptState",
+    "RankMismatchError",
     "ScaleHistory",
     "ScalerConfigError",
     "UpdateResult",

@@ -82,6 +82,8 @@ def clip_grads(
     backend: str,
     group: Any = None,
     prior_found_inf: torch.Tensor | None = None,
+    ranks: Any = None,
+    loss_scale: torch.Tensor | None = None,
 ) -> tuple[torch.device, CheckResult]:
     """Check pass -> finalize -> combine across ``group`` (-> apply pass, with ``apply``) on the one
     device holding this rank's gradients.
@@ -91,7 +93,8 @@ def clip_grads(
     they are unscaled, not clipped -- what ``unscale_`` leaves -- and ``clip_coef`` reads 1, so a
     fold hands the optimizer the plain scale. ``group``: the process group whose ranks hold the
     other parts of the gradients (rank_combine: one collective, carrying ``prior_found_inf`` too,
-    an earlier pass's rank-local flag). Returns the device and its results.
+    an earlier pass's rank-local flag, and the values the ranks must agree on: ``ranks``, the
+    scaler's RankChecks, and ``loss_scale``, None when disabled). Returns the device and its results.
     """
     replicas = grads.replicas
     devices = list(dict.fromkeys([*grads.devices, *(replicas.devices if replicas else [])]))
@@ -113,7 +116,7 @@ def clip_grads(
         result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
     if prior_found_inf is not None:
         result.found_inf = torch.maximum(result.found_inf, prior_found_inf.to(device, non_blocking=True))
-    result = combine_check(result, scale, norm_type, max_norm, group)
+    result = combine_check(result, scale, norm_type, max_norm, group, ranks, loss_scale)
     if unscale_on_overflow:
         overflow = result.found_inf > 0
         result.clip_coef = torch.where(overflow, torch.ones_like(result.clip_coef), result.clip_coef)

@@ -34,10 +34,11 @@ from .fold import (
 from .grad_groups import Grads, collect_grads
 from .grad_passes import check_grads, clip_grads, unscale_grads_
 from .kernels.supported import check_max_norm, check_norm_type, kernels_compute
-from .optimizer_record import OptimizerRecord, OptState, combine_flags
+from .optimizer_record import OptimizerRecord, OptState
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import LAST_SKIPPED, LossScalePolicy
 from .policy_update import PolicyRunner
+from .rank_checks import RankChecks
 from .rank_combine import check_process_group
 from .scale_outputs import scale_outputs
 from .scaler_state import (
@@ -109,6 +110,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         self._last_found_inf: torch.Tensor | None = None
         self._last_norm: torch.Tensor | None = None
         self._disabled_skip: torch.Tensor | None = None  # a disabled scaler's last step() skip flag
+        self._ranks = RankChecks()  # the call sequence and mismatches across ranks (rank_checks.py)
 
     # ------------------------------------------------------------------ scale
     @runs_eagerly
@@ -162,7 +164,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if record.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         grads = collect_grads(optimizer, allow_fp16=False)
-        record.record_rank_flags(unscale_grads_(grads, scale, self._backend_name), self._group(grads), scale.device)
+        flags = unscale_grads_(grads, scale, self._backend_name)
+        record.record_rank_flags(flags, self._group(grads), scale, self._ranks)
         record.stage = OptState.UNSCALED
 
     @runs_eagerly
@@ -194,9 +197,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True)
             group = self._group(grads, process_group)
             _, result = clip_grads(
-                grads, None, norm_type, max_norm, apply=True, backend=self._backend_name, group=group
+                grads, None, norm_type, max_norm, apply=True, backend=self._backend_name, group=group, ranks=self._ranks
             )
-            self._per_optimizer_states[id(optimizer)].skip = result.found_inf
+            self._per_optimizer_states[id(optimizer)].skip = self._ranks.skip(result.found_inf)
             return result.norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         record = self._record_for_unscale(optimizer, "clip_grad_norm_")
@@ -215,6 +218,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             pending = scale
         else:
             pending = record.grad_scale if record.grad_scale is not None else torch.ones_like(scale)
+        group = self._group(grads, process_group)
         device, result = clip_grads(
             grads,
             pending,
@@ -223,15 +227,18 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             apply=not fold,
             unscale_on_overflow=not self._policy.skip_on_overflow,
             backend=self._backend_name,
-            group=self._group(grads, process_group),
+            group=group,
             prior_found_inf=record.pending_rank_flag(),
+            ranks=self._ranks,  # with the scale: what the ranks must agree on (rank_checks.py)
+            loss_scale=scale,
         )
         record.flags_combined()  # only now: a clip that raised leaves the pending flag as it was
         if fold:
             record.grad_scale = folded_grad_scale(pending, result.clip_coef)
-        if grads.devices or grads.replicas:  # no gradients, no inf check: torch's step() then raises, as after unscale_
-            found = record.found_inf_per_device
-            found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
+        # No gradients, no inf check (torch's step() then raises, as after unscale_); but an empty
+        # partition of a process group has the group's found_inf, and steps with the others.
+        if grads.devices or grads.replicas or group is not None:
+            record.add_flag(device, result.found_inf)
         record.norm = result.norm
         record.stage = OptState.UNSCALED
         return result.norm
@@ -272,7 +279,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
                 # (sparse gradients coalesced first, as torch does; torch's fused ones take none).
                 grads = collect_grads(inner, allow_fp16=True, allow_sparse=not is_torch_fused(inner))
                 record.record_rank_flags(
-                    check_grads(grads, scale, self._backend_name), self._group(grads), scale.device
+                    check_grads(grads, scale, self._backend_name), self._group(grads), scale, self._ranks
                 )
             grad_scale = grad_scale_for_step(inner, scale, record.stage, record.grad_scale)
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
@@ -286,7 +293,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if record.stage is OptState.READY:
             self.unscale_(inner)
         retval = None
-        if not self._skip_flag(record, scale.device).item():  # the one host read
+        if not self._ranks.read_skip(self._skip_flag(record, scale.device)):  # the one host read
             retval = optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
         return retval
@@ -295,28 +302,23 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         """step() of a disabled scaler: torch's plain step, unless the clip_grad_norm_ just before it
         found inf/NaN. That finding is spent by this step: no update() is needed to clear it."""
         record = self._per_optimizer_states.pop(id(inner), None)
+        self._ranks.next_iteration()  # a bf16 loop may never call update(): its step ends the iteration
         self._disabled_skip = record.skip if record is not None else None  # for last_step_skipped()
         if record is None or record.skip is None:
             return optimizer.step(*args, **kwargs)
         if takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer):  # skip on the device
             return step_with_amp_attributes(optimizer, inner, {"found_inf": record.skip}, args, kwargs)
-        if record.skip.item():  # the one host read, as in the enabled path
+        if self._ranks.read_skip(record.skip):  # the one host read, as in the enabled path
             return None
         return optimizer.step(*args, **kwargs)
 
     def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
-
-        ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0.
-        """
-        found_inf = combine_flags([t.to(device, non_blocking=True) for t in record.found_inf_per_device.values()])
-        if found_inf is None:
-            if required:
-                raise AssertionError("No inf checks were recorded for this optimizer.")
-            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0."""
+        found_inf = record.found_inf_on(device, required)
         norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
-        record.skip = skip_decision(found_inf, norm, self._norm_stats)  # combine_flags gives 0-dim flags
+        record.skip = self._ranks.skip(skip_decision(found_inf, norm, self._norm_stats))  # 0-dim flags
         return record.skip
 
     # ---------------------------------------------------------------- update
@@ -345,12 +347,14 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             record = OptimizerRecord.from_flag(found_inf, scale.device)
             self._skip_flag(record, scale.device)
             records.append(record)
-        if new_scale is not None:
-            set_scale_(scale, new_scale)
-            self._rules.count_only_(self._policy, self._tensors, records)
-        else:
-            self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
+        with self._ranks.unchanged_if_mismatched(self._tensors):
+            if new_scale is not None:
+                set_scale_(scale, new_scale)
+                self._rules.count_only_(self._policy, self._tensors, records)
+            else:
+                self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
+        self._ranks.next_iteration()
 
     # ------------------------------------------------------------ diagnostics
     @runs_eagerly
@@ -380,6 +384,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return self._disabled_skip is not None and bool(self._disabled_skip.item())
         if self._counters is None:
             return False
+        self._ranks.raise_if_flagged()
         return bool(self._counters[LAST_SKIPPED].item())
 
     # -------------------------------------------------------- knobs and state
@@ -388,7 +393,12 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         """The current scale as a Python float (a host sync), or 1.0 when disabled."""
         if not self._enabled:
             return 1.0
+        self._ranks.raise_if_flagged()
         return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def _host_state(self) -> HostState:  # state_dict() reads the host: a flagged rank mismatch raises there
+        self._ranks.raise_if_flagged()
+        return super()._host_state()
 
     def is_enabled(self) -> bool:
         return self._enabled

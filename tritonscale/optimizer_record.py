@@ -33,7 +33,8 @@ class OptimizerRecord:
     _flags: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     #: The process group ``_flags`` still have to be combined across (None: they are final).
     _flags_group: Any = None
-    _flags_device: torch.device | None = None
+    #: The loss scale and the scaler's RankChecks the combine stamps its row with (rank_checks.py).
+    _flags_stamp: tuple[torch.Tensor, Any] | None = None
     #: The step's skip flag on the scale's device: an overflow (unless the policy lets it
     #: through) or a norm spike.
     skip: torch.Tensor | None = None
@@ -51,12 +52,13 @@ class OptimizerRecord:
         Every rank runs the same calls, so every rank reaches this collective too."""
         if self._flags_group is not None:
             group, self._flags_group = self._flags_group, None
-            device = next(iter(self._flags), self._flags_device)
+            scale, ranks = self._flags_stamp
+            device = next(iter(self._flags), scale.device)
             local = combine_flags([t.to(device, non_blocking=True) for t in self._flags.values()])
-            # A rank without gradients still takes part (or the others would wait), and keeps no
-            # flag: its step() raises torch's "No inf checks" error.
-            combined = combine_found_inf(local if local is not None else torch.zeros((), device=device), group)
-            self._flags = {device: combined} if self._flags else {}
+            # A rank without gradients (an empty ZeRO partition) still takes part, or the others
+            # would wait, and keeps the group's flag: its step skips (or not) with the others'.
+            local = local if local is not None else torch.zeros((), device=device)
+            self._flags = {device: combine_found_inf(local, group, ranks, scale)}
         return self._flags
 
     @found_inf_per_device.setter
@@ -81,10 +83,13 @@ class OptimizerRecord:
         record.found_inf_per_device = {device: flag}
         return record
 
-    def record_rank_flags(self, flags: dict[torch.device, torch.Tensor], group: Any, device: torch.device) -> None:
+    def record_rank_flags(
+        self, flags: dict[torch.device, torch.Tensor], group: Any, scale: torch.Tensor, ranks: Any
+    ) -> None:
         """Keep this rank's flags, to be combined across ``group`` when first read (None: final).
-        ``device``: where a rank without gradients makes its zero flag."""
-        self._flags, self._flags_group, self._flags_device = flags, group, device
+        ``scale``: the loss scale (on whose device a rank without gradients makes its flag) and
+        ``ranks``: the scaler's RankChecks, both for the combine's checked row."""
+        self._flags, self._flags_group, self._flags_stamp = flags, group, (scale, ranks)
 
     def pending_rank_flag(self) -> torch.Tensor | None:
         """The rank-local flag still to be combined, for a caller whose collective carries it (which
@@ -93,6 +98,21 @@ class OptimizerRecord:
             return None
         flags = list(self._flags.values())
         return combine_flags([t.to(flags[0].device, non_blocking=True) for t in flags]) if flags else None
+
+    def add_flag(self, device: torch.device, found_inf: torch.Tensor) -> None:
+        """Raise the flag of ``device`` with ``found_inf`` (a pass's, already the group's)."""
+        found = self.found_inf_per_device
+        found[device] = torch.maximum(found[device], found_inf) if device in found else found_inf
+
+    def found_inf_on(self, device: torch.device, required: bool = True) -> torch.Tensor:
+        """The recorded flags as one 0-dim flag on ``device``. None recorded (no gradients): torch's
+        error if ``required``, else 0."""
+        found_inf = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
+        if found_inf is None:
+            if required:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        return found_inf
 
     def flags_combined(self) -> None:
         """The caller's collective carried the pending flag: the flags need no combining any more."""

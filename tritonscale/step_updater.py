@@ -25,7 +25,8 @@ What it does where nnabla's originals differ (``nnabla/experimental/trainers/upd
 
 GradScaler has no public accessor for a few things this layer needs; it reads them as frameworks
 do: ``_per_optimizer_states`` (torch's member: the retry decision's found_inf, and dropping the
-iteration's record on a rollback), ``_fold`` and ``_process_group`` (argument checks),
+iteration's record on a rollback), ``_fold`` and ``_process_group`` (argument checks), ``_scale``
+and ``_ranks`` (the scale and call sequence the all-reduce checks across ranks),
 ``_last_found_inf``/``_last_norm`` (restored with the state_dict on a rollback) and
 ``_disabled_skip`` (the skip flag of a disabled scaler, whose ``stats()`` raises).
 """
@@ -45,6 +46,7 @@ from .fold import takes_amp_scaling, takes_grad_scaler_argument
 from .grad_scaler import GradScaler
 from .kernels.supported import check_max_norm, check_norm_type
 from .optimizer_wrappers import unwrap_optimizer
+from .rank_combine import GradAllReduce
 
 __all__ = ["DataFeedExhausted", "UpdateResult", "Updater", "UpdaterError"]
 
@@ -167,7 +169,10 @@ class Updater:
       the step saw, as one big batch or DDP would give. ``"sum"`` is nnabla's: no division.
     * ``process_group``: all-reduce (sum) the gradients over this torch.distributed group after the
       backwards and before the fused check, so every rank checks, clips and skips the same values.
-      Each rank must produce gradients for the same parameters. Not with DDP (it all-reduces
+      Each rank must produce gradients for the same parameters, and hold the same loss scale: the
+      all-reduce carries both, and a mismatch raises on every rank (``rank_checks.py``: at once on
+      the CPU; on a GPU the step is skipped and the error comes at the scaler's next host read,
+      such as ``get_scale()``). Not with DDP (it all-reduces
       already) nor with a scaler that has its own ``process_group`` (that is for sharded gradients).
     * ``max_norm`` / ``norm_type``: clip by the global norm in the fused pass (None: measure only).
     * ``weight_decay``: nnabla's ``solver.weight_decay``: ``grad += weight_decay * param`` after
@@ -307,6 +312,7 @@ class Updater:
                     "rank); a scaler with its own process_group would count them once per rank"
                 )
         self.process_group = process_group
+        self._all_reduce = GradAllReduce()
         if on_overflow == "retry" and self.max_retries > 0:
             # A retry only helps if the overflow makes the scale smaller.
             if not scaler.is_enabled():
@@ -333,9 +339,6 @@ class Updater:
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self._inner.param_groups for p in group["params"]]
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params() if p.grad is not None]
 
     def _fire(self, name: str, iteration: int, micro_batch: int | None = None) -> None:
         for callback in self.callbacks[name]:
@@ -372,19 +375,10 @@ class Updater:
         return loss
 
     def _all_reduce_grads(self) -> None:
-        """Sum the gradients over the group: one collective per (device, dtype) on a flat copy."""
-        import torch.distributed as dist
-
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in self._grads():
-            if grad.layout is not torch.strided:
-                raise TypeError("the gradient all-reduce takes dense gradients only")
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        for grads in groups.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
-            for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(part.view_as(grad))
+        """Sum the gradients over the group: one collective per (device, dtype) on a flat copy,
+        the first carrying every rank's scale and gradient layout, which must agree (rank_combine)."""
+        scale = self.scaler._scale if self.scaler.is_enabled() else None
+        self._all_reduce(self._params(), self.process_group, scale, self.scaler._ranks)
 
     def _overflowed(self) -> bool:
         """The retry decision: did this attempt's fused check find inf/NaN? One host read.
@@ -400,8 +394,9 @@ class Updater:
 
     def _skipped_flag(self) -> torch.Tensor:
         """The step's skip flag after update(), as a new 0-dim bool device tensor (no host read)."""
-        if self.scaler.is_enabled():
-            return self.scaler.stats()["skipped"] > 0  # stats() hands views of state updated in place
+        if self.scaler.is_enabled():  # stats() hands views of state updated in place; a pending
+            # mismatch between ranks (GPU paths) skipped the step and left that state as it was
+            return self.scaler._ranks.skip(self.scaler.stats()["skipped"] > 0)
         skip = getattr(self.scaler, "_disabled_skip", None)  # a disabled scaler keeps it only there
         return skip > 0 if skip is not None else torch.zeros((), dtype=torch.bool, device=self._params()[0].device)
 

@@ -114,7 +114,7 @@ class TorchPrivateAPI:
         inner = unwrap_optimizer(optimizer)
         record = self._per_optimizer_states[id(inner)]
         grads = collect_grads(inner, allow_fp16=True)
-        record.record_rank_flags(check_grads(grads, scale, self._backend_name), self._group(grads), scale.device)
+        record.record_rank_flags(check_grads(grads, scale, self._backend_name), self._group(grads), scale, self._ranks)
         return record.found_inf_per_device  # made the process group's, if there is one
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
