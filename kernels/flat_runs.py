@@ -144,7 +144,9 @@ def _whole(buffer: torch.Tensor) -> bool:
     """The flatten_grads_ buffer still covers all of its slots: its storage was not swapped or shrunk."""
     slots = getattr(buffer, FLAT_SLOTS_ATTR, ())
     end = max((offset + numel for offset, numel in slots), default=0)
-    return buffer.is_contiguous() and buffer.numel() >= end and buffer.data_ptr() + buffer.nbytes <= _storage_end(buffer)
+    return (
+        buffer.is_contiguous() and buffer.numel() >= end and buffer.data_ptr() + buffer.nbytes <= _storage_end(buffer)
+    )
 
 
 def spans_several(t: torch.Tensor) -> bool:

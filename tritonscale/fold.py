@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -105,3 +106,21 @@ def step_with_amp_attributes(
         for name in attributes:
             if name in vars(inner):
                 delattr(inner, name)
+
+
+def step_unless(
+    optimizer: Any,
+    inner: torch.optim.Optimizer,
+    skip: torch.Tensor,
+    read_skip: Callable[[torch.Tensor], bool],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    on_device: bool = True,
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` unless ``skip`` (a 0-dim device flag) is set. With
+    ``on_device``, an optimizer that takes ``found_inf`` gets ``skip`` as its ``found_inf`` and
+    skips on the device; otherwise ``read_skip(skip)`` decides on the host (the one host read)."""
+    if on_device and takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer):
+        return step_with_amp_attributes(optimizer, inner, {"found_inf": skip}, args, kwargs)
+    return None if read_skip(skip) else optimizer.step(*args, **(kwargs or {}))

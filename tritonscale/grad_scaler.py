@@ -26,6 +26,7 @@ from .fold import (
     folded_grad_scale,
     grad_scale_for_step,
     is_torch_fused,
+    step_unless,
     step_with_amp_attributes,
     takes_amp_scaling,
     takes_grad_scaler_argument,
@@ -203,22 +204,19 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return result.norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         record = self._record_for_unscale(optimizer, "clip_grad_norm_")
-        # A fused optimizer divides by grad_scale itself: hand it scale / clip_coef and leave the
-        # gradients unwritten (read once here, once by the optimizer). We then never store unscaled
-        # values in the gradients' own dtype, so float16 gradients are fine on that path.
-        # (Not for the older step(grad_scaler=...) protocol: such an optimizer divides by the plain
-        # scale, so its gradients are unscaled and clipped in place, as torch leaves them.)
+        # A fused optimizer divides by grad_scale itself: it gets scale / clip_coef, and the gradients
+        # are never written here (so float16 ones are fine). Not with the older step(grad_scaler=...)
+        # protocol, which divides by the plain scale: there they are unscaled and clipped in place.
         fold = self._fold and takes_amp_scaling(optimizer) and not takes_grad_scaler_argument(optimizer)
         grads = collect_grads(
             optimizer, allow_fp16=fold, kernels=kernels_compute(norm_type), allow_sparse=not fold, split_replicas=True
         )
         # What the gradients still have to be divided by: the scale, nothing after unscale_ or an
         # applied clip, or what an earlier clip folded in (so a second clip sees true values).
-        if record.stage is OptState.READY:
-            pending = scale
-        else:
-            pending = record.grad_scale if record.grad_scale is not None else torch.ones_like(scale)
+        pending = scale if record.stage is OptState.READY else record.grad_scale
+        pending = pending if pending is not None else torch.ones_like(scale)
         group = self._group(grads, process_group)
+        # ``ranks`` and ``loss_scale``: what the ranks must agree on (rank_checks.py).
         device, result = clip_grads(
             grads,
             pending,
@@ -229,7 +227,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             backend=self._backend_name,
             group=group,
             prior_found_inf=record.pending_rank_flag(),
-            ranks=self._ranks,  # with the scale: what the ranks must agree on (rank_checks.py)
+            ranks=self._ranks,
             loss_scale=scale,
         )
         record.flags_combined()  # only now: a clip that raised leaves the pending flag as it was
@@ -278,23 +276,20 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
                 # The optimizer divides by grad_scale itself: only the read-only check pass runs
                 # (sparse gradients coalesced first, as torch does; torch's fused ones take none).
                 grads = collect_grads(inner, allow_fp16=True, allow_sparse=not is_torch_fused(inner))
-                record.record_rank_flags(
-                    check_grads(grads, scale, self._backend_name), self._group(grads), scale, self._ranks
-                )
+                flags = check_grads(grads, scale, self._backend_name)
+                record.record_rank_flags(flags, self._group(grads), scale, self._ranks)
             grad_scale = grad_scale_for_step(inner, scale, record.stage, record.grad_scale)
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
             skip = self._skip_flag(record, scale.device, required=False)
-            retval = step_with_amp_attributes(
-                optimizer, inner, {"grad_scale": grad_scale, "found_inf": skip}, args, kwargs
-            )
+            attributes = {"grad_scale": grad_scale, "found_inf": skip}
+            retval = step_with_amp_attributes(optimizer, inner, attributes, args, kwargs)
             record.stage = OptState.STEPPED
             return retval
 
         if record.stage is OptState.READY:
             self.unscale_(inner)
-        retval = None
-        if not self._ranks.read_skip(self._skip_flag(record, scale.device)):  # the one host read
-            retval = optimizer.step(*args, **kwargs)
+        skip = self._skip_flag(record, scale.device)
+        retval = step_unless(optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False)
         record.stage = OptState.STEPPED
         return retval
 
@@ -306,11 +301,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         self._disabled_skip = record.skip if record is not None else None  # for last_step_skipped()
         if record is None or record.skip is None:
             return optimizer.step(*args, **kwargs)
-        if takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer):  # skip on the device
-            return step_with_amp_attributes(optimizer, inner, {"found_inf": record.skip}, args, kwargs)
-        if self._ranks.read_skip(record.skip):  # the one host read, as in the enabled path
-            return None
-        return optimizer.step(*args, **kwargs)
+        return step_unless(optimizer, inner, record.skip, self._ranks.read_skip, args, kwargs)
 
     def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
