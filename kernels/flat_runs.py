@@ -105,7 +105,7 @@ class _Layout:
 
     def __init__(self, buffer: torch.Tensor | None = None, spans: list[Span] | None = None) -> None:
         self.buffer = weakref.ref(buffer) if buffer is not None else None
-        self.start = buffer.data_ptr() if buffer is not None else 0
+        self.start, self.dtype = (buffer.data_ptr(), buffer.dtype) if buffer is not None else (0, None)
         self.spans = spans
 
     @classmethod
@@ -118,10 +118,10 @@ class _Layout:
         when the memory around them changed: the buffer is gone or moved, or a run would leave
         the storage of its first gradient."""
         if self.buffer is not None:
-            # Same gradient addresses and sizes, and the buffer still alive where it was with
-            # the same length: every slot is still one of them, the rest its own zero padding.
+            # Same gradient addresses and sizes, and the buffer still alive where it was, with the
+            # same dtype and length: every slot is still one of them, the rest its zero padding.
             buffer = self.buffer()
-            if buffer is None or buffer.data_ptr() != self.start or not _whole(buffer):
+            if buffer is None or (buffer.data_ptr(), buffer.dtype) != (self.start, self.dtype) or not _whole(buffer):
                 return STALE
             return [buffer]
         if self.spans is None:
