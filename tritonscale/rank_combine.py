@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .backends import CheckResult, clip_coefficient, inverse_scale
+from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 from .rank_checks import STAMP, RankChecks, on_device
 
 #: A torch.distributed ProcessGroup, or None for "this rank's gradients are the whole".
@@ -106,7 +106,7 @@ def combine_check(
     found_inf = _judged((rows[:, 1].amax() > 0).float().reshape(()), rows, 2, ranks)
     norm = torch.linalg.vector_norm(rows[:, 0], norm_type).float().reshape(())
     clip_coef = torch.ones_like(norm) if max_norm is None else clip_coefficient(norm, max_norm)
-    factor = torch.where(found_inf > 0, torch.ones_like(norm), (inverse_scale(scale) * clip_coef).reshape(()))
+    factor = gradient_factor(found_inf, inverse_scale(scale), clip_coef)
     return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=result.plan)
 
 

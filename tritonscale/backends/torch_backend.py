@@ -25,7 +25,7 @@ import torch
 from .. import host_reads
 from ..kernels.flat_runs import as_runs, spans_several
 from ..policy_forms import ON_HOST, as_float32
-from .base import CheckResult, clip_coefficient, inverse_scale
+from .base import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 
 
 def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
@@ -196,14 +196,9 @@ class TorchBackend:
         found_inf = (~torch.isfinite(raw64)).float()
         norm = torch.where(torch.isfinite(raw32), raw32 * inv_scale, (raw64 * inv_scale.double()).float())
         norm = norm.reshape(())
-        if max_norm is None:
-            clip_coef = torch.ones_like(norm)
-            factor = inv_scale.reshape(())
-        else:
-            clip_coef = clip_coefficient(norm, max_norm)
-            factor = (inv_scale * clip_coef).reshape(())
-        # As in the kernels' finalize: an overflowed step leaves its gradients untouched.
-        factor = torch.where(found_inf > 0, torch.ones_like(factor), factor)
+        clip_coef = None if max_norm is None else clip_coefficient(norm, max_norm)
+        factor = gradient_factor(found_inf, inv_scale, clip_coef)
+        clip_coef = torch.ones_like(norm) if clip_coef is None else clip_coef
         return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=nonempty)
 
     def apply_(self, result: CheckResult) -> None:
