@@ -32,14 +32,16 @@ from .rank_checks import STAMP, RankChecks, on_device
 Group = Any
 
 
-def check_process_group(group: Group, name: str = "process_group") -> Group:
-    """``group`` if it is None or a torch.distributed ProcessGroup of an initialized run."""
-    if group is None:
+def check_process_group(group: Group, name: str = "process_group", *, optional: bool = True) -> Group:
+    """``group`` if it is a torch.distributed ProcessGroup of an initialized run (or None, where
+    ``optional``); a TypeError naming ``name`` otherwise."""
+    if group is None and optional:
         return None
     import torch.distributed as dist
 
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        allowed = "ProcessGroup or None" if optional else "ProcessGroup"
+        raise TypeError(f"{name} must be a torch.distributed {allowed}, got {type(group).__name__}")
     return group
 
 
