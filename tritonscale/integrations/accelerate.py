@@ -49,8 +49,8 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
+from ..clip_args import check_max_norm, check_norm_type
 from ..grad_scaler import GradScaler
-from ..kernels.supported import check_max_norm, check_norm_type
 from ..optimizer_wrappers import unwrap_optimizer
 
 __all__ = ["FusedClipFallbackWarning", "FusedScalerTrainerMixin", "install", "installed_scaler"]
