@@ -8,7 +8,7 @@ checked before any kernel runs, so a bad gradient raises with nothing modified.
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -17,6 +17,7 @@ import torch
 
 from .flat_grads import known_run, remember_run
 from .grad_sharding import any_marked, is_dtensor, is_first_rank, local_shard, mesh_group, replica_group
+from .kernels.bounded_cache import BoundedCache
 from .kernels.flat_runs import flat_runs
 from .kernels.supported import is_dense, is_supported_grad
 
@@ -24,8 +25,7 @@ DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
 
 #: Gradient layouts already found free of overlaps, keyed by each gradient's (address, bytes): the
 #: check reads nothing else, so a hit is its answer for the memory as it is now.
-_NO_OVERLAP: OrderedDict[tuple, None] = OrderedDict()
-_NO_OVERLAP_CACHE_SIZE = 16
+_NO_OVERLAP: BoundedCache[bool] = BoundedCache(16)
 _NBYTES = attrgetter("nbytes")
 
 
@@ -241,8 +241,7 @@ def _check_no_overlap(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor
     """Raise naming two parameters whose gradients' memory overlaps. A layout seen before (gradients
     kept between steps, flat buffers) costs one tuple lookup; a new one, one sort."""
     key = (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(_NBYTES, grads)))
-    if key in _NO_OVERLAP:
-        _NO_OVERLAP.move_to_end(key)
+    if _NO_OVERLAP.get(key):
         return
     # Dense gradients: the elements of g fill [data_ptr, data_ptr + nbytes). Empty ones hold nothing.
     spans = sorted((start, start + size, i) for i, (start, size) in enumerate(zip(*key)) if size)
@@ -257,9 +256,7 @@ def _check_no_overlap(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor
             )
         if end > reach:
             reach, reach_owner = end, i
-    _NO_OVERLAP[key] = None
-    if len(_NO_OVERLAP) > _NO_OVERLAP_CACHE_SIZE:
-        _NO_OVERLAP.popitem(last=False)
+    _NO_OVERLAP.put(key, True)
 
 
 def _where_is(optimizer: torch.optim.Optimizer, grad: torch.Tensor, besides: str | None = None) -> str:
