@@ -14,7 +14,8 @@ Data flow of one step, one file each:
 Beside them: ``tensor_table`` describes any number of gradient tensors to one launch;
 ``launch_config`` holds block sizes, program counts and the autotune configurations;
 ``supported`` the accepted dtypes, layouts and norm types; ``jit_helpers`` the shared
-``@triton.jit`` helpers and the interpreter switch (a leaf module).
+``@triton.jit`` helpers and the interpreter switch (a leaf module); ``flat_runs`` reads views of
+one buffer as few long runs; ``bounded_cache`` the small cache the host-side tables share.
 """
 
 from .apply_pass import apply_factor_

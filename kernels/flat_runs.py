@@ -29,9 +29,10 @@ read per run). The runs themselves are made anew each time (a few ``as_strided``
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 
 import torch
+
+from .bounded_cache import BoundedCache
 
 #: Attribute set on a buffer made by tritonscale.flatten_grads_: its slots, as (element offset,
 #: numel) pairs, one per gradient view it was made with.
@@ -43,8 +44,7 @@ RUN_ATTR = "_tritonscale_run"
 #: gradient as it is, not merged with another
 Span = tuple[int, int]
 
-_layouts: OrderedDict[tuple, _Layout] = OrderedDict()
-_CACHE_SIZE = 16
+_layouts: BoundedCache[_Layout] = BoundedCache(16)
 
 
 def memory_key(grads: list[torch.Tensor]) -> tuple:
@@ -88,10 +88,7 @@ def flat_runs(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     if runs is STALE:  # never seen, or its proof no longer holds: found anew from the memory now
         layout = _Layout.find(grads)
         runs = layout.runs(grads)
-    _layouts[key] = layout
-    _layouts.move_to_end(key)
-    if len(_layouts) > _CACHE_SIZE:
-        _layouts.popitem(last=False)
+    _layouts.put(key, layout)
     return runs
 
 

@@ -27,7 +27,7 @@ DEFAULT_NUM_WARPS = 8
 FINALIZE_MAX_BLOCK = 4096
 FINALIZE_NUM_WARPS = 4
 #: Largest number of programs (hence partials) per group under the interpreter, where programs run
-#: one after another (~1 ms each): keeps CPU tests fast.
+#: one after another, each slowly: keeps CPU tests fast.
 INTERPRETER_PROGRAMS = 4
 #: Persistent programs per streaming multiprocessor on a GPU.
 PROGRAMS_PER_SM = 4

@@ -1,7 +1,8 @@
-"""What the kernels accept: gradient dtypes and layouts, norm types, clip thresholds. One home per rule.
+"""What the kernels accept: gradient dtypes and layouts, norm types. One home per rule.
 
-The controller (``tritonscale.grad_groups``, ``GradScaler.clip_grad_norm_``) and the host-side
-tensor table both call these, so a rule and its error message are written once.
+The controller (``tritonscale.grad_groups``) and the host-side tensor table both call these, so a
+rule and its error message are written once. The user's ``max_norm``/``norm_type`` arguments are
+checked in ``tritonscale/clip_args.py``.
 """
 
 from __future__ import annotations
@@ -30,19 +31,6 @@ def norm_code(norm_type: float) -> int:
     if code is None:
         raise ValueError(f"norm_type must be 1, 2 or inf, got {norm_type!r}")
     return code
-
-
-def check_norm_type(norm_type: float) -> float:
-    """``norm_type`` as a float: any number torch.nn.utils.clip_grad_norm_ takes (not NaN). The
-    kernels compute 1, 2 and inf (``norm_code``); the others go through torch ops."""
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or math.isnan(norm_type):
-        raise ValueError(f"norm_type must be a number (1, 2 and inf run in the kernels), got {norm_type!r}")
-    return float(norm_type)
-
-
-def kernels_compute(norm_type: float) -> bool:
-    """True for the norm types the kernels compute (1, 2, inf)."""
-    return norm_type in NORM_CODES
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -78,15 +66,15 @@ def raise_unsupported_grad(grad: torch.Tensor, where: str) -> NoReturn:
     )
 
 
-def check_max_norm(max_norm: float) -> float:
-    """``max_norm`` as a float: any number torch.nn.utils.clip_grad_norm_ clips sensibly by, from 0
-    (every gradient zeroed) to inf (the norm alone, nothing clipped); negative and NaN refused."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise ValueError(f"max_norm must be a float >= 0 (inf: only measure), got {max_norm!r}")
-    try:
-        value = float(max_norm)
-    except OverflowError:  # an int beyond the float range, such as 10**400 (torch: a raw OverflowError)
-        raise ValueError(f"max_norm must be a float >= 0, got an int of {max_norm.bit_length()} bits") from None
-    if not value >= 0:  # negative would flip every gradient's sign; NaN would poison it
-        raise ValueError(f"max_norm must be a float >= 0 (inf: only measure), got {max_norm!r}")
-    return value
+#: Re-exported for the modules not yet moved (grad_scaler.py, step_updater.py import these from
+#: here; their home is ``tritonscale.clip_args``). Looked up on first use, so this module imports
+#: nothing from tritonscale at import time (it stays a leaf of the kernels package).
+_MOVED_TO_CLIP_ARGS = ("check_max_norm", "check_norm_type", "kernels_compute")
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_CLIP_ARGS:
+        import importlib
+
+        return getattr(importlib.import_module("tritonscale.clip_args"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

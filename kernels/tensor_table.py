@@ -21,18 +21,17 @@ cost no host work after the first step.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from .bounded_cache import BoundedCache
 from .flat_runs import FLAT_SLOTS_ATTR, flat_runs
 from .launch_config import CHUNK, program_cap
 from .supported import is_supported_grad, raise_unsupported_grad
 
 __all__ = ["FLAT_SLOTS_ATTR", "GradLayout", "describe_grads", "validate_group"]
-_TABLE_CACHE_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -87,14 +86,13 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return _placeholders[device]
 
 
-_tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = OrderedDict()
+_tables: BoundedCache[tuple[torch.Tensor, torch.Tensor, bool]] = BoundedCache(16)
 
 
 def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
     key = (grads[0].device, grads[0].dtype, tuple((g.data_ptr(), g.numel()) for g in grads))
     hit = _tables.get(key)
     if hit is not None:
-        _tables.move_to_end(key)
         return hit
     numels = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
     addresses = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
@@ -109,9 +107,7 @@ def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, 
     # tl.multiple_of so that table launches get 16-byte vector loads too.
     aligned = all(g.data_ptr() % 16 == 0 and g.numel() % 16 == 0 for g in grads)
     hit = (tensors.to(device), chunks.to(device), aligned)
-    _tables[key] = hit
-    if len(_tables) > _TABLE_CACHE_SIZE:
-        _tables.popitem(last=False)
+    _tables.put(key, hit)
     return hit
 
 

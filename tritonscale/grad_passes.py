@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .backends import CheckResult, clip_coefficient, inverse_scale, resolve_backend
+from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .grad_groups import Grads
 from .rank_combine import combine_check
 from .scale_outputs import PerDevice
@@ -163,5 +163,5 @@ def _with_others(
     found_inf = _other_found_inf(others, kernel.found_inf)
     norm = total.float().reshape(())
     clip_coef = clip_coefficient(norm, max_norm)
-    factor = torch.where(found_inf > 0, torch.ones_like(norm), (inv_scale32 * clip_coef).reshape(()))
+    factor = gradient_factor(found_inf, inv_scale32, clip_coef)
     return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=kernel.plan)

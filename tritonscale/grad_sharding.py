@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .rank_combine import check_process_group
+
 #: Parameter attribute set by mark_replicated: the group over which its gradient is replicated.
 REPLICATED_OVER_ATTR = "_tritonscale_replicated_over"
 
@@ -39,10 +41,7 @@ def mark_replicated(params: Iterable[torch.nn.Parameter], group: Any) -> None:
         )
         scaler = tritonscale.GradScaler("cuda", process_group=model_parallel_group)
     """
-    import torch.distributed as dist
-
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    check_process_group(group, "group", optional=False)
     global _marked
     for param in params:
         setattr(param, REPLICATED_OVER_ATTR, group)

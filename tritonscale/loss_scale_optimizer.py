@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from .clip_args import check_max_norm, check_norm_type
 from .compile_boundary import runs_eagerly
 from .grad_scaler import GradScaler
-from .kernels.supported import check_max_norm, check_norm_type
 from .policy import LossScalePolicy
 from .scaler_state import TORCH_INIT_SCALE
 

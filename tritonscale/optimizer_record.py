@@ -136,6 +136,6 @@ def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:
     """Sum of 0-dim flags on one device (the way torch combines found_inf), None for none."""
     if not flags:
         return None
-    if len(flags) == 1:  # reshape(()) costs ~1 us even on a 0-dim tensor (CPU): skipped when it does nothing
+    if len(flags) == 1:  # reshape(()) costs a dispatch even on a 0-dim tensor: skipped when it does nothing
         return flags[0] if flags[0].dim() == 0 else flags[0].reshape(())
     return torch.stack([f.reshape(()) for f in flags]).sum()

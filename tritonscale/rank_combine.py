@@ -25,21 +25,23 @@ from typing import Any
 
 import torch
 
-from .backends import CheckResult, clip_coefficient, inverse_scale
+from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 from .rank_checks import STAMP, RankChecks, on_device
 
 #: A torch.distributed ProcessGroup, or None for "this rank's gradients are the whole".
 Group = Any
 
 
-def check_process_group(group: Group, name: str = "process_group") -> Group:
-    """``group`` if it is None or a torch.distributed ProcessGroup of an initialized run."""
-    if group is None:
+def check_process_group(group: Group, name: str = "process_group", *, optional: bool = True) -> Group:
+    """``group`` if it is a torch.distributed ProcessGroup of an initialized run (or None, where
+    ``optional``); a TypeError naming ``name`` otherwise."""
+    if group is None and optional:
         return None
     import torch.distributed as dist
 
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        allowed = "ProcessGroup or None" if optional else "ProcessGroup"
+        raise TypeError(f"{name} must be a torch.distributed {allowed}, got {type(group).__name__}")
     return group
 
 
@@ -106,7 +108,7 @@ def combine_check(
     found_inf = _judged((rows[:, 1].amax() > 0).float().reshape(()), rows, 2, ranks)
     norm = torch.linalg.vector_norm(rows[:, 0], norm_type).float().reshape(())
     clip_coef = torch.ones_like(norm) if max_norm is None else clip_coefficient(norm, max_norm)
-    factor = torch.where(found_inf > 0, torch.ones_like(norm), (inverse_scale(scale) * clip_coef).reshape(()))
+    factor = gradient_factor(found_inf, inverse_scale(scale), clip_coef)
     return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=result.plan)
 
 

@@ -9,15 +9,13 @@ import torch
 from tritonscale.kernels.supported import (
     NORM_CODES,
     SUPPORTED_DTYPES,
-    check_max_norm,
-    check_norm_type,
     is_supported_grad,
-    kernels_compute,
     norm_code,
     raise_unsupported_grad,
 )
 from tritonscale.kernels.tensor_table import validate_group
 
+from tritonscale.clip_args import check_max_norm, check_norm_type, kernels_compute
 from tritonscale.grad_groups import collect_grads
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Backend, CheckResult, clip_coefficient, inverse_scale
+from .base import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale
 from .torch_backend import TorchBackend
 from .triton_backend import TritonBackend
 
@@ -52,6 +52,7 @@ __all__ = [
     "TorchBackend",
     "TritonBackend",
     "clip_coefficient",
+    "gradient_factor",
     "inverse_scale",
     "resolve_backend",
 ]

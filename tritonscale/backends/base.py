@@ -37,6 +37,18 @@ def clip_coefficient(norm: Any, max_norm: float, form: RuleForm = ON_DEVICE) -> 
     return form.at_most(form.f32(form.reciprocal(shifted) * as_float32(max_norm)), 1.0)
 
 
+def gradient_factor(
+    found_inf: torch.Tensor, inv_scale: torch.Tensor, clip_coef: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the apply pass multiplies the gradients by: ``inv_scale * clip_coef`` (``inv_scale``
+    without clipping), and exactly 1 where ``found_inf``, so an overflowed step's gradients stay as
+    they came (the step is skipped anyway) and the zero padding of flat buffers stays zero. The one
+    home of this rule for the torch ops; the kernels' finalize computes the same on the device.
+    A 0-dim float32 tensor."""
+    factor = (inv_scale if clip_coef is None else inv_scale * clip_coef).reshape(())
+    return torch.where(found_inf > 0, torch.ones_like(factor), factor)
+
+
 @dataclass
 class CheckResult:
     """Device-side results of the check pass + finalize for one device (0-dim fp32 tensors)."""

@@ -25,15 +25,15 @@ import torch
 from .. import host_reads
 from ..kernels.flat_runs import as_runs, spans_several
 from ..policy_forms import ON_HOST, as_float32
-from .base import CheckResult, clip_coefficient, inverse_scale
+from .base import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 
 
 def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
     # bfloat16 on CPU: the native-dtype norm accumulates in float32 and rounds its result once to
     # bfloat16 (torch's own clip_grad_norm_ precision, relative error <= 2**-9 per tensor), while
-    # the float32-output norm upcasts every tensor first and runs ~3x slower (2.2 vs 6.8 ms over
-    # 16M elements on the 2-core development machine). bfloat16 has float32's range, so nothing
-    # finite overflows either way. float16 (max 65504) always needs the float32 result.
+    # the float32-output norm upcasts every tensor first and runs several times slower. bfloat16
+    # has float32's range, so nothing finite overflows either way. float16 (max 65504) always
+    # needs the float32 result.
     return grads[0].dtype is torch.bfloat16 and grads[0].device.type == "cpu"
 
 
@@ -46,14 +46,14 @@ RUN_SLICE = 65536
 def _run_norm(run: torch.Tensor, ord: float) -> torch.Tensor:
     """float32 norm of a run (or flat buffer) spanning many gradients, as accurate as their norms
     taken one by one. One float32 norm over 16M elements is off by ~6e-4 relative on the CPU (its
-    accumulators grow long); partial norms combined are off by ~1e-7 or less. Measured over 16M
-    elements on the 2-core development machine:
+    accumulators grow long); partial norms combined are off by ~1e-7 or less. Per dtype, the
+    fastest accurate form on the CPU (errors relative, over 16M elements):
 
-    * float32: rows of 4096 reduced along dim 1, 1.4 ms (4e-8), against 2.9 ms for one norm;
+    * float32: rows of 4096 reduced along dim 1 (4e-8), faster than one norm over the run;
     * bfloat16: the same rows in bfloat16, rounded once per row as torch rounds each tensor's
-      norm (``_rounds_norm_to_bf16``), 0.9 ms; with a float32 output that reduction takes 20 ms;
+      norm (``_rounds_norm_to_bf16``); with a float32 output that reduction is far slower;
     * float16: row norms in float16 would overflow (4096 x 65504^2), and the float32-output row
-      reduction takes 20 ms; a foreach norm over 64K-element slices takes 5.7 ms (1.4e-6).
+      reduction is far slower; a foreach norm over 64K-element slices is fast (1.4e-6).
 
     Only norm types 1, 2 and inf reach the backends, and a norm of partial norms is the norm for each.
     """
@@ -97,16 +97,14 @@ def _wide_per_tensor_norms(groups: list[list[torch.Tensor]], ord: float, per_ten
 
     A +inf float32 norm is either an inf gradient or finite squares past 3.4e38; float64 (to
     ~1.8e308) tells them apart. On the CPU only the tensors that need it are recomputed, so a
-    normal step pays one ``isposinf().any()`` read (the whole function takes ~7 us for 200
-    tensors on the 2-core development machine); a float64 pass over everything would cost
-    2.0-2.8x the float32 one (16.0 vs 6.3 ms over 16M fp32 elements in 200 tensors, 2-core
-    development machine). On a GPU the reduction is bandwidth-bound, so every tensor's squares
-    accumulate in float64 at the same bytes and nothing is read back.
+    normal step pays one ``isposinf().any()`` read; a float64 pass over everything would cost
+    a multiple of the float32 one. On a GPU the reduction is bandwidth-bound, so every tensor's
+    squares accumulate in float64 at the same bytes and nothing is read back.
 
     A float16 tensor's float32 norm cannot overflow on finite values (65504**2 times any
     possible element count stays below 3.4e38), so there +inf always means an inf element and
-    nothing is recomputed: an overflowed float16 step stays as cheap as before (a float64 pass
-    over 16M float16 elements took ~70 ms on the CPU).
+    nothing is recomputed: an overflowed float16 step stays as cheap as before (no float64 pass
+    over its elements).
     """
     wide = per_tensor.double()
     grads = [g for group in groups for g in group]
@@ -133,10 +131,9 @@ def _multiply_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
 
     On the CPU, torch's fused unscale kernel does this multiply (and an inf/NaN check whose flag is
     dropped) in one multi-tensor loop, bit for bit as ``_foreach_mul_`` by a float32 0-dim tensor,
-    while the foreach op goes tensor by tensor. Measured on the 2-core development machine: 200
-    tensors over 64K elements 0.07 vs 0.24 ms (bfloat16) and 0.06 vs 0.09 ms (float32), 2000 x
-    4096 2.9 vs 4.6 ms (bfloat16) and 1.8 vs 2.0 ms (float32); from ~64K elements per tensor the
-    extra check costs 2-15% instead, so larger tensors keep the foreach op."""
+    while the foreach op goes tensor by tensor: faster for many small tensors (bfloat16 most of
+    all). From ~64K elements per tensor the extra check costs more than the one loop saves, so
+    larger tensors keep the foreach op."""
     if grads[0].device.type == "cpu" and _mean_numel(grads) <= SMALL_TENSORS:
         scratch = torch.zeros((), dtype=torch.float32, device=factor.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, scratch, factor)
@@ -155,8 +152,8 @@ def _finalize_on_host(raw: float, inv_scale: torch.Tensor, max_norm: float | Non
     """The finalize of a step whose float32 norm came out finite (so nothing is inf/NaN and nothing
     overflowed: the float64 path would give these same values), on Python numbers: the same
     float32 operations (policy_forms.py), then one new tensor per result. Four tensors made
-    instead of ~10 small ops: with 1/scale on the host too (base.inverse_scale), a tiny step's
-    clip_grad_norm_ went from ~86 to ~62 us (2-core development machine)."""
+    instead of ~10 small ops, each a dispatch: with 1/scale on the host too (base.inverse_scale),
+    this is most of what a small step's clip_grad_norm_ saves on the CPU."""
     inverse = inv_scale.item()
     norm = as_float32(raw * inverse)
     clip_coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm, ON_HOST)
@@ -196,14 +193,9 @@ class TorchBackend:
         found_inf = (~torch.isfinite(raw64)).float()
         norm = torch.where(torch.isfinite(raw32), raw32 * inv_scale, (raw64 * inv_scale.double()).float())
         norm = norm.reshape(())
-        if max_norm is None:
-            clip_coef = torch.ones_like(norm)
-            factor = inv_scale.reshape(())
-        else:
-            clip_coef = clip_coefficient(norm, max_norm)
-            factor = (inv_scale * clip_coef).reshape(())
-        # As in the kernels' finalize: an overflowed step leaves its gradients untouched.
-        factor = torch.where(found_inf > 0, torch.ones_like(factor), factor)
+        clip_coef = None if max_norm is None else clip_coefficient(norm, max_norm)
+        factor = gradient_factor(found_inf, inv_scale, clip_coef)
+        clip_coef = torch.ones_like(norm) if clip_coef is None else clip_coef
         return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=nonempty)
 
     def apply_(self, result: CheckResult) -> None:

@@ -49,8 +49,8 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
+from ..clip_args import check_max_norm, check_norm_type
 from ..grad_scaler import GradScaler
-from ..kernels.supported import check_max_norm, check_norm_type
 from ..optimizer_wrappers import unwrap_optimizer
 
 __all__ = ["FusedClipFallbackWarning", "FusedScalerTrainerMixin", "install", "installed_scaler"]
@@ -117,36 +117,9 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
         scaler = install(accelerator, growth_interval=1000)
         model, optimizer = accelerator.prepare(model, optimizer)
     """
-    if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"expected an accelerate.Accelerator, got {type(accelerator).__name__}")
-    reason = _REFUSED_DISTRIBUTED_TYPES.get(accelerator.distributed_type)
-    if reason is not None:
-        raise ValueError(f"tritonscale cannot take over loss scaling under {accelerator.distributed_type}: {reason}")
-    if getattr(accelerator, "fp8_enabled", False):
-        raise ValueError("tritonscale cannot take over loss scaling in an FP8 run (its backend owns the scaling)")
-
-    old = accelerator.scaler
-    if old is not None and getattr(old, "_per_optimizer_states", None):
-        # A half-finished iteration (scaled or unscaled gradients on record) would be lost.
-        raise RuntimeError("install() must be called at an iteration boundary: the current scaler is mid-iteration")
-
-    handler = getattr(accelerator, "scaler_handler", None)
-    kwargs: dict[str, Any] = handler.to_kwargs() if handler is not None else {}
-    kwargs.update(scaler_kwargs)
+    _check_installable(accelerator)
+    scaler = _new_scaler(accelerator, scaler_kwargs)
     fp16 = accelerator.mixed_precision == "fp16"
-    kwargs.setdefault("enabled", fp16)
-    if kwargs["enabled"] and not fp16:
-        # Accelerate unscales (unscale_gradients) and autocasts only when mixed_precision is fp16:
-        # an enabled scaler elsewhere would leave scaled gradients to its fallback clip.
-        raise ValueError(
-            f"an enabled loss scaler needs Accelerator(mixed_precision='fp16'), got {accelerator.mixed_precision!r}; "
-            "pass enabled=False for a bf16/fp32 run (fused clip with the inf/NaN check, no scaling)"
-        )
-    scaler = GradScaler(accelerator.device.type, **kwargs)
-    if old is not None and scaler.is_enabled() and getattr(old, "_scale", None) is not None:
-        # The old scaler already ran steps (or was loaded and used): carry its scale on.
-        scaler.load_state_dict(old.state_dict())
-
     if fp16 and not accelerator.native_amp:
         # Accelerate keys both the autocast wrapper of prepare()/autocast() and unscale_gradients on
         # native_amp, which it leaves False on CPU.
@@ -170,6 +143,44 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
     accelerator.__dict__[_INSTALLED_ATTR] = _Installed(scaler, original)
     # Only this instance: an instance attribute shadows Accelerator.clip_grad_norm_.
     accelerator.clip_grad_norm_ = MethodType(_clip_grad_norm_, accelerator)
+    return scaler
+
+
+def _check_installable(accelerator: Accelerator) -> None:
+    """Raise where tritonscale cannot take over the accelerator's loss scaling now (nothing changed)."""
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"expected an accelerate.Accelerator, got {type(accelerator).__name__}")
+    reason = _REFUSED_DISTRIBUTED_TYPES.get(accelerator.distributed_type)
+    if reason is not None:
+        raise ValueError(f"tritonscale cannot take over loss scaling under {accelerator.distributed_type}: {reason}")
+    if getattr(accelerator, "fp8_enabled", False):
+        raise ValueError("tritonscale cannot take over loss scaling in an FP8 run (its backend owns the scaling)")
+    old = accelerator.scaler
+    if old is not None and getattr(old, "_per_optimizer_states", None):
+        # A half-finished iteration (scaled or unscaled gradients on record) would be lost.
+        raise RuntimeError("install() must be called at an iteration boundary: the current scaler is mid-iteration")
+
+
+def _new_scaler(accelerator: Accelerator, scaler_kwargs: dict[str, Any]) -> GradScaler:
+    """The scaler :func:`install` puts on ``accelerator``: the Accelerator's ``GradScalerKwargs``
+    with ``scaler_kwargs`` on top, enabled for fp16, carrying the scale of a scaler that already ran."""
+    handler = getattr(accelerator, "scaler_handler", None)
+    kwargs: dict[str, Any] = handler.to_kwargs() if handler is not None else {}
+    kwargs.update(scaler_kwargs)
+    fp16 = accelerator.mixed_precision == "fp16"
+    kwargs.setdefault("enabled", fp16)
+    if kwargs["enabled"] and not fp16:
+        # Accelerate unscales (unscale_gradients) and autocasts only when mixed_precision is fp16:
+        # an enabled scaler elsewhere would leave scaled gradients to its fallback clip.
+        raise ValueError(
+            f"an enabled loss scaler needs Accelerator(mixed_precision='fp16'), got {accelerator.mixed_precision!r}; "
+            "pass enabled=False for a bf16/fp32 run (fused clip with the inf/NaN check, no scaling)"
+        )
+    scaler = GradScaler(accelerator.device.type, **kwargs)
+    old = accelerator.scaler
+    if old is not None and scaler.is_enabled() and getattr(old, "_scale", None) is not None:
+        # The old scaler already ran steps (or was loaded and used): carry its scale on.
+        scaler.load_state_dict(old.state_dict())
     return scaler
 
 

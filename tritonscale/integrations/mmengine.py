@@ -50,11 +50,10 @@ from mmengine.device import get_device
 from mmengine.optim import AmpOptimWrapper, OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 
+from tritonscale.clip_args import kernels_compute
 from tritonscale.grad_scaler import GradScaler
 
 __all__ = ["FusedClipAmpOptimWrapper"]
-
-_FUSED_NORM_TYPES = (1.0, 2.0, math.inf)  # what the kernels compute; others stay torch's
 
 
 @OPTIM_WRAPPERS.register_module()
@@ -134,7 +133,7 @@ class FusedClipAmpOptimWrapper(AmpOptimWrapper):
             norm_type = float(norm_type)  # torch takes "inf" too
         except (TypeError, ValueError):
             return None
-        if norm_type not in _FUSED_NORM_TYPES or not 0 < max_norm < math.inf:
+        if not kernels_compute(norm_type) or not 0 < max_norm < math.inf:  # other norm types: torch's
             return None
         return {"max_norm": float(max_norm), "norm_type": norm_type}
 

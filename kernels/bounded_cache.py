@@ -1,0 +1,46 @@
+"""One small least-recently-used cache for the host-side work a step would otherwise redo.
+
+Layouts (``flat_runs``), launch tables (``tensor_table``) and the controller's overlap check
+(``tritonscale/grad_groups.py``) are each found from the gradients' memory and used again on the
+next step, when the gradients are usually the same. Each keeps at most a few entries here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+class BoundedCache(Generic[V]):
+    """At most ``size`` entries; a hit or a put makes its entry the most recent, and a put past
+    ``size`` drops the least recent one.
+
+    Sound only where every entry is a pure function of its key (the same key always means the same
+    answer, whatever happened to the memory in between: ``tensor_table``'s tables, ``grad_groups``'
+    overlap check), or where an entry is proved again from the arguments on every use before it is
+    trusted (``flat_runs``' layouts). Each cache states its own argument beside it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[Hashable, V] = OrderedDict()
+
+    def get(self, key: Hashable) -> V | None:
+        """The entry for ``key`` (now the most recent), or None."""
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: Hashable, value: V) -> None:
+        """Store ``value`` (not None) for ``key`` as the most recent entry, dropping the least
+        recent one past ``size``."""
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        if len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
