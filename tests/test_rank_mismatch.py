@@ -94,7 +94,7 @@ def scaler_mismatch_worker(rank: int, world: int) -> dict:
             scaler.unscale_(optimizer)
         before = _state(params, optimizer, scaler)
 
-        def step():
+        def step(flow=flow, scaler=scaler, optimizer=optimizer):
             if "clip" in flow:
                 scaler.clip_grad_norm_(optimizer, MAX_NORM)
             scaler.step(optimizer)

@@ -146,7 +146,6 @@ def test_pytorchs_tracker_7_with_growth_interval_1_loads(backend):
     assert _drive(ours, PATTERN) == _drive(theirs, PATTERN)
 
 
-
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
 def test_a_copied_torch_fused_optimizer_still_takes_amp_scaling(cls):
     # torch drops _step_supports_amp_scaling when it pickles an optimizer (only defaults, state and
