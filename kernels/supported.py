@@ -65,16 +65,3 @@ def raise_unsupported_grad(grad: torch.Tensor, where: str) -> NoReturn:
         "tritonscale updates gradients in place and will not work on a copy"
     )
 
-
-#: Re-exported for the modules not yet moved (grad_scaler.py, step_updater.py import these from
-#: here; their home is ``tritonscale.clip_args``). Looked up on first use, so this module imports
-#: nothing from tritonscale at import time (it stays a leaf of the kernels package).
-_MOVED_TO_CLIP_ARGS = ("check_max_norm", "check_norm_type", "kernels_compute")
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED_TO_CLIP_ARGS:
-        import importlib
-
-        return getattr(importlib.import_module("tritonscale.clip_args"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

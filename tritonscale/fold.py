@@ -50,7 +50,7 @@ def takes_grad_scaler_argument(optimizer: Any) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _declares_grad_scaler(step: Any) -> bool:
-    # inspect.signature costs ~10 us, paid in every fused step otherwise; a class's step is one object.
+    # inspect.signature is slow next to a fused step, which would pay it every time; a class's step is one object.
     # A pure function of its key (the function object, held by the cache): it cannot go stale.
     try:
         return "grad_scaler" in inspect.signature(step).parameters
@@ -58,14 +58,23 @@ def _declares_grad_scaler(step: Any) -> bool:
         return False
 
 
-def warn_grad_scaler_argument() -> None:
+def clip_folds(inner: torch.optim.Optimizer, optimizer: Any, fold_into_optimizer: bool) -> bool:
+    """Whether clip_grad_norm_ hands ``inner`` (the real optimizer; ``optimizer``: the object whose
+    step() is called) ``scale / clip_coef`` instead of writing the gradients: a fused optimizer
+    divides by grad_scale itself (float16 gradients are then fine). Not with the older
+    step(grad_scaler=...) protocol, which divides by the plain scale: there the gradients are
+    unscaled and clipped in place."""
+    return fold_into_optimizer and takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer)
+
+
+def warn_grad_scaler_argument(stacklevel: int = 3) -> None:
     """torch's deprecation notice for the older protocol, word for word."""
     warnings.warn(
         "GradScaler is going to stop passing itself as a keyword argument to the passed "
         "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
         "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
         FutureWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 
@@ -106,6 +115,22 @@ def step_with_amp_attributes(
         for name in attributes:
             if name in vars(inner):
                 delattr(inner, name)
+
+
+def step_fused(
+    optimizer: Any,
+    inner: torch.optim.Optimizer,
+    scale: torch.Tensor,
+    stage: OptState,
+    folded: torch.Tensor | None,
+    skip: torch.Tensor,
+    args: tuple = (),
+    kwargs: dict | None = None,
+) -> Any:
+    """A fused optimizer's step: ``grad_scale`` (:func:`grad_scale_for_step`) and ``found_inf``
+    (``skip``, the step's skip flag) set on ``inner`` for the call."""
+    attributes = {"grad_scale": grad_scale_for_step(inner, scale, stage, folded), "found_inf": skip}
+    return step_with_amp_attributes(optimizer, inner, attributes, args, kwargs)
 
 
 def step_unless(

@@ -1,57 +1,49 @@
 """GradScaler: a drop-in for torch.amp.GradScaler whose passes are the fused Triton kernels.
 
-The controller only: it runs the gradient passes through a backend (grads -> check pass ->
-finalize -> apply, or the fold into a fused optimizer: ``fold.py``), keeps the per-optimizer
-stages (``optimizer_record.py``) and hands each iteration's flags to the policy's update rule
-(``policy.py``). Its state, checkpoints and pickling live in ``scaler_state.py``, torch's knob
-accessors and private members in ``torch_private_api.py``. The scale, the growth
-tracker and every found_inf stay on the device; only get_scale()/state_dict() (explicitly) and
-step() for an optimizer that cannot take found_inf read a device value on the host.
-Under torch.compile each call runs eagerly, as torch's do (compile_boundary.py).
+The controller only: it runs the gradient passes through a backend (or folds them into a fused
+optimizer: ``fold.py``), keeps the per-optimizer stages (``optimizer_record.py``) and hands each
+iteration's flags to the policy's rule (``policy.py``). State and checkpoints: ``scaler_state.py``;
+torch's accessors and private members: ``torch_private_api.py``; a disabled scaler's clip and step:
+``unscaled_step.py``. Everything stays on the device; only get_scale()/state_dict() and step() for
+an optimizer that cannot take found_inf read the host. Under torch.compile each call runs eagerly.
 """
 
 from __future__ import annotations
 
-import warnings
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from . import fold
 from .backends import check_backend_name
 from .compile_boundary import runs_eagerly
 from .diagnostics import device_stats
-from .fold import (
-    folded_grad_scale,
-    grad_scale_for_step,
-    is_torch_fused,
-    step_unless,
-    step_with_amp_attributes,
-    takes_amp_scaling,
-    takes_grad_scaler_argument,
-    warn_grad_scaler_argument,
-)
 from .grad_groups import Grads, collect_grads
 from .grad_passes import check_grads, clip_grads, unscale_grads_
-from .kernels.supported import check_max_norm, check_norm_type, kernels_compute
-from .optimizer_record import OptimizerRecord, OptState
+from .clip_args import check_max_norm, check_norm_type, kernels_compute
+from .optimizer_record import OptimizerRecord, OptState, read_found_inf, summed_flag
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import LAST_SKIPPED, LossScalePolicy
 from .policy_update import PolicyRunner
 from .rank_checks import RankChecks
-from .rank_combine import check_process_group
+from .rank_combine import GradAllReduce, check_process_group
 from .scale_outputs import scale_outputs
 from .scaler_state import (
     TORCH_INIT_SCALE,
     DeviceState,
     HostState,
+    ScalerSnapshot,
     ScalerStateIO,
     checked_init_scale,
+    cuda_missing,
     policy_from_torch_args,
     set_scale_,
 )
 from .torch_private_api import TorchPrivateAPI
+from .unscaled_step import clip_unscaled, step_unscaled
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -94,14 +86,11 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         **knobs: Any,
     ) -> None:
         self._device = device
-        self._enabled = enabled
         self._backend_name = check_backend_name(backend)
         self._fold = bool(fold_into_optimizer)
         self._process_group = check_process_group(process_group)
         self._rules = PolicyRunner(compile_policy)
-        if device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
-            self._enabled = False
+        self._enabled = False if cuda_missing(device, enabled) else enabled  # torch disables it then, too
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
         # Like torch, a disabled scaler keeps its arguments unchecked.
         init_scale = checked_init_scale(init_scale, self._policy) if self._enabled else init_scale
@@ -139,12 +128,6 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return check_process_group(process_group)
         return self._process_group if self._process_group is not None else grads.mesh_group
 
-    def _record_for_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> OptimizerRecord:
-        record = self._per_optimizer_states[id(optimizer)]  # optimizer: the unwrapped one
-        if record.stage is OptState.STEPPED:
-            raise RuntimeError(f"{funcname}() is being called after step().")
-        return record
-
     @runs_eagerly
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN on the device.
@@ -161,7 +144,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return
         optimizer = unwrap_optimizer(optimizer)
         scale, _ = self._check_scale_growth_tracker("unscale_")
-        record = self._record_for_unscale(optimizer, "unscale_")
+        record = self._per_optimizer_states[id(optimizer)].not_stepped("unscale_")
         if record.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         grads = collect_grads(optimizer, allow_fp16=False)
@@ -192,24 +175,16 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         max_norm = check_max_norm(max_norm)
         norm_type = check_norm_type(norm_type)
         optimizer = unwrap_optimizer(optimizer)
-        if not self._enabled:
-            # Scaling is off (a bf16 run): plain clipping, float16 gradients included, but the
-            # inf/NaN check still runs and the following step() skips on it.
-            grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True)
-            group = self._group(grads, process_group)
-            _, result = clip_grads(
-                grads, None, norm_type, max_norm, apply=True, backend=self._backend_name, group=group, ranks=self._ranks
-            )
-            self._per_optimizer_states[id(optimizer)].skip = self._ranks.skip(result.found_inf)
-            return result.norm
+        if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
+            group_of = functools.partial(self._group, process_group=process_group)
+            norm, skip = clip_unscaled(optimizer, max_norm, norm_type, group_of, self._backend_name, self._ranks)
+            self._per_optimizer_states[id(optimizer)].skip = skip
+            return norm
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
-        record = self._record_for_unscale(optimizer, "clip_grad_norm_")
-        # A fused optimizer divides by grad_scale itself: it gets scale / clip_coef, and the gradients
-        # are never written here (so float16 ones are fine). Not with the older step(grad_scaler=...)
-        # protocol, which divides by the plain scale: there they are unscaled and clipped in place.
-        fold = self._fold and takes_amp_scaling(optimizer) and not takes_grad_scaler_argument(optimizer)
+        record = self._per_optimizer_states[id(optimizer)].not_stepped("clip_grad_norm_")
+        folds = fold.clip_folds(optimizer, optimizer, self._fold)  # hand a fused optimizer scale / clip_coef
         grads = collect_grads(
-            optimizer, allow_fp16=fold, kernels=kernels_compute(norm_type), allow_sparse=not fold, split_replicas=True
+            optimizer, allow_fp16=folds, kernels=kernels_compute(norm_type), allow_sparse=not folds, split_replicas=True
         )
         # What the gradients still have to be divided by: the scale, nothing after unscale_ or an
         # applied clip, or what an earlier clip folded in (so a second clip sees true values).
@@ -222,7 +197,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             pending,
             norm_type,
             max_norm,
-            apply=not fold,
+            apply=not folds,
             unscale_on_overflow=not self._policy.skip_on_overflow,
             backend=self._backend_name,
             group=group,
@@ -231,8 +206,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             loss_scale=scale,
         )
         record.flags_combined()  # only now: a clip that raised leaves the pending flag as it was
-        if fold:
-            record.grad_scale = folded_grad_scale(pending, result.clip_coef)
+        if folds:
+            record.grad_scale = fold.folded_grad_scale(pending, result.clip_coef)
         # No gradients, no inf check (torch's step() then raises, as after unscale_); but an empty
         # partition of a process group has the group's found_inf, and steps with the others.
         if grads.devices or grads.replicas or group is not None:
@@ -256,8 +231,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             scaler.update()
         """
         inner = unwrap_optimizer(optimizer)  # the state is the real optimizer's; step() is the object's
-        if not self._enabled:
-            return self._step_unscaled(optimizer, inner, args, kwargs)
+        if not self._enabled:  # torch's plain step, unless the clip_grad_norm_ before it found inf/NaN
+            record = self._per_optimizer_states.pop(id(inner), None)
+            self._disabled_skip = record.skip if record is not None else None  # for last_step_skipped()
+            return step_unscaled(optimizer, inner, self._disabled_skip, self._ranks, args, kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale, _ = self._check_scale_growth_tracker("step")
@@ -265,43 +242,28 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        if takes_amp_scaling(inner):
-            if takes_grad_scaler_argument(optimizer):
-                # The older protocol: the optimizer calls _check_inf_per_device / _get_scale_async.
-                warn_grad_scaler_argument()
-                retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-                record.stage = OptState.STEPPED
-                return retval
+        if fold.takes_amp_scaling(inner) and fold.takes_grad_scaler_argument(optimizer):
+            retval = self._step_with_grad_scaler_argument(optimizer, args, kwargs)
+        elif fold.takes_amp_scaling(inner):
             if record.stage is OptState.READY:
                 # The optimizer divides by grad_scale itself: only the read-only check pass runs
                 # (sparse gradients coalesced first, as torch does; torch's fused ones take none).
-                grads = collect_grads(inner, allow_fp16=True, allow_sparse=not is_torch_fused(inner))
-                flags = check_grads(grads, scale, self._backend_name)
-                record.record_rank_flags(flags, self._group(grads), scale, self._ranks)
-            grad_scale = grad_scale_for_step(inner, scale, record.stage, record.grad_scale)
+                self._check_pass(inner, record, scale, allow_sparse=not fold.is_torch_fused(inner))
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
             skip = self._skip_flag(record, scale.device, required=False)
-            attributes = {"grad_scale": grad_scale, "found_inf": skip}
-            retval = step_with_amp_attributes(optimizer, inner, attributes, args, kwargs)
-            record.stage = OptState.STEPPED
-            return retval
-
-        if record.stage is OptState.READY:
-            self.unscale_(inner)
-        skip = self._skip_flag(record, scale.device)
-        retval = step_unless(optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False)
+            retval = fold.step_fused(optimizer, inner, scale, record.stage, record.grad_scale, skip, args, kwargs)
+        else:
+            if record.stage is OptState.READY:
+                self.unscale_(inner)
+            skip = self._skip_flag(record, scale.device)
+            retval = fold.step_unless(optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False)
         record.stage = OptState.STEPPED
         return retval
 
-    def _step_unscaled(self, optimizer: Any, inner: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        """step() of a disabled scaler: torch's plain step, unless the clip_grad_norm_ just before it
-        found inf/NaN. That finding is spent by this step: no update() is needed to clear it."""
-        record = self._per_optimizer_states.pop(id(inner), None)
-        self._ranks.next_iteration()  # a bf16 loop may never call update(): its step ends the iteration
-        self._disabled_skip = record.skip if record is not None else None  # for last_step_skipped()
-        if record is None or record.skip is None:
-            return optimizer.step(*args, **kwargs)
-        return step_unless(optimizer, inner, record.skip, self._ranks.read_skip, args, kwargs)
+    def _check_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor, allow_sparse: bool) -> None:
+        """The read-only inf/NaN check of still-scaled gradients, recorded for the optimizer."""
+        grads = collect_grads(inner, allow_fp16=True, allow_sparse=allow_sparse)
+        record.record_rank_flags(check_grads(grads, scale, self._backend_name), self._group(grads), scale, self._ranks)
 
     def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
@@ -371,30 +333,66 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         For LR schedulers: ``if not scaler.last_step_skipped(): scheduler.step()``. The device
         flag, for loops that must not sync, is ``scaler.stats()["skipped"]``.
         """
+        skipped = self.last_skip_flag()
+        if self._enabled:
+            self._ranks.raise_if_flagged()
+        return skipped is not None and bool(skipped.item())
+
+    # ------------------------------------------- this iteration, for adapters
+    def optimizer_stage(self, optimizer: torch.optim.Optimizer) -> OptState | None:
+        """``optimizer``'s stage in this iteration (torch's ``OptState``); None when nothing was
+        recorded for it since the last update(). Example: ``scaler.optimizer_stage(opt) is None``."""
+        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        return record.stage if record is not None else None
+
+    def found_inf_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This iteration's overflow flag for ``optimizer`` (0-dim float32 on the device, nonzero on
+        inf/NaN; the process group's, with one); None before its first check. No host read.
+        Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later."""
+        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        return summed_flag(record.found_inf_per_device.values()) if record is not None else None
+
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """:meth:`found_inf_for` read on the host (one read); False before the first check.
+        Example: ``if scaler.overflowed(opt): ...`` (its step() will skip)."""
+        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        return record is not None and read_found_inf(record.found_inf_per_device.values())
+
+    def last_norm(self) -> torch.Tensor | None:
+        """The norm the last update() used (its iteration's last clip_grad_norm_), on the device;
+        None if that iteration clipped nothing. Example: ``norm = scaler.last_norm()``."""
+        return self._last_norm
+
+    def last_skip_flag(self) -> torch.Tensor | None:
+        """Whether the last completed iteration skipped its step: a 0-dim bool device tensor, no host
+        read (False before the first; None before any state). Example: ``skipped = scaler.last_skip_flag()``."""
         if not self._enabled:  # skipped only when the clip_grad_norm_ before it found inf/NaN
-            return self._disabled_skip is not None and bool(self._disabled_skip.item())
-        if self._counters is None:
-            return False
-        self._ranks.raise_if_flagged()
-        return bool(self._counters[LAST_SKIPPED].item())
+            return self._disabled_skip > 0 if self._disabled_skip is not None else None
+        return self._ranks.skip(self._counters[LAST_SKIPPED] > 0) if self._counters is not None else None
+
+    def abandon_iteration(
+        self, optimizer: torch.optim.Optimizer | None = None, snapshot: ScalerSnapshot | None = None
+    ) -> None:
+        """Forget what this iteration recorded for ``optimizer`` (every optimizer when None), as if
+        it had not begun; with a ``snapshot``, also undo the update()s since it was taken. The
+        gradients stay as the passes left them. Example::
+
+            snapshot = scaler.snapshot()  # then an update() (e.g. a backoff) and an error
+            scaler.abandon_iteration(optimizer, snapshot)  # the scaler as at the snapshot
+        """
+        if optimizer is None:
+            self._per_optimizer_states = defaultdict(OptimizerRecord)
+        else:
+            self._per_optimizer_states.pop(id(unwrap_optimizer(optimizer)), None)
+        if snapshot is not None:
+            self.restore(snapshot)
+
+    def all_reduce_grads_(self, params: list[torch.Tensor], process_group: Any, reducer: GradAllReduce) -> None:
+        """Sum ``params``' gradients over ``process_group`` in place (the Updater's data parallelism),
+        the collective carrying this scaler's scale and call sequence for the ranks to check."""
+        reducer(params, process_group, self._scale if self._enabled else None, self._ranks)
 
     # -------------------------------------------------------- knobs and state
-    @runs_eagerly
-    def get_scale(self) -> float:
-        """The current scale as a Python float (a host sync), or 1.0 when disabled."""
-        if not self._enabled:
-            return 1.0
-        self._ranks.raise_if_flagged()
-        return self._init_scale if self._scale is None else float(self._scale.item())
-
     def _host_state(self) -> HostState:  # state_dict() reads the host: a flagged rank mismatch raises there
         self._ranks.raise_if_flagged()
         return super()._host_state()
-
-    def is_enabled(self) -> bool:
-        return self._enabled
-
-    @property
-    def backend(self) -> str:
-        """The requested backend: "auto", "triton" or "torch"."""
-        return self._backend_name

@@ -32,8 +32,8 @@ at the floor, ``max_consecutive_skips``) read one device value per update on the
 
 from __future__ import annotations
 
-import math
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from enum import IntFlag
 from typing import Any
@@ -41,6 +41,14 @@ from typing import Any
 import torch
 
 from .errors import ScalerConfigError
+from .knob_checks import (
+    check_backoff_factor,
+    check_growth_factor,
+    check_growth_interval,
+    check_optional_scale,
+    check_positive_int,
+    is_number,
+)
 from .policy_forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
 
 ON_MIN_SCALE = ("clamp", "warn", "raise")
@@ -78,64 +86,31 @@ class HostCheck(IntFlag):
     TOO_MANY_SKIPS = 2  # this skip makes more than max_consecutive_skips in a row
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+class ConsecutiveSkipLimit:
+    """MindSpore's ``bad_step_max``: after an update, raise once more than ``limit`` steps in a row
+    were skipped, that update applied (``DynamicLossScaleManager``). ``max_consecutive_skips``
+    below is the same limit checked inside the update, where the raising update changes nothing.
+    Both count with the state's ``consecutive_skips`` counter.
 
+    The counter (on the device) is read only when it could have passed the limit: ``bound`` is an
+    upper bound on it, raised by one per update and set to the count by each read (or a load).
+    """
 
-#: The device state's int32 counters (growth tracker, counters) hold values below this.
-INT32_LIMIT = 2**31
+    def __init__(self, limit: int, in_a_row: int = 0) -> None:
+        self.limit = limit
+        self.bound = in_a_row
 
-
-def check_scale_value(name: str, value: float) -> float:
-    """A loss scale (or a bound on one): positive and finite, also once rounded to float32."""
-    try:
-        finite = _is_number(value) and math.isfinite(value)
-    except OverflowError:  # an int beyond the float range, such as 10**400
-        finite = False
-    if not (finite and value > 0):
-        shown = f"an int of {value.bit_length()} bits" if isinstance(value, int) and value > 2**1024 else repr(value)
-        raise ScalerConfigError(f"{name} must be a positive finite float, got {shown}")
-    stored = as_float32(float(value))
-    if not (math.isfinite(stored) and stored > 0):
-        raise ScalerConfigError(f"{name}={value!r} rounds to {stored!r} in float32, where the scale is kept")
-    return float(value)
-
-
-def check_counter(name: str, value: int, limit: int = INT32_LIMIT) -> int:
-    """A tracker kept in an int32 device counter: an int in [0, limit)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
-        raise ScalerConfigError(f"{name} must be an int in [0, {limit}), got {value!r}")
-    return value
-
-
-def check_growth_factor(value: float) -> float:
-    if not _is_number(value) or not value > 1.0 or not math.isfinite(value):
-        raise ScalerConfigError(f"The growth factor must be > 1.0 (and finite), got {value!r}")
-    return float(value)
-
-
-def check_backoff_factor(value: float) -> float:
-    if not _is_number(value) or not 0.0 < value < 1.0:
-        raise ScalerConfigError(f"The backoff factor must be in (0, 1), got {value!r}")
-    return float(value)
-
-
-def check_growth_interval(value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ScalerConfigError(f"The growth interval must be an int >= 1, got {value!r}")
-    return value
-
-
-def _check_positive_int(name: str, value: int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ScalerConfigError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
-
-
-def _check_optional_scale(name: str, value: float | None) -> None:
-    if value is not None:
-        check_scale_value(name, value)
+    def after_update(self, read_in_a_row: Callable[[], int], read_scale: Callable[[], float]) -> None:
+        """Count one update; raise if the count ``read_in_a_row()`` (a host read) is past the limit."""
+        self.bound += 1
+        if self.bound <= self.limit:
+            return
+        in_a_row = self.bound = read_in_a_row()  # the one host read, once per ~limit updates
+        if in_a_row > self.limit:
+            raise RuntimeError(
+                f"Dynamic loss scale: {in_a_row} overflows in a row, more than bad_step_max={self.limit} "
+                f"(MindSpore's limit); the loss scale is now {read_scale():g}"
+            )
 
 
 @dataclass
@@ -171,20 +146,20 @@ class LossScalePolicy:
         self.growth_factor = check_growth_factor(self.growth_factor)
         self.backoff_factor = check_backoff_factor(self.backoff_factor)
         self.growth_interval = check_growth_interval(self.growth_interval)
-        _check_positive_int("hysteresis", self.hysteresis)
-        _check_optional_scale("min_scale", self.min_scale)
-        _check_optional_scale("max_scale", self.max_scale)
+        check_positive_int("hysteresis", self.hysteresis)
+        check_optional_scale("min_scale", self.min_scale)
+        check_optional_scale("max_scale", self.max_scale)
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ScalerConfigError(f"min_scale {self.min_scale} is above max_scale {self.max_scale}")
         if self.on_min_scale not in ON_MIN_SCALE:
             raise ScalerConfigError(f"on_min_scale must be one of {ON_MIN_SCALE}, got {self.on_min_scale!r}")
-        _check_positive_int("max_consecutive_skips", self.max_consecutive_skips, allow_none=True)
-        _check_optional_scale("skip_norm_above", self.skip_norm_above)
-        if self.skip_norm_factor is not None and not (_is_number(self.skip_norm_factor) and self.skip_norm_factor > 1):
+        check_positive_int("max_consecutive_skips", self.max_consecutive_skips, allow_none=True)
+        check_optional_scale("skip_norm_above", self.skip_norm_above)
+        if self.skip_norm_factor is not None and not (is_number(self.skip_norm_factor) and self.skip_norm_factor > 1):
             raise ScalerConfigError(f"skip_norm_factor must be a float > 1 or None, got {self.skip_norm_factor!r}")
-        if not (_is_number(self.norm_average_decay) and 0 < self.norm_average_decay < 1):
+        if not (is_number(self.norm_average_decay) and 0 < self.norm_average_decay < 1):
             raise ScalerConfigError(f"norm_average_decay must be in (0, 1), got {self.norm_average_decay!r}")
-        _check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
+        check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
         for flag in ("dynamic", "skip_on_overflow", "consecutive_hysteresis", "hysteresis_refill_on_backoff"):
             if not isinstance(getattr(self, flag), bool):
                 raise ScalerConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")

@@ -15,27 +15,26 @@ and norm statistics; torch's scaler loads it (it reads its five keys), and ours 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import abc
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .compile_boundary import runs_eagerly
 from .errors import ScalerConfigError
+from .knob_checks import INT32_LIMIT, check_counter, check_scale_value
 from .policy import (
     CONSECUTIVE_SKIPS,
     COUNTER_NAMES,
     HYSTERESIS_LEFT,
-    INT32_LIMIT,
     LAST_SKIPPED,
     NORM_AVERAGE,
     NORM_COUNT,
     SKIPPED_STEPS,
     LossScalePolicy,
     as_float32,
-    check_counter,
-    check_scale_value,
 )
 
 #: torch.amp.GradScaler's default ``init_scale`` (its other defaults are LossScalePolicy's).
@@ -94,6 +93,22 @@ class DeviceState:
             getattr(self, field.name).copy_(getattr(loaded, field.name))
 
 
+class ScalerSnapshot(NamedTuple):
+    """``GradScaler.snapshot()``: what ``abandon_iteration`` puts back."""
+
+    state: dict[str, Any]  # state_dict()
+    last_found_inf: torch.Tensor | None  # stats()["found_inf"] and ["norm"]: the last update's
+    last_norm: torch.Tensor | None
+
+
+def cuda_missing(device: str, enabled: bool) -> bool:
+    """True, with torch's warning, when an enabled scaler asks for "cuda" and there is none."""
+    if device == "cuda" and enabled and not torch.cuda.is_available():
+        warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=3)
+        return True
+    return False
+
+
 def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy) -> float:
     """An enabled scaler's ``init_scale``: a number (or a 1-element tensor, as torch takes), finite
     and nonzero in float32, within the policy's [min_scale, max_scale]; the policy validated too."""
@@ -135,6 +150,16 @@ class ScalerStateIO:
         self._policy, self._host = policy, host
         if self._tensors is not None:
             self._tensors.load_(host)
+
+    def snapshot(self) -> ScalerSnapshot:
+        """The state_dict (a host read) and stats()'s last found_inf and norm: what
+        ``abandon_iteration(optimizer, snapshot)`` puts back. Example: ``saved = scaler.snapshot()``."""
+        return ScalerSnapshot(self.state_dict(), self._last_found_inf, self._last_norm)
+
+    def restore(self, snapshot: ScalerSnapshot) -> None:
+        """Put the scale, its trackers and stats() back as they were at ``snapshot``."""
+        self.load_state_dict(snapshot.state)  # in place: the device tensors keep their addresses
+        self._last_found_inf, self._last_norm = snapshot.last_found_inf, snapshot.last_norm
 
     def __getstate__(self) -> dict[str, Any]:
         # Device tensors do not travel: the values go as Python numbers, made anew at the next scale().

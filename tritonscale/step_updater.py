@@ -7,8 +7,10 @@ One :meth:`Updater.update` runs a whole training step::
     -> optimizer step -> scale update
 
 Every loss-scale decision is the :class:`~tritonscale.GradScaler`'s (its policy, on the device):
-this module only orders the calls and adds what nnabla's updaters add around them -- callbacks,
-gradient accumulation, the gradient all-reduce, weight decay and the bounded retry.
+this module only orders the calls, through the scaler's public API, and adds what nnabla's
+updaters add around them -- callbacks, gradient accumulation, the gradient all-reduce, weight
+decay and the bounded retry. Its arguments are checked in ``updater_config.py``; its result and
+errors are ``updater_errors.py``'s.
 
 What it does where nnabla's originals differ (``nnabla/experimental/trainers/updater.py`` before
 2024, ``nnabla/experimental/mixed_precision_training.py``):
@@ -22,13 +24,6 @@ What it does where nnabla's originals differ (``nnabla/experimental/trainers/upd
 * an error in any phase is raised as :class:`UpdaterError` naming the phase; up to the optimizer
   step, parameters, optimizer state and the scaler are left as they were before that ``update()``
   (an error in ``update_callback_on_finish`` comes after a complete update and says so).
-
-GradScaler has no public accessor for a few things this layer needs; it reads them as frameworks
-do: ``_per_optimizer_states`` (torch's member: the retry decision's found_inf, and dropping the
-iteration's record on a rollback), ``_fold`` and ``_process_group`` (argument checks), ``_scale``
-and ``_ranks`` (the scale and call sequence the all-reduce checks across ranks),
-``_last_found_inf``/``_last_norm`` (restored with the state_dict on a rollback) and
-``_disabled_skip`` (the skip flag of a disabled scaler, whose ``stats()`` raises).
 """
 
 from __future__ import annotations
@@ -36,119 +31,29 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from .compile_boundary import runs_eagerly
-from .fold import takes_amp_scaling, takes_grad_scaler_argument
 from .grad_scaler import GradScaler
-from .kernels.supported import check_max_norm, check_norm_type
+from .clip_args import check_max_norm, check_norm_type
 from .optimizer_wrappers import unwrap_optimizer
 from .rank_combine import GradAllReduce
+from .scaler_state import ScalerSnapshot
+from .updater_config import (
+    CALLBACK_NAMES,  # noqa: F401  (read here by users and tests)
+    Callback,
+    as_feed,
+    callbacks_by_name,
+    check_int,
+    check_weight_decay,
+    checked_scaler,
+    retries_for,
+)
+from .updater_errors import DataFeedExhausted, PhaseFailed, UpdaterError, UpdateResult, updater_error
 
 __all__ = ["DataFeedExhausted", "UpdateResult", "Updater", "UpdaterError"]
-
-#: nnabla's callback names, in the order their phases run.
-CALLBACK_NAMES = (
-    "forward_callback_on_start",
-    "forward_callback_on_finish",
-    "backward_callback_on_start",
-    "backward_callback_on_finish",
-    "comm_callback_on_start",
-    "comm_callback_on_finish",
-    "update_callback_on_start",
-    "update_callback_on_finish",
-)
-#: ``max_retries`` when ``on_overflow="retry"`` and none is given: a real overflow is gone after one
-#: backoff; an inf/NaN the model makes at any scale is not, and every retry costs a forward+backward.
-DEFAULT_MAX_RETRIES = 3
-
-Callback = Callable[[int], Any]
-
-
-class UpdaterError(RuntimeError):
-    """A phase of :meth:`Updater.update` raised; the original exception is ``__cause__``.
-
-    ``phase`` is the callback's name (``"forward_callback_on_start"``, ...) or the step's own
-    phase (``"data_feed"``, ``"forward"``, ``"backward"``, ``"comm"``, ``"unscale_clip"``,
-    ``"overflow_backoff"``, ``"update"``); ``attempt`` counts from 1 (2: the first retry),
-    ``micro_batch`` from 0 (None outside the micro-batch loop). ``applied`` is False unless the error came from
-    ``update_callback_on_finish``, after the step and the scale update: then that update() is
-    complete. When False, the parameters, the optimizer's state and the scaler (scale, trackers,
-    its per-optimizer stage) are what they were before the update() began; the gradients hold
-    whatever the failed phase left (every update() zeroes them first).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        phase: str,
-        iteration: int,
-        attempt: int,
-        micro_batch: int | None,
-        applied: bool,
-    ) -> None:
-        super().__init__(message)
-        self.phase = phase
-        self.iteration = iteration
-        self.attempt = attempt
-        self.micro_batch = micro_batch
-        self.applied = applied
-
-
-class DataFeedExhausted(UpdaterError):
-    """The data feed ran out (StopIteration) before ``accum_grad`` micro-batches were fed."""
-
-
-@dataclass(frozen=True)
-class UpdateResult:
-    """What one :meth:`Updater.update` did. Tensors stay on the device (reading them syncs).
-
-    ``loss``: the loss of the applied (or finally skipped) attempt, detached: the mean of its
-    micro-batch losses (``grad_reduction="mean"``) or their sum (``"sum"``), this rank's.
-    ``norm``: the unscaled gradient norm before clipping (inf/NaN on an overflow).
-    ``skipped``: 0-dim bool, True where the optimizer step was skipped (overflow or a policy's
-    norm-spike skip). ``retries``: how many times the batch was re-run after an overflow.
-    """
-
-    iteration: int
-    loss: torch.Tensor
-    norm: torch.Tensor
-    skipped: torch.Tensor
-    retries: int
-
-    @property
-    def step_applied(self) -> bool:
-        """Whether the optimizer step was applied (a host read of ``skipped``)."""
-        return not bool(self.skipped.item())
-
-
-class _Phase(Exception):
-    """Internal: carries the phase and position of an error to update()'s one handler."""
-
-    def __init__(self, phase: str, micro_batch: int | None, error: BaseException) -> None:
-        super().__init__(phase)
-        self.phase, self.micro_batch, self.error = phase, micro_batch, error
-
-
-def _callbacks(name: str, value: Callback | Sequence[Callback] | None) -> tuple[Callback, ...]:
-    """A callback, a list/tuple of them, or None, as a tuple (nnabla accepts one or a list)."""
-    if value is None:
-        return ()
-    items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-    for item in items:
-        if not callable(item):
-            raise TypeError(f"{name} must be a callable fn(iteration) or a list of them, got {type(item).__name__}")
-    return items
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class Updater:
@@ -233,110 +138,52 @@ class Updater:
         update_callback_on_start: Callback | Sequence[Callback] | None = None,
         update_callback_on_finish: Callback | Sequence[Callback] | None = None,
     ) -> None:
-        # Every argument is checked here, before anything runs: update() then only fails on what
-        # the step itself does.
         if not callable(model_or_loss_fn):
             raise TypeError(f"model_or_loss_fn must be callable, got {type(model_or_loss_fn).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-        self.model_or_loss_fn = model_or_loss_fn
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
+        self.model_or_loss_fn, self.loss_fn, self.optimizer = model_or_loss_fn, loss_fn, optimizer
         self._inner = unwrap_optimizer(optimizer)  # the scaler keys its records on the real optimizer
-        self._next_batch = self._as_feed(data_feed)
-        self.accum_grad = _check_int("accum_grad", accum_grad, 1)
+        self._next_batch = as_feed(data_feed)
+        self.accum_grad = check_int("accum_grad", accum_grad, 1)
         if grad_reduction not in ("mean", "sum"):
             raise ValueError(f'grad_reduction must be "mean" or "sum", got {grad_reduction!r}')
         self.grad_reduction = grad_reduction
         self.max_norm = math.inf if max_norm is None else check_max_norm(max_norm)
         self.norm_type = check_norm_type(norm_type)
-        if weight_decay is not None:
-            if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)):
-                raise ValueError(f"weight_decay must be a float >= 0 or None, got {weight_decay!r}")
-            if not (math.isfinite(weight_decay) and weight_decay >= 0):
-                raise ValueError(f"weight_decay must be a finite float >= 0 or None, got {weight_decay!r}")
-        self.weight_decay = weight_decay
-        if on_overflow not in ("skip", "retry"):
-            raise ValueError(f'on_overflow must be "skip" or "retry", got {on_overflow!r}')
+        self.weight_decay = check_weight_decay(weight_decay)
+        self.max_retries = retries_for(on_overflow, max_retries)
         self.on_overflow = on_overflow
-        if max_retries is not None:
-            _check_int("max_retries", max_retries, 0)
-            if on_overflow != "retry":
-                raise ValueError('max_retries applies only with on_overflow="retry"')
-        self.max_retries = 0 if on_overflow == "skip" else DEFAULT_MAX_RETRIES if max_retries is None else max_retries
         if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
             raise TypeError(f"autocast_dtype must be a torch.dtype or None, got {autocast_dtype!r}")
         self.autocast_dtype = autocast_dtype
         self.set_to_none = bool(set_to_none)
-        self.callbacks = {
-            name: _callbacks(name, value)
-            for name, value in zip(
-                CALLBACK_NAMES,
-                (
-                    forward_callback_on_start,
-                    forward_callback_on_finish,
-                    backward_callback_on_start,
-                    backward_callback_on_finish,
-                    comm_callback_on_start,
-                    comm_callback_on_finish,
-                    update_callback_on_start,
-                    update_callback_on_finish,
-                ),
+        self.callbacks = callbacks_by_name(
+            (
+                forward_callback_on_start,
+                forward_callback_on_finish,
+                backward_callback_on_start,
+                backward_callback_on_finish,
+                comm_callback_on_start,
+                comm_callback_on_finish,
+                update_callback_on_start,
+                update_callback_on_finish,
             )
-        }
-
+        )
         params = self._params()
         if not params:
             raise ValueError("the optimizer holds no parameters")
         self._device_type = params[0].device.type
-        folds = takes_amp_scaling(self._inner) and not takes_grad_scaler_argument(optimizer)
-        if scaler is None:
-            scaler = GradScaler(self._device_type, fold_into_optimizer=weight_decay is None)
-        elif not isinstance(scaler, GradScaler):
-            raise TypeError(f"scaler must be a tritonscale.GradScaler, got {type(scaler).__name__}")
-        # GradScaler has no public accessor for these two settings: read its attributes.
-        if weight_decay is not None and folds and getattr(scaler, "_fold", True):
-            raise ValueError(
-                "weight_decay needs the unscaled gradients in memory, but this scaler folds the unscale into "
-                f"the fused {type(self._inner).__name__}: pass GradScaler(..., fold_into_optimizer=False), "
-                "or use the optimizer's own weight_decay"
-            )
-        if process_group is not None:
-            import torch.distributed as dist
-
-            if not isinstance(process_group, dist.ProcessGroup):
-                raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {process_group!r}")
-            if getattr(scaler, "_process_group", None) is not None:
-                raise ValueError(
-                    "the updater all-reduces the gradients over process_group (they are then the same on every "
-                    "rank); a scaler with its own process_group would count them once per rank"
-                )
+        self.scaler = checked_scaler(
+            scaler, self._device_type, self._inner, optimizer, weight_decay, process_group, self.max_retries
+        )
         self.process_group = process_group
-        self._all_reduce = GradAllReduce()
-        if on_overflow == "retry" and self.max_retries > 0:
-            # A retry only helps if the overflow makes the scale smaller.
-            if not scaler.is_enabled():
-                raise ValueError('on_overflow="retry" needs an enabled scaler (a disabled one has no scale to lower)')
-            if not scaler.state_dict()["policy"]["dynamic"]:
-                raise ValueError('on_overflow="retry" needs a dynamic loss scale; this scaler\'s is fixed')
-        self.scaler = scaler
+        self._all_reduce = GradAllReduce()  # keeps the buffer plan between steps
         #: The iteration number the next update() passes to the callbacks (one more per applied
         #: or skipped update(); a failed one does not count).
         self.iteration = 0
 
     # ---------------------------------------------------------------- helpers
-    @staticmethod
-    def _as_feed(data_feed: Any) -> Callable[[], Any]:
-        # A callable first: nnabla's data_feeder is one (and nn.Sequential is both).
-        if callable(data_feed):
-            return data_feed
-        if isinstance(data_feed, Iterator):
-            return data_feed.__next__
-        if isinstance(data_feed, Iterable):
-            return iter(data_feed).__next__
-        kind = type(data_feed).__name__
-        raise TypeError(f"data_feed must be a callable returning a batch, or an iterator, not {kind}")
-
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self._inner.param_groups for p in group["params"]]
 
@@ -345,16 +192,16 @@ class Updater:
             try:
                 callback(iteration)
             except Exception as error:
-                raise _Phase(name, micro_batch, error) from error
+                raise PhaseFailed(name, micro_batch, error) from error
 
     @contextlib.contextmanager
     def _phase(self, name: str, micro_batch: int | None = None) -> Iterator[None]:
         try:
             yield
-        except _Phase:
+        except PhaseFailed:
             raise
         except Exception as error:
-            raise _Phase(name, micro_batch, error) from error
+            raise PhaseFailed(name, micro_batch, error) from error
 
     def _forward(self, batch: Any) -> torch.Tensor:
         autocast = (
@@ -374,60 +221,23 @@ class Updater:
             raise TypeError(f"the forward must return a one-element floating-point loss tensor, got {loss!r}")
         return loss
 
-    def _all_reduce_grads(self) -> None:
-        """Sum the gradients over the group: one collective per (device, dtype) on a flat copy,
-        the first carrying every rank's scale and gradient layout, which must agree (rank_combine)."""
-        scale = self.scaler._scale if self.scaler.is_enabled() else None
-        self._all_reduce(self._params(), self.process_group, scale, self.scaler._ranks)
-
-    def _overflowed(self) -> bool:
-        """The retry decision: did this attempt's fused check find inf/NaN? One host read.
-
-        Read from the scaler's per-optimizer record (torch's ``found_inf_per_device``), as
-        frameworks do: GradScaler has no public flag before update()."""
-        record = self.scaler._per_optimizer_states.get(id(self._inner))
-        flags = list(record["found_inf_per_device"].values()) if record is not None else []
-        if not flags:
-            return False
-        device = flags[0].device
-        return bool(torch.stack([f.reshape(()).to(device) for f in flags]).sum().item() > 0)
+    def _feed(self, k: int) -> Any:
+        with self._phase("data_feed", k):
+            try:
+                return self._next_batch()
+            except StopIteration:
+                raise PhaseFailed("data_feed", k, StopIteration()) from None
 
     def _skipped_flag(self) -> torch.Tensor:
-        """The step's skip flag after update(), as a new 0-dim bool device tensor (no host read)."""
-        if self.scaler.is_enabled():  # stats() hands views of state updated in place; a pending
-            # mismatch between ranks (GPU paths) skipped the step and left that state as it was
-            return self.scaler._ranks.skip(self.scaler.stats()["skipped"] > 0)
-        skip = getattr(self.scaler, "_disabled_skip", None)  # a disabled scaler keeps it only there
-        return skip > 0 if skip is not None else torch.zeros((), dtype=torch.bool, device=self._params()[0].device)
-
-    def _snapshot_scaler(self) -> tuple[dict, Any, Any]:
-        """The scaler as it was before a retry's backoff: its state_dict (one host read, only once
-        an overflow already cost one) and the last update's diagnostics behind stats()."""
-        return self.scaler.state_dict(), self.scaler._last_found_inf, self.scaler._last_norm
-
-    def _rollback(self, snapshot: tuple[dict, Any, Any] | None) -> None:
-        """Undo what this update() did to the scaler; params and optimizer state were not touched."""
-        # The iteration's record (stage, flags, folded factor): torch's private member, as frameworks use it.
-        self.scaler._per_optimizer_states.pop(id(self._inner), None)
-        if snapshot is not None:
-            state, last_found_inf, last_norm = snapshot
-            self.scaler.load_state_dict(state)  # in place: the device tensors keep their addresses
-            self.scaler._last_found_inf, self.scaler._last_norm = last_found_inf, last_norm
+        """The step's skip flag after update(), as a 0-dim bool device tensor (no host read)."""
+        skipped = self.scaler.last_skip_flag()
+        return skipped if skipped is not None else torch.zeros((), dtype=torch.bool, device=self._params()[0].device)
 
     # ------------------------------------------------------------------ step
-    @runs_eagerly
-    def update(self, iteration: int | None = None) -> UpdateResult:
-        """Run one training step; return what it did.
-
-        ``iteration`` (default: :attr:`iteration`) is what the callbacks get. Raises
-        :class:`UpdaterError` naming the phase that failed; see there for what is left as it was.
-        """
-        i = self.iteration if iteration is None else _check_int("iteration", iteration, 0)
-        if id(self._inner) in self.scaler._per_optimizer_states:
-            raise RuntimeError(
-                "the scaler is in the middle of an iteration for this optimizer (unscale_/clip_grad_norm_/step "
-                "was called since its last update()); the Updater runs whole iterations"
-            )
+    def _attempt(self, i: int, batches: list[Any], first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One attempt: ``accum_grad`` micro-batches fed (the first attempt; a retry re-runs
+        ``batches``), forwarded and scaled-backwarded, the all-reduce, and the fused clip. Returns
+        the loss to report and the norm."""
         world = 1
         if self.process_group is not None:
             import torch.distributed as dist
@@ -435,58 +245,70 @@ class Updater:
             world = dist.get_world_size(self.process_group)
         backward_divisor = self.accum_grad * world if self.grad_reduction == "mean" else 1
         loss_divisor = self.accum_grad if self.grad_reduction == "mean" else 1
-        keep_batches = self.max_retries > 0  # only a retry needs the batches again
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
+        loss_sum: torch.Tensor | None = None
+        for k in range(self.accum_grad):
+            if first:
+                batch = self._feed(k)
+                if self.max_retries > 0:  # only a retry needs the batches again
+                    batches.append(batch)
+            else:
+                batch = batches[k]  # a retry re-runs the same batch, not the next one
+            self._fire("forward_callback_on_start", i, k)
+            with self._phase("forward", k):
+                loss = self._forward(batch)
+            self._fire("forward_callback_on_finish", i, k)
+            self._fire("backward_callback_on_start", i, k)
+            with self._phase("backward", k):
+                part = loss / backward_divisor if backward_divisor != 1 else loss
+                self.scaler.scale(part).backward()
+            self._fire("backward_callback_on_finish", i, k)
+            shown = loss.detach() / loss_divisor if loss_divisor != 1 else loss.detach()
+            loss_sum = shown if loss_sum is None else loss_sum + shown
+            del batch, loss, part
+        if self.process_group is not None:
+            self._fire("comm_callback_on_start", i)
+            with self._phase("comm"):
+                self.scaler.all_reduce_grads_(self._params(), self.process_group, self._all_reduce)
+            self._fire("comm_callback_on_finish", i)
+        with self._phase("unscale_clip"):
+            norm = self.scaler.clip_grad_norm_(self.optimizer, self.max_norm, self.norm_type)
+        return loss_sum, norm
+
+    def _add_weight_decay(self) -> None:
+        """nnabla's ``solver.weight_decay``: ``grad += weight_decay * param``, on the unscaled gradients."""
+        params = [p for p in self._params() if p.grad is not None]
+        torch._foreach_add_([p.grad for p in params], [p.detach() for p in params], alpha=self.weight_decay)
+
+    @runs_eagerly
+    def update(self, iteration: int | None = None) -> UpdateResult:
+        """Run one training step; return what it did.
+
+        ``iteration`` (default: :attr:`iteration`) is what the callbacks get. Raises
+        :class:`UpdaterError` naming the phase that failed; see there for what is left as it was.
+        """
+        i = self.iteration if iteration is None else check_int("iteration", iteration, 0)
+        if self.scaler.optimizer_stage(self._inner) is not None:
+            raise RuntimeError(
+                "the scaler is in the middle of an iteration for this optimizer (unscale_/clip_grad_norm_/step "
+                "was called since its last update()); the Updater runs whole iterations"
+            )
         batches: list[Any] = []
-        snapshot = None
+        snapshot: ScalerSnapshot | None = None
         attempt, committed, stepped = 0, False, False
         try:
-            while True:
-                self.optimizer.zero_grad(set_to_none=self.set_to_none)
-                loss_sum: torch.Tensor | None = None
-                for k in range(self.accum_grad):
-                    if attempt == 0:
-                        with self._phase("data_feed", k):
-                            try:
-                                batch = self._next_batch()
-                            except StopIteration:
-                                raise _Phase("data_feed", k, StopIteration()) from None
-                        if keep_batches:
-                            batches.append(batch)
-                    else:
-                        batch = batches[k]  # a retry re-runs the same batch, not the next one
-                    self._fire("forward_callback_on_start", i, k)
-                    with self._phase("forward", k):
-                        loss = self._forward(batch)
-                    self._fire("forward_callback_on_finish", i, k)
-                    self._fire("backward_callback_on_start", i, k)
-                    with self._phase("backward", k):
-                        part = loss / backward_divisor if backward_divisor != 1 else loss
-                        self.scaler.scale(part).backward()
-                    self._fire("backward_callback_on_finish", i, k)
-                    shown = loss.detach() / loss_divisor if loss_divisor != 1 else loss.detach()
-                    loss_sum = shown if loss_sum is None else loss_sum + shown
-                    del batch, loss, part
-                if self.process_group is not None:
-                    self._fire("comm_callback_on_start", i)
-                    with self._phase("comm"):
-                        self._all_reduce_grads()
-                    self._fire("comm_callback_on_finish", i)
-                with self._phase("unscale_clip"):
-                    norm = self.scaler.clip_grad_norm_(self.optimizer, self.max_norm, self.norm_type)
-                if attempt < self.max_retries and self._overflowed():
-                    with self._phase("overflow_backoff"):
-                        if snapshot is None:
-                            snapshot = self._snapshot_scaler()
-                        self.scaler.update()  # the policy backs the scale off (no step: counted as skipped)
-                    attempt += 1
-                    continue
-                break
-
+            loss, norm = self._attempt(i, batches, first=True)
+            while attempt < self.max_retries and self.scaler.overflowed(self._inner):  # one host read
+                with self._phase("overflow_backoff"):
+                    if snapshot is None:  # to restore on an error: one state_dict read, after an overflow
+                        snapshot = self.scaler.snapshot()
+                    self.scaler.update()  # the policy backs the scale off (no step: counted as skipped)
+                attempt += 1
+                loss, norm = self._attempt(i, batches, first=False)
             self._fire("update_callback_on_start", i)
             with self._phase("update"):
                 if self.weight_decay:
-                    params = [p for p in self._params() if p.grad is not None]
-                    torch._foreach_add_([p.grad for p in params], [p.detach() for p in params], alpha=self.weight_decay)
+                    self._add_weight_decay()
                 self.scaler.step(self.optimizer)
                 stepped = True
                 self.scaler.update()
@@ -495,30 +317,9 @@ class Updater:
             self.iteration = i + 1
             self._fire("update_callback_on_finish", i)
         except BaseException as error:
-            if not committed:
-                self._rollback(snapshot)
-            if not isinstance(error, _Phase):  # KeyboardInterrupt and the like: rolled back, propagated as is
+            if not committed:  # params and optimizer state were not touched; the scaler is put back
+                self.scaler.abandon_iteration(self._inner, snapshot)
+            if not isinstance(error, PhaseFailed):  # KeyboardInterrupt and the like: rolled back, propagated as is
                 raise
-            phase, micro_batch, cause = error.phase, error.micro_batch, error.error
-            where = f"iteration {i}, attempt {attempt + 1}" + (
-                f", micro-batch {micro_batch + 1}/{self.accum_grad}" if micro_batch is not None else ""
-            )
-            if committed:
-                state = "the update was applied (optimizer step and scale update) before it raised"
-            elif stepped:  # only the policy's opt-in stops raise here, and those come with a skipped step
-                state = "the optimizer step had run (skipped on the device on an overflow); the scaler was restored"
-            else:
-                state = "nothing was applied: parameters, optimizer state and the scaler are as before this update()"
-
-            kind, what = UpdaterError, f"{type(cause).__name__}: {cause}"
-            if isinstance(cause, StopIteration):
-                kind, what = DataFeedExhausted, "the data feed ran out (StopIteration)"
-            raise kind(
-                f"{phase} raised at {where}: {what}; {state}",
-                phase=phase,
-                iteration=i,
-                attempt=attempt + 1,
-                micro_batch=micro_batch,
-                applied=committed,
-            ) from cause
-        return UpdateResult(iteration=i, loss=loss_sum, norm=norm, skipped=skipped, retries=attempt)
+            raise updater_error(error, i, attempt, self.accum_grad, committed, stepped) from error.error
+        return UpdateResult(iteration=i, loss=loss, norm=norm, skipped=skipped, retries=attempt)

@@ -12,8 +12,10 @@ Frameworks and fused optimizers reach past the public API; the readers we know o
 * ``_check_inf_per_device``, ``_found_inf_per_device``, ``_get_scale_async``: optimizers that take
   ``step(grad_scaler=...)`` (apex and TransformerEngine fused optimizers, torch's own tests).
 
-Also here, as torch has them: ``get/set_growth_factor``, ``get/set_backoff_factor``,
-``get/set_growth_interval``. The controller (grad_scaler.py) keeps the stages and the passes.
+Also here, as torch has them: ``get_scale``, ``is_enabled``, ``get/set_growth_factor``,
+``get/set_backoff_factor``, ``get/set_growth_interval``; and ours beside them: the policy and the
+constructor's settings read back, ``place_state``. The controller (grad_scaler.py) keeps the
+stages and the passes.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from typing import Any
 import torch
 
 from .compile_boundary import runs_eagerly
+from .fold import warn_grad_scaler_argument
 from .grad_groups import collect_grads
-from .grad_passes import check_grads, torch_unscale_
+from .grad_passes import torch_unscale_
+from .knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
+from .optimizer_record import read_found_inf
 from .optimizer_wrappers import unwrap_optimizer
-from .policy import check_backoff_factor, check_growth_factor, check_growth_interval
+from .policy import LossScalePolicy
 from .scale_outputs import PerDevice
 
 
@@ -61,6 +66,21 @@ class TorchPrivateAPI:
     def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
         self._tensors = self._host.to_device(device)
 
+    def place_state(self, device: torch.device | str) -> torch.device:
+        """Make the scale and its trackers on ``device`` now, as the first scale() would (state
+        already made stays where it is); return their device. Example: ``scaler.place_state("cuda")``."""
+        if self._tensors is None:
+            self._lazy_init_scale_growth_tracker(torch.device(device))
+        return self._tensors.scale.device
+
+    @runs_eagerly
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync), or 1.0 when disabled."""
+        if not self._enabled:
+            return 1.0
+        self._ranks.raise_if_flagged()
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
         if self._scale is None:
@@ -75,7 +95,29 @@ class TorchPrivateAPI:
             return 0
         return self._host.growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
 
-    # ---------------------------------------------------------- knobs, public and private
+    # ------------------------------------------------ settings and knobs, public and private
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def backend(self) -> str:
+        """The requested backend: "auto", "triton" or "torch"."""
+        return self._backend_name
+
+    @property
+    def fold_into_optimizer(self) -> bool:
+        """The constructor's: whether clip_grad_norm_ folds into a fused optimizer's step."""
+        return self._fold
+
+    @property
+    def process_group(self) -> Any:
+        """The constructor's ``process_group`` (None: the gradients are not split across ranks)."""
+        return self._process_group
+
+    def get_policy(self) -> LossScalePolicy:
+        """A copy of the loss-scale policy in use. Example: ``scaler.get_policy().skip_on_overflow``."""
+        return LossScalePolicy(**self._policy.knobs())
+
     def get_growth_factor(self) -> float:
         return self._policy.growth_factor
 
@@ -102,6 +144,11 @@ class TorchPrivateAPI:
     _growth_interval = _knob("growth_interval")
 
     # ------------------------------------------------ the step(grad_scaler=...) protocol
+    def _step_with_grad_scaler_argument(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        """The older protocol's step: the optimizer calls _check_inf_per_device / _get_scale_async."""
+        warn_grad_scaler_argument(stacklevel=4)  # the warning points at the caller of scaler.step()
+        return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor itself, no host read (None before the first scale())."""
         return self._scale
@@ -113,8 +160,7 @@ class TorchPrivateAPI:
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         inner = unwrap_optimizer(optimizer)
         record = self._per_optimizer_states[id(inner)]
-        grads = collect_grads(inner, allow_fp16=True)
-        record.record_rank_flags(check_grads(grads, scale, self._backend_name), self._group(grads), scale, self._ranks)
+        self._check_pass(inner, record, scale, allow_sparse=True)
         return record.found_inf_per_device  # made the process group's, if there is one
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
@@ -137,7 +183,7 @@ class TorchPrivateAPI:
 
     @runs_eagerly
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
-        """``optimizer.step()`` unless a recorded found_inf is set (one host read, as torch)."""
-        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+        """``optimizer.step()`` unless a recorded found_inf is set (a host read, as torch's)."""
+        if not read_found_inf(optimizer_state["found_inf_per_device"].values()):
             return optimizer.step(*args, **kwargs)
         return None

@@ -39,6 +39,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
+from ..fold import takes_amp_scaling
 from ..grad_scaler import GradScaler, OptState
 from ..optimizer_wrappers import unwrap_optimizer
 
@@ -66,15 +67,9 @@ def _make_scaler(precision: str, device: str, scaler: GradScaler | None, scaler_
 
 
 def _unscaled_yet(scaler: GradScaler, optimizer: Any) -> bool:
-    """Whether this iteration already unscaled the optimizer's gradients (unscale_ or clip_grad_norm_).
-
-    Read through torch's ``_per_optimizer_states[id]["stage"]``, keyed on the real optimizer, the
-    way the scaler keys it; a disabled scaler never unscales.
-    """
-    if not scaler.is_enabled():
-        return True
-    inner = unwrap_optimizer(optimizer)
-    return scaler._per_optimizer_states[id(inner)]["stage"] is not OptState.READY
+    """Whether this iteration already unscaled the optimizer's gradients (unscale_ or clip_grad_norm_);
+    a disabled scaler never unscales."""
+    return not scaler.is_enabled() or scaler.optimizer_stage(optimizer) not in (None, OptState.READY)
 
 
 def _unscale_once(scaler: GradScaler, optimizer: Any) -> None:
@@ -164,7 +159,7 @@ class FusedClipPrecision(MixedPrecision):
         try:
             # Lightning's order, on request. Not for fused optimizers: as in Lightning, their
             # gradients stay scaled so the clip can fold into their step.
-            handles_unscaling = getattr(unwrap_optimizer(optimizer), "_step_supports_amp_scaling", False)
+            handles_unscaling = takes_amp_scaling(unwrap_optimizer(optimizer))
             if self.unscale_before_hooks and not self._backward_skipped and not handles_unscaling:
                 _unscale_once(self.scaler, optimizer)
             # on_before_optimizer_step hooks, then configure_gradient_clipping -> clip_gradients.
@@ -265,11 +260,8 @@ class FabricFusedClipPrecision(FabricMixedPrecision):
         torch ``clip_grad_norm_`` raises on an inf/NaN norm by default; the scaler skips that step
         anyway, so there is nothing to clip.
         """
-        if self.scaler.is_enabled():
-            record = self.scaler._per_optimizer_states[id(unwrap_optimizer(optimizer))]
-            flags = list(record["found_inf_per_device"].values())
-            if flags and bool(torch.stack([f.reshape(()).cpu() for f in flags]).sum() > 0):
-                return []
+        if self.scaler.is_enabled() and self.scaler.overflowed(optimizer):
+            return []
         return super().main_params(optimizer)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
