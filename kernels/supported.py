@@ -64,4 +64,3 @@ def raise_unsupported_grad(grad: torch.Tensor, where: str) -> NoReturn:
         f"{where}: gradient of shape {tuple(grad.shape)} and stride {grad.stride()} is not dense; "
         "tritonscale updates gradients in place and will not work on a copy"
     )
-

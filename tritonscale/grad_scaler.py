@@ -19,11 +19,11 @@ import torch
 
 from . import fold
 from .backends import check_backend_name
+from .clip_args import check_max_norm, check_norm_type, kernels_compute
 from .compile_boundary import runs_eagerly
 from .diagnostics import device_stats
 from .grad_groups import Grads, collect_grads
 from .grad_passes import check_grads, clip_grads, unscale_grads_
-from .clip_args import check_max_norm, check_norm_type, kernels_compute
 from .optimizer_record import OptimizerRecord, OptState, read_found_inf, summed_flag
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import LAST_SKIPPED, LossScalePolicy

@@ -35,9 +35,9 @@ from typing import Any, Literal
 
 import torch
 
+from .clip_args import check_max_norm, check_norm_type
 from .compile_boundary import runs_eagerly
 from .grad_scaler import GradScaler
-from .clip_args import check_max_norm, check_norm_type
 from .optimizer_wrappers import unwrap_optimizer
 from .rank_combine import GradAllReduce
 from .scaler_state import ScalerSnapshot

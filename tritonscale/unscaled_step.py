@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from .clip_args import kernels_compute
 from .fold import step_unless
 from .grad_groups import Grads, collect_grads
 from .grad_passes import clip_grads
-from .clip_args import kernels_compute
 from .rank_checks import RankChecks
 
 
