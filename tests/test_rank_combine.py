@@ -146,3 +146,31 @@ def test_an_overflow_on_one_rank_skips_every_rank(zero_run, backend, flow, bad):
         assert seen["scale"] == SCALE * 0.5, f"rank {rank} did not back off"
         assert seen["untouched"], f"rank {rank}'s parameters changed"
         assert seen["collectives"] == 1, f"rank {rank}: {seen['collectives']} collectives in {flow}"
+
+
+def explicit_stage_worker(rank: int, world: int) -> dict:
+    """After unscale_ with a process group: reading the record's flags communicates nothing; the
+    explicit cross-rank stage is the one collective, and step() then needs no other."""
+    counter = CollectiveCounter()
+    params, optimizer, scaler = _setup(rank, world, "torch", fused=False, inject=float("inf"))
+    scaler.unscale_(optimizer)
+    counter.take()
+    record = scaler._per_optimizer_states[id(optimizer)]
+    local = [float(f) for f in record.found_inf_per_device.values()]
+    out = {"read": counter.take(), "local": local}
+    record.combine_across_ranks()
+    out["stage"] = counter.take()
+    out["combined"] = [float(f) for f in record.found_inf_per_device.values()]
+    scaler.step(optimizer)
+    scaler.update()
+    out["after"] = counter.take()
+    out["skipped"] = scaler.last_step_skipped()
+    return out
+
+
+def test_the_cross_rank_stage_is_an_explicit_call_and_reading_never_communicates():
+    ranks = run_ranks(explicit_stage_worker, 2)
+    for rank, r in enumerate(ranks):
+        assert r["read"] == 0 and r["stage"] == 1 and r["after"] == 0, f"rank {rank}: {r}"
+        assert r["local"] == [1.0 if rank == 1 else 0.0]  # the inf is on the last rank only
+        assert r["combined"] == [1.0] and r["skipped"]  # every rank skips with the group

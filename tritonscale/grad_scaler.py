@@ -24,7 +24,7 @@ from .compile_boundary import runs_eagerly
 from .diagnostics import device_stats
 from .grad_groups import Grads, collect_grads
 from .grad_passes import check_grads, clip_grads, unscale_grads_
-from .optimizer_record import OptimizerRecord, OptState, read_found_inf, summed_flag
+from .optimizer_record import OptimizerRecord, OptState, read_found_inf
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import LAST_SKIPPED, LossScalePolicy
 from .policy_update import PolicyRunner
@@ -296,6 +296,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return
         scale, _ = self._check_scale_growth_tracker("update")
         records = list(self._per_optimizer_states.values())
+        for record in records:  # the cross-rank stage, where it is still pending (optimizer_record.py)
+            record.combine_across_ranks()
         if found_inf is not None:
             record = OptimizerRecord.from_flag(found_inf, scale.device)
             self._skip_flag(record, scale.device)
@@ -350,13 +352,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         inf/NaN; the process group's, with one); None before its first check. No host read.
         Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later."""
         record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
-        return summed_flag(record.found_inf_per_device.values()) if record is not None else None
+        return record.group_found_inf() if record is not None else None
 
     def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
         """:meth:`found_inf_for` read on the host (one read); False before the first check.
         Example: ``if scaler.overflowed(opt): ...`` (its step() will skip)."""
-        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
-        return record is not None and read_found_inf(record.found_inf_per_device.values())
+        flag = self.found_inf_for(optimizer)
+        return flag is not None and read_found_inf([flag])
 
     def last_norm(self) -> torch.Tensor | None:
         """The norm the last update() used (its iteration's last clip_grad_norm_), on the device;

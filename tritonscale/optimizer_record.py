@@ -29,10 +29,10 @@ class OptimizerRecord:
     """
 
     stage: OptState = OptState.READY
-    #: inf/NaN flags per gradient device (read them as ``found_inf_per_device``): they drive the
-    #: policy's backoff.
-    _flags: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    #: The process group ``_flags`` still have to be combined across (None: they are final).
+    #: inf/NaN flags per gradient device: they drive the skip and the policy's backoff. With a
+    #: process group they are rank-local until ``combine_across_ranks`` (or a clip's collective).
+    found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    #: The process group the flags still have to be combined across (None: they are final).
     _flags_group: Any = None
     #: The loss scale and the scaler's RankChecks the combine stamps its row with (rank_checks.py).
     _flags_stamp: tuple[torch.Tensor, Any] | None = None
@@ -46,25 +46,23 @@ class OptimizerRecord:
 
     _TORCH_KEYS = ("stage", "found_inf_per_device")
 
-    @property
-    def found_inf_per_device(self) -> dict[torch.device, torch.Tensor]:
-        """The flags, made the process group's first if a pass left them rank-local: deferred so
-        that a clip_grad_norm_ after unscale_ combines them with its norm in its one collective.
-        Every rank runs the same calls, so every rank reaches this collective too."""
-        if self._flags_group is not None:
-            group, self._flags_group = self._flags_group, None
-            scale, ranks = self._flags_stamp
-            device = next(iter(self._flags), scale.device)
-            local = combine_flags([t.to(device, non_blocking=True) for t in self._flags.values()])
-            # A rank without gradients (an empty ZeRO partition) still takes part, or the others
-            # would wait, and keeps the group's flag: its step skips (or not) with the others'.
-            local = local if local is not None else torch.zeros((), device=device)
-            self._flags = {device: combine_found_inf(local, group, ranks, scale)}
-        return self._flags
-
-    @found_inf_per_device.setter
-    def found_inf_per_device(self, flags: dict[torch.device, torch.Tensor]) -> None:
-        self._flags, self._flags_group = flags, None
+    def combine_across_ranks(self) -> None:
+        """The cross-rank stage of the step: make rank-local flags the process group's (one
+        collective), if a pass left them so; nothing otherwise. Deferred to here, rather than run at
+        the pass, so that a clip_grad_norm_ after unscale_ carries them in its own collective.
+        The controller calls it where the step needs the group's flags (the skip decision,
+        update(), the torch protocol's reads); every rank makes the same calls, so every rank
+        reaches the collective."""
+        if self._flags_group is None:
+            return
+        group, self._flags_group = self._flags_group, None
+        scale, ranks = self._flags_stamp
+        device = next(iter(self.found_inf_per_device), scale.device)
+        local = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
+        # A rank without gradients (an empty ZeRO partition) still takes part, or the others
+        # would wait, and keeps the group's flag: its step skips (or not) with the others'.
+        local = local if local is not None else torch.zeros((), device=device)
+        self.found_inf_per_device = {device: combine_found_inf(local, group, ranks, scale)}
 
     @classmethod
     def from_flag(cls, found_inf: bool | torch.Tensor, device: torch.device) -> OptimizerRecord:
@@ -80,9 +78,7 @@ class OptimizerRecord:
             flag = torch.tensor(float(found_inf), device=device)
         else:
             raise TypeError(f"found_inf must be a bool or a one-element tensor, got {type(found_inf).__name__}")
-        record = cls()
-        record.found_inf_per_device = {device: flag}
-        return record
+        return cls(found_inf_per_device={device: flag})
 
     def not_stepped(self, funcname: str) -> OptimizerRecord:
         """This record, for an unscale_/clip_grad_norm_: torch's error after this iteration's step()."""
@@ -93,17 +89,19 @@ class OptimizerRecord:
     def record_rank_flags(
         self, flags: dict[torch.device, torch.Tensor], group: Any, scale: torch.Tensor, ranks: Any
     ) -> None:
-        """Keep this rank's flags, to be combined across ``group`` when first read (None: final).
-        ``scale``: the loss scale (on whose device a rank without gradients makes its flag) and
-        ``ranks``: the scaler's RankChecks, both for the combine's checked row."""
-        self._flags, self._flags_group, self._flags_stamp = flags, group, (scale, ranks)
+        """Keep this rank's flags, to be combined across ``group`` by ``combine_across_ranks`` or a
+        later clip's collective (None: they are final). ``scale``: the loss scale (on whose device a
+        rank without gradients makes its flag) and ``ranks``: the scaler's RankChecks, both for the
+        combine's checked row."""
+        self.found_inf_per_device, self._flags_group = flags, group
+        self._flags_stamp = (scale, ranks)
 
     def pending_rank_flag(self) -> torch.Tensor | None:
         """The rank-local flag still to be combined, for a caller whose collective carries it (which
         then calls ``flags_combined``); None if there is none. Changes nothing."""
         if self._flags_group is None:
             return None
-        flags = list(self._flags.values())
+        flags = list(self.found_inf_per_device.values())
         return combine_flags([t.to(flags[0].device, non_blocking=True) for t in flags]) if flags else None
 
     def add_flag(self, device: torch.device, found_inf: torch.Tensor) -> None:
@@ -112,8 +110,9 @@ class OptimizerRecord:
         found[device] = torch.maximum(found[device], found_inf) if device in found else found_inf
 
     def found_inf_on(self, device: torch.device, required: bool = True) -> torch.Tensor:
-        """The recorded flags as one 0-dim flag on ``device``. None recorded (no gradients): torch's
-        error if ``required``, else 0."""
+        """The group's flags (``combine_across_ranks`` first) as one 0-dim flag on ``device``. None
+        recorded (no gradients): torch's error if ``required``, else 0."""
+        self.combine_across_ranks()
         found_inf = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
         if found_inf is None:
             if required:
@@ -121,18 +120,31 @@ class OptimizerRecord:
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
         return found_inf
 
+    def group_found_inf(self) -> torch.Tensor | None:
+        """The flags made the group's (``combine_across_ranks``) and summed into one 0-dim flag on
+        the first one's device; None before the first check."""
+        self.combine_across_ranks()
+        return summed_flag(self.found_inf_per_device.values())
+
     def flags_combined(self) -> None:
         """The caller's collective carried the pending flag: the flags need no combining any more."""
         self._flags_group = None
 
     def __getitem__(self, key: str) -> Any:
+        """torch's dict protocol. ``["found_inf_per_device"]`` is how torch-protocol code (fused
+        optimizers' ``_maybe_opt_step``, frameworks) reads the flags that decide a step, so it gets
+        the group's: the lookup runs ``combine_across_ranks``, as torch's scaler has them final there."""
         if key not in self._TORCH_KEYS:
             raise KeyError(key)
+        if key == "found_inf_per_device":
+            self.combine_across_ranks()
         return getattr(self, key)
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in self._TORCH_KEYS:
             raise KeyError(key)
+        if key == "found_inf_per_device":  # set by hand: final, nothing left to combine
+            self._flags_group = None
         setattr(self, key, value)
 
     def __contains__(self, key: object) -> bool:

@@ -95,7 +95,8 @@ class PolicyRunner:
     def _flags(
         self, policy: LossScalePolicy, state: DeviceState, records: list[OptimizerRecord]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The iteration's combined found_inf (None if nothing was recorded) and skip flag."""
+        """The iteration's combined found_inf (None if nothing was recorded) and skip flag, from
+        records whose flags are already the process group's (GradScaler.update combines first)."""
         device = state.scale.device
         found_inf = combine_flags(
             [t.to(device, non_blocking=True) for r in records for t in r.found_inf_per_device.values()]

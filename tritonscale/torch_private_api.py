@@ -161,10 +161,11 @@ class TorchPrivateAPI:
         inner = unwrap_optimizer(optimizer)
         record = self._per_optimizer_states[id(inner)]
         self._check_pass(inner, record, scale, allow_sparse=True)
-        return record.found_inf_per_device  # made the process group's, if there is one
+        record.combine_across_ranks()  # the process group's, if there is one
+        return record.found_inf_per_device
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))].found_inf_per_device
+        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))]["found_inf_per_device"]
 
     # ------------------------------------------------- pieces of unscale_ and step, as torch's
     @runs_eagerly
