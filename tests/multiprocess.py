@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,14 @@ def _entry(rank: int, worker: Callable, world_size: int, tmp: str, args: tuple) 
         "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
     )
     try:
-        result = worker(rank, world_size, *args)
+        try:
+            result = worker(rank, world_size, *args)
+        except BaseException:
+            # Into the rank's stderr file too: the parent reports whichever rank it sees fail
+            # first (a peer's broken connection can win that race), and quotes every stderr.
+            traceback.print_exc()
+            sys.stderr.flush()
+            raise
         # Saved under another name and renamed: the parent sees a whole result or none.
         path = os.path.join(tmp, f"rank{rank}.pt")
         torch.save(result, path + ".partial")

@@ -47,3 +47,17 @@ def test_a_rank_that_hangs_is_killed_at_the_deadline_and_reported():
         run_ranks(hangs_worker, 2, deadline_s=10)
     assert time.monotonic() - start < 30
     assert failed.value.results == {0: 0}
+
+
+def both_raise_worker(rank: int, world: int) -> int:
+    if rank == 0:
+        raise RuntimeError("rank 0 gives up first")  # reported first: its process ends first
+    time.sleep(1.0)
+    raise ValueError("rank 1's own error")
+
+
+def test_every_raising_ranks_traceback_is_in_the_report_whichever_is_seen_first():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(both_raise_worker, 2, deadline_s=60)
+    message = str(failed.value)
+    assert "rank 0 gives up first" in message and "rank 1's own error" in message
