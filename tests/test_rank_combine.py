@@ -174,3 +174,20 @@ def test_the_cross_rank_stage_is_an_explicit_call_and_reading_never_communicates
         assert r["read"] == 0 and r["stage"] == 1 and r["after"] == 0, f"rank {rank}: {r}"
         assert r["local"] == [1.0 if rank == 1 else 0.0]  # the inf is on the last rank only
         assert r["combined"] == [1.0] and r["skipped"]  # every rank skips with the group
+
+
+def test_the_updaters_all_reduce_plan_follows_a_model_cast_in_place():
+    # The plan is cached per layout; a parameter cast in place (same object, new dtype) is a new
+    # layout, so its gradient is reduced in its own dtype's buffer, not promoted into the old one.
+    from tritonscale.rank_combine import GradAllReduce
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    reduce = GradAllReduce()
+    (before,), _ = reduce._plan_for(params)
+    assert before[1] is torch.float32
+    for p in params:
+        p.data, p.grad = p.data.bfloat16(), p.grad.bfloat16()
+    (after,), _ = reduce._plan_for(params)
+    assert after[1] is torch.bfloat16 and after[2] == params

@@ -127,7 +127,8 @@ class GradAllReduce:
     (buffers of different sizes abort gloo in C++). The first buffer also carries every rank's
     ``HEADER`` values in that rank's own slots (``world * 12`` elements), and every rank checks
     them (``RankChecks.judge``) before it writes a gradient back. The slot plan is made once per
-    layout (which parameters, which have a gradient)."""
+    layout, keyed by everything it is made from (which parameters, which have a gradient, their
+    devices, dtypes and sizes), so a model moved or cast gets a new one."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -135,11 +136,12 @@ class GradAllReduce:
 
     def _plan_for(self, params: list[torch.Tensor]) -> tuple[list, list[int]]:
         params = [p for p in params if p.requires_grad or p.grad is not None]
-        key = tuple((id(p), p.grad is not None) for p in params)
+        # Everything the plan is made from (the parameters are held by it, so an id is not reused).
+        key = tuple((id(p), p.grad is not None, p.device, _grad_dtype(p), p.numel()) for p in params)
         if key != self._key:
             groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for p in params:  # grouped in parameter order: the same groups in the same order on every rank
-                groups.setdefault((p.device, getattr(p, "grad_dtype", None) or p.dtype), []).append(p)
+                groups.setdefault((p.device, _grad_dtype(p)), []).append(p)
             shape = repr([(p.numel(), str(p.dtype), p.grad is not None) for p in params]).encode()
             counts = [sum(p.grad is not None for p in params), zlib.crc32(shape)]
             self._key, self._plan = key, ([(d, t, ps) for (d, t), ps in groups.items()], counts)
@@ -165,6 +167,11 @@ class GradAllReduce:
             for p, part in zip(members, flat[: sum(sizes)].split(sizes)):
                 if p.grad is not None:
                     p.grad.copy_(part.view_as(p.grad))
+
+
+def _grad_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype ``p``'s gradient has (``grad_dtype`` where torch lets it differ from ``p``'s)."""
+    return getattr(p, "grad_dtype", None) or p.dtype
 
 
 def _header(group: Group, loss_scale: Any, counts: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
