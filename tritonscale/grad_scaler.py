@@ -27,7 +27,7 @@ from .grad_passes import check_grads, clip_grads, unscale_grads_
 from .optimizer_record import OptimizerRecord, OptState, read_found_inf
 from .optimizer_wrappers import unwrap_optimizer
 from .policy import LAST_SKIPPED, LossScalePolicy
-from .policy_update import PolicyRunner
+from .policy_runner import PolicyRunner
 from .rank_checks import RankChecks
 from .rank_combine import GradAllReduce, check_process_group
 from .scale_outputs import scale_outputs

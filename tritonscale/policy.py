@@ -323,7 +323,23 @@ class LossScalePolicy:
         form: RuleForm = ON_DEVICE,
     ) -> None:
         """One step of the rule, in place. ``found_inf`` > 0: the step overflowed (backs off);
-        ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes)."""
+        ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes).
+
+        The rule, read as plain Python on numbers (``form`` runs it as tensor ops on the device,
+        or on numbers read from it where that is free; ``tests/test_policy_forms.py`` holds the two
+        to the same bits)::
+
+            if dynamic:
+                if found_inf (and, with hysteresis, the hysteresis is used up):
+                    scale = max(scale * backoff_factor, floor); tracker = 0
+                elif tracker + 1 == growth_interval:
+                    scale = scale * growth_factor (unless that is inf); tracker = 0
+                else:
+                    tracker += 1
+                scale = min(max(scale, min_scale), max_scale)
+            count the step: skipped or not, consecutive skips
+            if a norm came and the step was not skipped: average = decayed average with norm
+        """
         if self.dynamic:
             back_off = found_inf
             if self.hysteresis > 1:
