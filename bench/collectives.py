@@ -44,8 +44,8 @@ def _rank_main(rank: int, world: int, tmp: str, args: argparse.Namespace) -> Non
     import datetime
 
     import tritonscale
-    from tritonscale.backends import CheckResult
-    from tritonscale.rank_combine import combine_check
+    from tritonscale.passes.backends import CheckResult
+    from tritonscale.passes.rank_combine import combine_check
 
     torch.set_num_threads(1)
     dist.init_process_group(

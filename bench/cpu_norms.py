@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from timing import describe, interleaved, machine, write_results
 
-from tritonscale.backends.torch_backend import _run_norm
+from tritonscale.passes.backends.torch_backend import _run_norm
 
 DATA = {"normal": 1.0, "subnormal squares": 1e-22}
 

@@ -1,7 +1,7 @@
 """One small least-recently-used cache for the host-side work a step would otherwise redo.
 
 Layouts (``flat_runs``), launch tables (``tensor_table``) and the controller's overlap check
-(``tritonscale/grad_groups.py``) are each found from the gradients' memory and used again on the
+(``tritonscale/grads/grad_groups.py``) are each found from the gradients' memory and used again on the
 next step, when the gradients are usually the same. Each keeps at most a few entries here.
 """
 

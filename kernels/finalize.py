@@ -76,7 +76,7 @@ def finalize_kernel(
     tl.store(result_ptr, found_inf.to(tl.float32))
     tl.store(result_ptr + 1, norm)
     tl.store(result_ptr + 2, clip_coef)
-    # factor: 1 on overflow (the rule's host-side home is tritonscale/backends/base.gradient_factor).
+    # factor: 1 on overflow (the rule's host-side home is tritonscale/passes/backends/base.gradient_factor).
     tl.store(result_ptr + 3, tl.where(found_inf, 1.0, inv_scale * clip_coef))
 
 

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from host_reads import HostReadGuard  # noqa: E402
 
-from tritonscale.backends import BACKENDS as BACKEND_CHOICES  # noqa: E402
+from tritonscale.passes.backends import BACKENDS as BACKEND_CHOICES  # noqa: E402
 
 # Every concrete backend ("auto" picks one of them).
 BACKENDS = [name for name in BACKEND_CHOICES if name != "auto"]

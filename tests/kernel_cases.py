@@ -3,7 +3,7 @@
 Tests of the kernel launchers (tritonscale.kernels) and of the two backends import what they need
 from here by name; the float64 oracle itself is tritonscale.kernels.reference.
 
-Contract under test (module docstrings of kernels/*.py and tritonscale/backends/*.py):
+Contract under test (module docstrings of kernels/*.py and tritonscale/passes/backends/*.py):
   check_pass(layout, partials, code)  read-only; writes partials[:, :layout.programs] (fp32 [3, P]:
       max |g| over finite elements, the power-of-two-scaled sum, sum of |g| over inf/NaN elements)
   finalize(partials, P, scale, code, max_norm) -> fp32 [4] = (found_inf, norm, clip_coef, factor)

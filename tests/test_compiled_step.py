@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler, LossScaleOptimizer, Updater
-from tritonscale.backends import inverse_scale
+from tritonscale.passes.backends import inverse_scale
 
 STEPS = 10
 OVERFLOW_STEP = 5

@@ -26,7 +26,7 @@ from tolerances import NORM_RTOL
 
 import tritonscale
 from tritonscale import LossScalePolicy, ScalerConfigError
-from tritonscale.backends import BACKENDS
+from tritonscale.passes.backends import BACKENDS
 
 CONCRETE_BACKENDS = tuple(name for name in BACKENDS if name != "auto")
 

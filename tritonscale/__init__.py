@@ -10,15 +10,15 @@ The Triton kernels are ``tritonscale.kernels``; in the source tree that package 
 ``kernels/`` directory, which pyproject.toml maps into this package.
 """
 
-from .diagnostics import ScaleHistory, nonfinite_grads
 from .errors import RankMismatchError, ScalerConfigError
-from .flat_grads import flatten_grads_
-from .grad_scaler import GradScaler, OptState
-from .grad_sharding import mark_replicated
-from .loss_scale_optimizer import LossScaleOptimizer
-from .policy import LossScalePolicy
-from .scale_managers import DynamicLossScaleManager, ExponentialUpdateLossScaleManager, FixedLossScaleManager
-from .step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
+from .grads.flat_grads import flatten_grads_
+from .grads.grad_sharding import mark_replicated
+from .policy.loss_scale_policy import LossScalePolicy
+from .scaler.diagnostics import ScaleHistory, nonfinite_grads
+from .scaler.grad_scaler import GradScaler, OptState
+from .shapes.loss_scale_optimizer import LossScaleOptimizer
+from .shapes.scale_managers import DynamicLossScaleManager, ExponentialUpdateLossScaleManager, FixedLossScaleManager
+from .shapes.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 
 __all__ = [
     "DataFeedExhausted",

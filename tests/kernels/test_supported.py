@@ -15,8 +15,8 @@ from tritonscale.kernels.supported import (
 )
 from tritonscale.kernels.tensor_table import validate_group
 
-from tritonscale.clip_args import check_max_norm, check_norm_type, kernels_compute
-from tritonscale.grad_groups import collect_grads
+from tritonscale.grads.grad_groups import collect_grads
+from tritonscale.passes.clip_args import check_max_norm, check_norm_type, kernels_compute
 
 
 def test_norm_types_map_to_distinct_kernel_codes():

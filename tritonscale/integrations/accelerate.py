@@ -49,9 +49,9 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from ..clip_args import check_max_norm, check_norm_type
-from ..grad_scaler import GradScaler
-from ..optimizer_wrappers import unwrap_optimizer
+from ..grads.optimizer_wrappers import unwrap_optimizer
+from ..passes.clip_args import check_max_norm, check_norm_type
+from ..scaler.grad_scaler import GradScaler
 
 __all__ = ["FusedClipFallbackWarning", "FusedScalerTrainerMixin", "install", "installed_scaler"]
 

@@ -39,9 +39,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
-from ..fold import takes_amp_scaling
-from ..grad_scaler import GradScaler, OptState
-from ..optimizer_wrappers import unwrap_optimizer
+from ..grads.optimizer_wrappers import unwrap_optimizer
+from ..passes.fold import takes_amp_scaling
+from ..scaler.grad_scaler import GradScaler, OptState
 
 __all__ = ["FabricFusedClipPrecision", "FusedClipPrecision", "enable_fused_clipping"]
 

@@ -50,8 +50,8 @@ from mmengine.device import get_device
 from mmengine.optim import AmpOptimWrapper, OptimWrapper
 from mmengine.registry import OPTIM_WRAPPERS
 
-from tritonscale.clip_args import kernels_compute
-from tritonscale.grad_scaler import GradScaler
+from tritonscale.passes.clip_args import kernels_compute
+from tritonscale.scaler.grad_scaler import GradScaler
 
 __all__ = ["FusedClipAmpOptimWrapper"]
 

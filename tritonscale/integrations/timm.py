@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from timm.utils.cuda import NativeScaler
 
-from tritonscale.grad_scaler import GradScaler
-from tritonscale.optimizer_wrappers import unwrap_optimizer
+from tritonscale.grads.optimizer_wrappers import unwrap_optimizer
+from tritonscale.scaler.grad_scaler import GradScaler
 
 __all__ = ["FusedNativeScaler"]
 

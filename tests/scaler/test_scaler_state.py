@@ -1,0 +1,157 @@
+"""scaler_state.py, optimizer_record.py and fold.py: the pieces the controller is built from."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+
+import pytest
+import torch
+
+import tritonscale
+from tritonscale.passes.fold import step_with_amp_attributes, takes_amp_scaling
+from tritonscale.policy.loss_scale_policy import COUNTER_NAMES, LossScalePolicy
+from tritonscale.scaler.optimizer_record import OptimizerRecord, OptState
+from tritonscale.scaler.scaler_state import STATE_KEYS, HostState, from_state_dict, to_state_dict
+
+
+def test_constructor_defaults_are_torchs():
+    ours = inspect.signature(tritonscale.GradScaler).parameters
+    theirs = inspect.signature(torch.amp.GradScaler).parameters
+    for name in ("device", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"):
+        assert ours[name].default == theirs[name].default, name
+    assert list(ours)[: len(theirs)] == list(theirs)  # same positional order
+
+
+def test_state_dict_starts_with_torchs_keys_in_torchs_order():
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    assert tuple(scaler.state_dict()) == STATE_KEYS
+    ours = to_state_dict(LossScalePolicy(), HostState.initial(2.0**16, LossScalePolicy()))
+    assert tuple(ours)[: len(STATE_KEYS)] == STATE_KEYS
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_host_and_device_state_round_trip_in_place(hysteresis):
+    policy = LossScalePolicy(hysteresis=hysteresis)
+    initial = HostState.initial(1024.0, policy)
+    assert initial.counters == [hysteresis] + [0] * (len(COUNTER_NAMES) - 1)
+    device = initial.to_device(torch.device("cpu"))
+    assert device.to_host() == initial
+    tensors = (device.scale, device.growth_tracker, device.counters, device.norm_stats)
+    addresses = [t.data_ptr() for t in tensors]
+    loaded = HostState(scale=8.0, growth_tracker=5, counters=[1, 2, 3, 1, 9], norm_stats=[0.5, 4.0])
+    device.load_(loaded)
+    assert device.to_host() == loaded
+    assert addresses == [
+        t.data_ptr() for t in (device.scale, device.growth_tracker, device.counters, device.norm_stats)
+    ]
+
+
+def test_from_state_dict_changes_nothing_it_is_given():
+    policy = LossScalePolicy(hysteresis=2)
+    saved = to_state_dict(policy, HostState(4.0, 3, [1, 0, 2, 0, 7], [1.5, 2.0]))
+    snapshot = repr(saved)
+    new_policy, host = from_state_dict(saved, LossScalePolicy())
+    assert repr(saved) == snapshot and new_policy == policy and new_policy is not policy
+    assert host == HostState(4.0, 3, [1, 0, 2, 0, 7], [1.5, 2.0])
+
+
+def test_optimizer_record_serves_torchs_keys_only():
+    record = OptimizerRecord()
+    assert record["stage"] is OptState.READY and record["found_inf_per_device"] == {}
+    with pytest.raises(KeyError):
+        record["grad_scale"]
+
+
+class _FusedLike(torch.optim.SGD):
+    """Declares torch's fused-optimizer protocol and records what step() saw."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, fail=False):
+        self.seen = (self.grad_scale, self.found_inf)
+        if fail:
+            raise RuntimeError("optimizer failed")
+        return "stepped"
+
+
+def test_fold_handshake_sets_attributes_for_one_step_and_always_removes_them():
+    optimizer = _FusedLike([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert takes_amp_scaling(optimizer) and not takes_amp_scaling(torch.optim.SGD(optimizer.param_groups, lr=0.1))
+    grad_scale, found_inf = torch.tensor(4.0), torch.tensor(0.0)
+    attributes = {"grad_scale": grad_scale, "found_inf": found_inf}
+    assert step_with_amp_attributes(optimizer, optimizer, attributes) == "stepped"
+    assert optimizer.seen == (grad_scale, found_inf)
+    assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        step_with_amp_attributes(optimizer, optimizer, attributes, (), {"fail": True})
+    assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+
+
+# ------------------------------------- a growth tracker at or past growth_interval (torch keeps it)
+def _drive(scaler, pattern):
+    """One step per entry (True: an inf gradient), through scale/step/update; each step's
+    (scale, growth tracker)."""
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([param], lr=1e-3)
+    seen = []
+    for overflow in pattern:
+        optimizer.zero_grad()
+        scaler.scale(param.sum()).backward()
+        if overflow:
+            param.grad[1] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        seen.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return seen
+
+
+# The tracker counts past the interval without growing (torch grows only when it *equals* the
+# interval) until an overflow restarts it; then growth every 3 good steps.
+PATTERN = [False] * 4 + [True] + [False] * 7 + [True, False, False, False]
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before-scale", "after-scale"])
+def test_own_state_dict_after_lowering_growth_interval_loads_and_continues_as_torch(backend, started):
+    ours = tritonscale.GradScaler("cpu", init_scale=4.0, growth_interval=10, backend=backend)
+    _drive(ours, [False] * 5)
+    ours.set_growth_interval(3)
+    saved = ours.state_dict()
+    assert saved["_growth_tracker"] == 5 and saved["growth_interval"] == 3
+    loaded = tritonscale.GradScaler("cpu", backend=backend)
+    if started:
+        loaded.scale(torch.ones(()))
+    loaded.load_state_dict(saved)
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(saved)
+    expected = _drive(theirs, PATTERN)
+    assert max(tracker for _, tracker in expected) > 3  # the pattern counts past the interval
+    assert _drive(loaded, PATTERN) == expected
+    assert _drive(ours, PATTERN) == expected  # and so does the scaler that saved it
+
+
+def test_pytorchs_tracker_7_with_growth_interval_1_loads(backend):
+    # PyTorch's test_grad_scaling_state_dict sets _init_growth_tracker = 7 beside growth_interval=1.
+    source = torch.amp.GradScaler("cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
+    source._init_growth_tracker = 7
+    saved = source.state_dict()
+    assert saved["_growth_tracker"] == 7
+    ours = tritonscale.GradScaler("cpu", backend=backend)
+    ours.load_state_dict(saved)
+    assert ours._get_growth_tracker() == 7 and ours.get_growth_interval() == 1
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(saved)
+    assert _drive(ours, PATTERN) == _drive(theirs, PATTERN)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
+def test_a_copied_torch_fused_optimizer_still_takes_amp_scaling(cls):
+    # torch drops _step_supports_amp_scaling when it pickles an optimizer (only defaults, state and
+    # param_groups travel), yet the copy steps fused: it must fold as the original does.
+    fused = cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1, fused=True)
+    plain = cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    for copied in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        assert not hasattr(copied, "_step_supports_amp_scaling") and takes_amp_scaling(copied)
+    assert takes_amp_scaling(fused) and not takes_amp_scaling(copy.deepcopy(plain))

@@ -1,0 +1,76 @@
+"""The backend interface shared by the Triton and torch implementations."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ... import host_reads
+from ...policy.policy_forms import ON_DEVICE, RuleForm, as_float32
+
+
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale with torch.amp.GradScaler's rounding: the reciprocal in float64, then float32
+    (the kernels' finalize computes it the same way).
+
+    Computed anew from the scale as it is now, on every call, as torch does: nothing is kept
+    between calls. A cache keyed by the scale's version counter went stale where the counter does
+    not move -- a write through ``scale.data``, or the scale read as a constant of a compiled
+    graph -- and gave norms off by the scale's growth."""
+    if host_reads.are_free(scale.device) and scale.numel() == 1:
+        # The same float64 division and rounding on the host: one read and one new tensor instead
+        # of three ops.
+        value = scale.item()
+        inverse = as_float32(1.0 / value) if value else math.inf
+        return torch.full(scale.shape, inverse, dtype=torch.float32, device=scale.device)
+    return scale.double().reciprocal().float()
+
+
+def clip_coefficient(norm: Any, max_norm: float, form: RuleForm = ON_DEVICE) -> Any:
+    """torch.nn.utils.clip_grad_norm_'s coefficient, op for op: min(max_norm / (norm + 1e-6), 1)
+    (torch's ``max_norm / x`` is ``x.reciprocal() * max_norm``). ``form`` ON_HOST: ``norm`` is a
+    float32 value as a Python float, and so is the result (policy_forms.py)."""
+    shifted = form.f32(norm + as_float32(1e-6))
+    return form.at_most(form.f32(form.reciprocal(shifted) * as_float32(max_norm)), 1.0)
+
+
+def gradient_factor(
+    found_inf: torch.Tensor, inv_scale: torch.Tensor, clip_coef: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the apply pass multiplies the gradients by: ``inv_scale * clip_coef`` (``inv_scale``
+    without clipping), and exactly 1 where ``found_inf``, so an overflowed step's gradients stay as
+    they came (the step is skipped anyway) and the zero padding of flat buffers stays zero. The one
+    home of this rule for the torch ops; the kernels' finalize computes the same on the device.
+    A 0-dim float32 tensor."""
+    factor = (inv_scale if clip_coef is None else inv_scale * clip_coef).reshape(())
+    return torch.where(found_inf > 0, torch.ones_like(factor), factor)
+
+
+@dataclass
+class CheckResult:
+    """Device-side results of the check pass + finalize for one device (0-dim fp32 tensors)."""
+
+    found_inf: torch.Tensor  # 1.0 if any gradient was +-inf or NaN
+    norm: torch.Tensor  # total norm of the unscaled gradients
+    clip_coef: torch.Tensor  # min(max_norm / (norm + 1e-6), 1), or 1 without clipping
+    factor: torch.Tensor  # inv_scale * clip_coef (1 on overflow): what apply_ multiplies by
+    plan: Any  # backend-private description of the gradients, reused by apply_
+
+
+class Backend(Protocol):
+    """Runs the passes for one device. ``groups`` must come from ``grad_groups.collect_grads``,
+    which has validated every gradient (dtype, layout, density): backends do not check again, since
+    that would walk every parameter a second time each step."""
+
+    name: str
+
+    def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None: ...
+
+    def check(
+        self, groups: list[list[torch.Tensor]], scale: torch.Tensor, norm_type: float, max_norm: float | None
+    ) -> CheckResult: ...
+
+    def apply_(self, result: CheckResult) -> None: ...

@@ -1,0 +1,151 @@
+"""The fold: handing the unscale, the clip and the skip to a fused optimizer's own step.
+
+torch's fused optimizers (Adam, AdamW, SGD and Adagrad with ``fused=True``) set
+``_step_supports_amp_scaling`` and read two attributes while they step: ``grad_scale`` (they
+divide each gradient by it, in the same pass that updates the parameter) and ``found_inf`` (they
+skip the whole update on the device when it is nonzero). The scaler sets both for one ``step``
+call and removes them after, as torch.amp.GradScaler does; with ``grad_scale = scale / clip_coef``
+the clip rides along and the gradients are never written by the scaler.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..scaler.optimizer_record import OptState
+
+
+def takes_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """True for optimizers that divide by ``grad_scale`` and skip on ``found_inf`` themselves.
+
+    torch's fused optimizers set ``_step_supports_amp_scaling`` in ``__init__`` only, and
+    torch.optim.Optimizer pickles ``defaults``, ``state`` and ``param_groups``: a deepcopied,
+    unpickled or ``torch.load``ed one has lost the flag but still steps fused (and reads
+    ``grad_scale``/``found_inf``). It is recognised by its ``fused`` default, so that a copy
+    continues exactly as the original (the fold's division is not the in-place unscale's, bit for bit).
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) or is_torch_fused(optimizer)
+
+
+def is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """One of torch's own optimizers made with ``fused=True`` (which take dense gradients only)."""
+    defaults = getattr(optimizer, "defaults", None)
+    fused = isinstance(defaults, dict) and bool(defaults.get("fused"))
+    return fused and type(optimizer).__module__.startswith("torch.optim.")
+
+
+def takes_grad_scaler_argument(optimizer: Any) -> bool:
+    """The older protocol (apex, TransformerEngine, torch's own tests): ``step(grad_scaler=...)``,
+    where the optimizer asks the scaler for the scale and found_inf itself. torch still honours it
+    and so do we; such an optimizer gets no fold (it would divide by the plain scale)."""
+    step = optimizer.step
+    return _declares_grad_scaler(getattr(step, "__func__", step))
+
+
+@functools.lru_cache(maxsize=256)
+def _declares_grad_scaler(step: Any) -> bool:
+    # inspect.signature is slow next to a fused step, which would pay it every time; a class's step is one object.
+    # A pure function of its key (the function object, held by the cache): it cannot go stale.
+    try:
+        return "grad_scaler" in inspect.signature(step).parameters
+    except (TypeError, ValueError):  # a builtin or C step without a signature
+        return False
+
+
+def clip_folds(inner: torch.optim.Optimizer, optimizer: Any, fold_into_optimizer: bool) -> bool:
+    """Whether clip_grad_norm_ hands ``inner`` (the real optimizer; ``optimizer``: the object whose
+    step() is called) ``scale / clip_coef`` instead of writing the gradients: a fused optimizer
+    divides by grad_scale itself (float16 gradients are then fine). Not with the older
+    step(grad_scaler=...) protocol, which divides by the plain scale: there the gradients are
+    unscaled and clipped in place."""
+    return fold_into_optimizer and takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer)
+
+
+def warn_grad_scaler_argument(stacklevel: int = 3) -> None:
+    """torch's deprecation notice for the older protocol, word for word."""
+    warnings.warn(
+        "GradScaler is going to stop passing itself as a keyword argument to the passed "
+        "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+        "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+        FutureWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def folded_grad_scale(scale: torch.Tensor, clip_coef: torch.Tensor) -> torch.Tensor:
+    """What clip_grad_norm_ hands a fused optimizer: dividing by ``scale / clip_coef`` unscales and
+    clips in the optimizer's own pass (about 1 ulp from torch's unscale-then-clip)."""
+    return scale / clip_coef.to(scale.device, non_blocking=True)
+
+
+def grad_scale_for_step(
+    optimizer: torch.optim.Optimizer, scale: torch.Tensor, stage: OptState, folded: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The ``grad_scale`` a fused optimizer's step gets: the loss scale when nothing was unscaled
+    yet (times the optimizer's own ``grad_scale``, as torch does), the factor clip_grad_norm_
+    folded in, or the optimizer's own (None: the gradients hold their true values already)."""
+    if stage is OptState.READY:
+        return scale * getattr(optimizer, "grad_scale", 1)
+    if folded is not None:
+        return folded
+    return getattr(optimizer, "grad_scale", None)
+
+
+def step_with_amp_attributes(
+    optimizer: Any,
+    inner: torch.optim.Optimizer,
+    attributes: dict[str, torch.Tensor | None],
+    args: tuple = (),
+    kwargs: dict | None = None,
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` with ``attributes`` (``grad_scale``, ``found_inf``) set on
+    ``inner``, the fused optimizer that reads them (``optimizer`` itself, or the one a wrapper
+    holds), for that call only; they are removed again, also when the step raises."""
+    for name, value in attributes.items():
+        setattr(inner, name, value)
+    try:
+        return optimizer.step(*args, **(kwargs or {}))
+    finally:
+        for name in attributes:
+            if name in vars(inner):
+                delattr(inner, name)
+
+
+def step_fused(
+    optimizer: Any,
+    inner: torch.optim.Optimizer,
+    scale: torch.Tensor,
+    stage: OptState,
+    folded: torch.Tensor | None,
+    skip: torch.Tensor,
+    args: tuple = (),
+    kwargs: dict | None = None,
+) -> Any:
+    """A fused optimizer's step: ``grad_scale`` (:func:`grad_scale_for_step`) and ``found_inf``
+    (``skip``, the step's skip flag) set on ``inner`` for the call."""
+    attributes = {"grad_scale": grad_scale_for_step(inner, scale, stage, folded), "found_inf": skip}
+    return step_with_amp_attributes(optimizer, inner, attributes, args, kwargs)
+
+
+def step_unless(
+    optimizer: Any,
+    inner: torch.optim.Optimizer,
+    skip: torch.Tensor,
+    read_skip: Callable[[torch.Tensor], bool],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    on_device: bool = True,
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` unless ``skip`` (a 0-dim device flag) is set. With
+    ``on_device``, an optimizer that takes ``found_inf`` gets ``skip`` as its ``found_inf`` and
+    skips on the device; otherwise ``read_skip(skip)`` decides on the host (the one host read)."""
+    if on_device and takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer):
+        return step_with_amp_attributes(optimizer, inner, {"found_inf": skip}, args, kwargs)
+    return None if read_skip(skip) else optimizer.step(*args, **(kwargs or {}))

@@ -1,0 +1,167 @@
+"""The gradient passes of one step, per device, through the chosen backend.
+
+``collect_grads`` (grad_groups.py) hands over the gradients sorted into the kernels' groups and the
+rest (float64, non-dense, sparse values: ``Grads.other``); these functions run check pass ->
+finalize (-> apply pass) on each device, the rest with torch ops in the same step, and return the
+device-side results (found_inf, norm, clip coefficient) combined on the device. Nothing here reads
+a device value on the host, and nothing knows about optimizers or stages: that is the
+controller's (grad_scaler.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ..grads.grad_groups import Grads
+from ..scaler.scale_outputs import PerDevice
+from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
+from .rank_combine import combine_check
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[t.dtype].append(t)
+    return list(groups.values())
+
+
+def torch_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """torch's own unscale_, op for op: ``g *= inv_scale`` in place, found_inf set on inf/NaN."""
+    for same_dtype in _by_dtype(tensors):
+        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, found_inf, inv_scale)
+
+
+def _other_found_inf(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> torch.Tensor:
+    """found_inf raised to 1 where one of ``tensors`` holds inf/NaN. The max-abs cannot overflow
+    and NaN propagates into it; torch-op path only (float64, non-dense, sparse), so one extra read."""
+    nonempty = [t for t in tensors if t.numel()]
+    if not nonempty:
+        return found_inf
+    peaks = torch.stack([n.double() for n in torch._foreach_norm(nonempty, math.inf)])
+    return torch.maximum(found_inf, (~torch.isfinite(peaks).all()).float())
+
+
+def unscale_grads_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
+    """g <- g / scale in place, one fused read+check+write pass per group; found_inf per device.
+    Gradients with no entry (none at all) record nothing: torch's step() then raises."""
+    found_infs = {d: torch.zeros((), dtype=torch.float32, device=d) for d in grads.devices}
+    per_device_scale = PerDevice(scale)
+    for device, device_groups in grads.kernel.items():
+        resolve_backend(backend, device).unscale_(device_groups, per_device_scale.get(device), found_infs[device])
+    for device, tensors in grads.other.items():
+        torch_unscale_(tensors, found_infs[device], inverse_scale(per_device_scale.get(device)))
+    return found_infs
+
+
+def check_grads(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
+    """Read-only inf/NaN check of the still-scaled gradients (a fused optimizer divides them
+    itself); found_inf per device. No cross-device reduction is needed for found_inf."""
+    found_infs = {}
+    for device in grads.devices:
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        if device in grads.kernel:
+            device_scale = scale.to(device, non_blocking=True)
+            found = resolve_backend(backend, device).check(grads.kernel[device], device_scale, 2.0, None).found_inf
+        found_infs[device] = _other_found_inf(grads.other.get(device, []), found)
+    return found_infs
+
+
+def clip_grads(
+    grads: Grads,
+    scale: torch.Tensor | None,
+    norm_type: float,
+    max_norm: float,
+    *,
+    apply: bool,
+    unscale_on_overflow: bool = False,
+    backend: str,
+    group: Any = None,
+    prior_found_inf: torch.Tensor | None = None,
+    ranks: Any = None,
+    loss_scale: torch.Tensor | None = None,
+) -> tuple[torch.device, CheckResult]:
+    """Check pass -> finalize -> combine across ``group`` (-> apply pass, with ``apply``) on the one
+    device holding this rank's gradients.
+
+    ``scale`` None: nothing to unscale, clip only. On inf/NaN the gradients are left as they came
+    (the step is skipped); with ``unscale_on_overflow`` (a policy whose overflowed steps go ahead)
+    they are unscaled, not clipped -- what ``unscale_`` leaves -- and ``clip_coef`` reads 1, so a
+    fold hands the optimizer the plain scale. ``group``: the process group whose ranks hold the
+    other parts of the gradients (rank_combine: one collective, carrying ``prior_found_inf`` too,
+    an earlier pass's rank-local flag, and the values the ranks must agree on: ``ranks``, the
+    scaler's RankChecks, and ``loss_scale``, None when disabled). Returns the device and its results.
+    """
+    replicas = grads.replicas
+    devices = list(dict.fromkeys([*grads.devices, *(replicas.devices if replicas else [])]))
+    if len(devices) > 1:
+        raise NotImplementedError(
+            f"clip_grad_norm_() over gradients on several devices ({', '.join(map(str, devices))})"
+        )
+    if grads.marked_replicas and group is None:  # on every rank, not only where replicas are left out
+        raise ValueError(
+            "some gradients are marked replicated over a process group (mark_replicated), but no "
+            "process_group combines the norm: pass the group spanning every rank's gradients"
+        )
+    device = devices[0] if devices else (scale.device if scale is not None else torch.device("cpu"))
+    scale = torch.ones((), dtype=torch.float32, device=device) if scale is None else scale.to(device, non_blocking=True)
+    runner = resolve_backend(backend, device)
+    result = _check_on(runner, grads, device, scale, norm_type, max_norm)
+    if replicas is not None:  # checked for inf/NaN and clipped here, counted in the norm elsewhere
+        replica_result = _check_on(runner, replicas, device, scale, norm_type, max_norm)
+        result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
+    if prior_found_inf is not None:
+        result.found_inf = torch.maximum(result.found_inf, prior_found_inf.to(device, non_blocking=True))
+    result = combine_check(result, scale, norm_type, max_norm, group, ranks, loss_scale)
+    if unscale_on_overflow:
+        overflow = result.found_inf > 0
+        result.clip_coef = torch.where(overflow, torch.ones_like(result.clip_coef), result.clip_coef)
+        result.factor = torch.where(overflow, inverse_scale(scale).reshape(()), result.factor)
+    if apply:
+        _apply_on(runner, grads, device, result)
+        if replicas is not None:
+            _apply_on(runner, replicas, device, dataclasses.replace(result, plan=replica_result.plan))
+    return device, result
+
+
+def _check_on(
+    runner: Any, grads: Grads, device: torch.device, scale: torch.Tensor, norm_type: float, max_norm: float
+) -> CheckResult:
+    """Check pass + finalize over the kernels' gradients, the torch-op ones folded in."""
+    kernel_groups = grads.kernel.get(device, [])
+    if kernel_groups:
+        result = runner.check(kernel_groups, scale, norm_type, max_norm)
+    else:  # nothing for the kernels (none at all, or a norm type only torch computes)
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        result = CheckResult(zero, zero, torch.ones_like(zero), inverse_scale(scale).reshape(()), plan=[])
+    others = grads.other.get(device, [])
+    return _with_others(result, others, scale, norm_type, max_norm) if others else result
+
+
+def _apply_on(runner: Any, grads: Grads, device: torch.device, result: CheckResult) -> None:
+    runner.apply_(result)
+    for same_dtype in _by_dtype(grads.other.get(device, [])):
+        torch._foreach_mul_(same_dtype, result.factor)
+
+
+def _with_others(
+    kernel: CheckResult, others: list[torch.Tensor], scale: torch.Tensor, norm_type: float, max_norm: float
+) -> CheckResult:
+    """The kernels' result with the torch-op gradients folded in: one norm, one found_inf, one
+    factor for both. The total is torch's: the ``norm_type`` norm of the per-tensor norms."""
+    inv_scale32 = inverse_scale(scale)  # once: the per-tensor norms and the factor share it
+    inv_scale = inv_scale32.double()
+    norms = [kernel.norm.double().reshape(1)] if kernel.plan else []  # no kernel gradients: nothing
+    for same_dtype in _by_dtype([t for t in others if t.numel()]):
+        wide = torch.float64 if same_dtype[0].dtype is torch.float64 else torch.float32
+        norms.append(torch.stack(torch._foreach_norm(same_dtype, norm_type, dtype=wide)).double() * inv_scale)
+    total = torch.linalg.vector_norm(torch.cat(norms), norm_type) if norms else torch.zeros((), dtype=torch.float64)
+    found_inf = _other_found_inf(others, kernel.found_inf)
+    norm = total.float().reshape(())
+    clip_coef = clip_coefficient(norm, max_norm)
+    factor = gradient_factor(found_inf, inv_scale32, clip_coef)
+    return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=kernel.plan)

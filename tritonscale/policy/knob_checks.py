@@ -1,0 +1,128 @@
+"""Checks of the numbers a user passes for the loss scale and its rule, in one place.
+
+What counts as a number (not a bool), a finite one (an int past the float range is not), an int
+that fits the int32 device counters, and a value float32 (where the scale lives) still holds: the
+policy's knobs and setters (``loss_scale_policy.py``, ``torch_private_api.py``), the state's loader
+(``scaler_state.py``) and the scale managers' arguments (``loss_scale_manager.py``) all check
+with these. The policy's messages are torch's wording; a manager's name the class and the argument
+as the original framework spells it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..errors import ScalerConfigError
+from .policy_forms import as_float32
+
+#: The device state's int32 counters (growth tracker, counters) hold values below this.
+INT32_LIMIT = 2**31
+
+
+def is_number(value: object) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: object) -> bool:
+    """An int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite(value: object) -> bool:
+    """A finite number; an int past the float range (``10**400``) is not."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+# ------------------------------------------------------------------ the policy and the state
+def check_scale_value(name: str, value: float) -> float:
+    """A loss scale (or a bound on one): positive and finite, also once rounded to float32."""
+    if not (is_finite(value) and value > 0):
+        shown = f"an int of {value.bit_length()} bits" if is_int(value) and value > 2**1024 else repr(value)
+        raise ScalerConfigError(f"{name} must be a positive finite float, got {shown}")
+    stored = as_float32(float(value))
+    if not (math.isfinite(stored) and stored > 0):
+        raise ScalerConfigError(f"{name}={value!r} rounds to {stored!r} in float32, where the scale is kept")
+    return float(value)
+
+
+def check_counter(name: str, value: int, limit: int = INT32_LIMIT) -> int:
+    """A tracker kept in an int32 device counter: an int in [0, limit)."""
+    if not (is_int(value) and 0 <= value < limit):
+        raise ScalerConfigError(f"{name} must be an int in [0, {limit}), got {value!r}")
+    return value
+
+
+def check_growth_factor(value: float) -> float:
+    if not (is_finite(value) and value > 1.0):
+        raise ScalerConfigError(f"The growth factor must be > 1.0 (and finite), got {value!r}")
+    return float(value)
+
+
+def check_backoff_factor(value: float) -> float:
+    if not (is_number(value) and 0.0 < value < 1.0):
+        raise ScalerConfigError(f"The backoff factor must be in (0, 1), got {value!r}")
+    return float(value)
+
+
+def check_growth_interval(value: int) -> int:
+    if not (is_int(value) and value >= 1):
+        raise ScalerConfigError(f"The growth interval must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_positive_int(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not (is_int(value) and value >= 1):
+        raise ScalerConfigError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+
+
+def check_optional_scale(name: str, value: float | None) -> None:
+    if value is not None:
+        check_scale_value(name, value)
+
+
+# ------------------------------------------------------------------ the scale managers' arguments
+def check_loss_scale(owner: str, name: str, value: Any) -> float:
+    """A manager's loss scale: a number >= 1 that float32 (where the scale lives) holds as a finite value."""
+    if not is_number(value):
+        raise TypeError(f"{owner}: {name} must be a number >= 1, got {type(value).__name__} {value!r}")
+    if not (is_finite(value) and value >= 1):
+        raise ScalerConfigError(f"{owner}: {name} must be a finite number >= 1, got {value!r}")
+    if not math.isfinite(as_float32(float(value))):
+        raise ScalerConfigError(f"{owner}: {name}={value!r} is past float32's range, where the scale is kept")
+    return float(value)
+
+
+def check_count(owner: str, name: str, value: Any) -> int:
+    """A manager's step count, kept in an int32 device counter: an int in [1, 2**31)."""
+    if not is_int(value):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if not 1 <= value < INT32_LIMIT:
+        raise ScalerConfigError(f"{owner}: {name} must be a positive int below 2**31, got {value!r}")
+    return value
+
+
+def check_factor(owner: str, name: str, value: Any, *, above_one: bool) -> float:
+    """A manager's growth factor (> 1) or backoff factor (in (0, 1)), returned rounded to float32:
+    the float32 scale times this double is then rounded once, which is the float32 product."""
+    wanted = "a number > 1" if above_one else "a number in (0, 1)"
+    if not is_number(value):
+        raise TypeError(f"{owner}: {name} must be {wanted}, got {type(value).__name__} {value!r}")
+    if not (is_finite(value) and (value > 1 if above_one else 0 < value < 1)):
+        raise ScalerConfigError(f"{owner}: {name} must be {wanted}, got {value!r}")
+    rounded = as_float32(float(value))
+    if not (1 < rounded < math.inf if above_one else 0 < rounded < 1):
+        raise ScalerConfigError(f"{owner}: {name}={value!r} rounds to {rounded!r} in float32, where it is applied")
+    return rounded
+
+
+def check_bool(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return value

@@ -1,0 +1,113 @@
+"""The end of an iteration: the optimizers' flags go into the policy's rule.
+
+``PolicyRunner`` runs a ``LossScalePolicy``'s rule methods on the scaler's device state: on the
+device through ``torch.compile`` where that is on (default: on CUDA, where the rule's ~10-40 tiny
+ops would otherwise each cost a launch), on the device eagerly elsewhere, and on the host where
+reading a value is free (the CPU; ``policy_forms.py``). On the device the only host read is the
+opt-in check of policies that must stop or warn.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .. import host_reads
+from ..scaler.optimizer_record import OptimizerRecord, combine_flags
+from ..scaler.scaler_state import DeviceState
+from .loss_scale_policy import HostCheck, LossScalePolicy
+from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
+
+
+class PolicyRunner:
+    """Calls a policy's ``skip_decision`` and ``update_``, compiled or eager.
+
+    ``compile_policy``: True / False, or None for "on CUDA devices only".
+    """
+
+    def __init__(self, compile_policy: bool | None) -> None:
+        self.compile_policy = compile_policy
+        # A pure function of its key: each rule is bound to its policy, which it keeps alive, so the
+        # id in the key names that policy as long as the entry exists. A knob set later still counts:
+        # the eager rule reads it at each call, a compiled one recompiles on Dynamo's guards.
+        self._rules: dict[tuple[str, int, RuleForm, bool], Callable[..., Any]] = {}
+
+    def _compiles(self, device: torch.device) -> bool:
+        return self.compile_policy if self.compile_policy is not None else device.type == "cuda"
+
+    def form(self, device: torch.device, compiled: bool | None = None) -> RuleForm:
+        """The form the rule runs in on ``device``: on the host where reads are free, unless compiled."""
+        compiled = self._compiles(device) if compiled is None else compiled
+        return ON_DEVICE if compiled or not host_reads.are_free(device) else ON_HOST
+
+    def rule(self, policy: LossScalePolicy, name: str, device: torch.device) -> Callable[..., Any]:
+        """The policy method ``name`` in the form it runs in on ``device`` (``form=`` bound), or
+        compiled where that is on. Made once per policy object, not again on every call."""
+        compiled = self._compiles(device)
+        form = self.form(device, compiled)
+        key = (name, id(policy), form, compiled)
+        if key not in self._rules:
+            # A new policy (load_state_dict) drops the rules made for the old one.
+            self._rules = {k: v for k, v in self._rules.items() if k[1] == id(policy)}
+            method = getattr(policy, name)
+            self._rules[key] = (
+                torch.compile(method, fullgraph=True, dynamic=False)
+                if compiled
+                else functools.partial(method, form=form)
+            )
+        return self._rules[key]
+
+    def update_(
+        self,
+        policy: LossScalePolicy,
+        state: DeviceState,
+        records: Iterable[OptimizerRecord],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fold this iteration's optimizer records into ``state`` in place; return the combined
+        found_inf and the norm that were used (the last clip_grad_norm_'s, or None)."""
+        records = list(records)
+        device = state.scale.device
+        found_inf, skipped = self._flags(policy, state, records)
+        if found_inf is None:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        norms = [r.norm for r in records if r.norm is not None]
+        norm = norms[-1].to(device, non_blocking=True) if norms else None
+        if policy.needs_host_check():
+            # Opt-in checks that must stop or warn: one host read, before anything changes.
+            flags = policy.host_check_flags(state.scale, state.counters, found_inf, skipped, form=self.form(device))
+            policy.act_on_host_checks(HostCheck(int(flags)), state.scale, state.counters)
+        self.rule(policy, "update_", device)(
+            state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm
+        )
+        return found_inf, norm
+
+    def count_only_(self, policy: LossScalePolicy, state: DeviceState, records: Iterable[OptimizerRecord]) -> None:
+        """``update(new_scale)``: the scale is set by hand, but the iteration's skip still counts
+        (stats(), last_step_skipped()). Nothing recorded (torch allows that here): nothing counted."""
+        found_inf, skipped = self._flags(policy, state, list(records))
+        if found_inf is not None:
+            form = self.form(state.counters.device)
+            policy.count_step_(state.counters, form.read(skipped) > 0, form)
+
+    def _flags(
+        self, policy: LossScalePolicy, state: DeviceState, records: list[OptimizerRecord]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The iteration's combined found_inf (None if nothing was recorded) and skip flag, from
+        records whose flags are already the process group's (GradScaler.update combines first)."""
+        device = state.scale.device
+        found_inf = combine_flags(
+            [t.to(device, non_blocking=True) for r in records for t in r.found_inf_per_device.values()]
+        )
+        if found_inf is None:
+            return None, None
+        skips = [r.skip for r in records if r.skip is not None]
+        if skips:
+            return found_inf, combine_flags(skips)
+        # No optimizer stepped (unscale_ only): what overflowed counts as skipped.
+        return found_inf, self.rule(policy, "skip_decision", device)(found_inf, None, state.norm_stats)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"compile_policy": self.compile_policy, "_rules": {}}  # rules (compiled ones too) are rebuilt on use

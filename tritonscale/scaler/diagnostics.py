@@ -1,0 +1,136 @@
+"""Diagnostics: per-step statistics as device tensors, the names of non-finite gradients, a history.
+
+Nothing here runs in the step. ``GradScaler.stats()`` returns device tensors (reading them is the
+caller's sync, when it wants one); ``nonfinite_grads`` and ``ScaleHistory.to_lists``/``plot`` read
+device values on purpose, on request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from ..policy.loss_scale_policy import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
+
+STAT_NAMES = ("scale", "norm", "found_inf", "skipped", "skipped_steps", "consecutive_skips", "growth_tracker")
+
+
+def device_stats(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    counters: torch.Tensor,
+    last_found_inf: torch.Tensor | None,
+    last_norm: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """``GradScaler.stats()``: views of the scaler's device state, nothing read on the host."""
+    nan = torch.full((), float("nan"), device=scale.device)
+    return {
+        "scale": scale,
+        "growth_tracker": growth_tracker,
+        "norm": last_norm if last_norm is not None else nan,
+        "found_inf": last_found_inf if last_found_inf is not None else torch.zeros_like(scale),
+        "skipped": counters[LAST_SKIPPED],
+        "skipped_steps": counters[SKIPPED_STEPS],
+        "consecutive_skips": counters[CONSECUTIVE_SKIPS],
+        "hysteresis_left": counters[HYSTERESIS_LEFT],
+    }
+
+
+def nonfinite_grads(params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor]) -> list[str]:
+    """Names of the parameters whose gradient holds inf or NaN (one host sync).
+
+    Accepts a module (names from ``named_parameters``), ``(name, param)`` pairs, or plain
+    parameters (named by position). Useful right after a skipped step: with ``clip_grad_norm_``
+    the gradients of an overflowed step are left as they came, so the culprits are still visible.
+
+    Example::
+
+        if scaler.last_step_skipped():
+            print(tritonscale.nonfinite_grads(model))   # e.g. ['decoder.layers.3.mlp.weight']
+    """
+    if isinstance(params, torch.nn.Module):
+        named = list(params.named_parameters())
+    else:
+        items = list(params)
+        named = [(str(i), p) if isinstance(p, torch.Tensor) else p for i, p in enumerate(items)]
+    with_grads = [(name, p.grad) for name, p in named if p.grad is not None and p.grad.numel() > 0]
+    if not with_grads:
+        return []
+    # One flag per tensor, gathered into one tensor: a single host read for any number of params.
+    flags = torch.stack([(~torch.isfinite(g)).any().to("cpu", non_blocking=True) for _, g in with_grads])
+    return [name for (name, _), bad in zip(with_grads, flags.tolist()) if bad]
+
+
+class ScaleHistory:
+    """Records ``GradScaler.stats()`` every step (device copies, no sync) and plots them.
+
+    Example::
+
+        history = tritonscale.ScaleHistory()
+        for batch in loader:
+            ...
+            scaler.update()
+            history.record(scaler)
+        history.plot("out/scale_history.png")
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[torch.Tensor] = []
+
+    def record(self, scaler) -> None:
+        stats = scaler.stats()
+        device = stats["scale"].device
+        # One small device tensor per step; read back only in to_lists().
+        self._rows.append(torch.stack([stats[name].to(device, torch.float32).reshape(()) for name in STAT_NAMES]))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def to_lists(self) -> dict[str, list[float]]:
+        """All recorded statistics as Python lists (one host sync)."""
+        if not self._rows:
+            return {name: [] for name in STAT_NAMES}
+        table = torch.stack(self._rows).cpu()
+        return {name: table[:, i].tolist() for i, name in enumerate(STAT_NAMES)}
+
+    def plot(self, path: str | Path, title: str = "loss scale, gradient norm and skipped steps") -> Path:
+        """Save a figure of scale, gradient norm (log axes) and skipped steps to ``path`` (PNG).
+
+        Needs matplotlib (``pip install tritonscale[plot]``).
+        """
+        try:
+            import matplotlib
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError("ScaleHistory.plot needs matplotlib: pip install 'tritonscale[plot]'") from e
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        data = self.to_lists()
+        steps = list(range(len(data["scale"])))
+        skipped = [s for s, flag in zip(steps, data["skipped"]) if flag > 0]
+        fig, (ax_scale, ax_norm) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+        ax_scale.step(steps, data["scale"], where="post", label="loss scale")
+        ax_scale.set_yscale("log", base=2)
+        ax_scale.set_ylabel("loss scale")
+        norms = [(s, n) for s, n in zip(steps, data["norm"]) if n == n and 0 < n < float("inf")]
+        if norms:
+            ax_norm.plot(*zip(*norms), label="grad norm (unscaled)")
+            ax_norm.set_yscale("log")
+        ax_norm.set_ylabel("gradient norm")
+        ax_norm.set_xlabel("step")
+        for ax in (ax_scale, ax_norm):
+            for s in skipped:
+                ax.axvline(s, color="tab:red", alpha=0.3, linewidth=1)
+            ax.grid(True, which="both", alpha=0.3)
+        ax_scale.plot([], [], color="tab:red", alpha=0.5, label=f"skipped step ({len(skipped)})")
+        ax_scale.legend(loc="best")
+        fig.suptitle(title)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path

@@ -1,0 +1,400 @@
+"""GradScaler: a drop-in for torch.amp.GradScaler whose passes are the fused Triton kernels.
+
+The controller only: it runs the gradient passes through a backend (or folds them into a fused
+optimizer: ``fold.py``), keeps the per-optimizer stages (``optimizer_record.py``) and hands each
+iteration's flags to the policy's rule (``loss_scale_policy.py``). State and checkpoints: ``scaler_state.py``;
+torch's accessors and private members: ``torch_private_api.py``; a disabled scaler's clip and step:
+``unscaled_step.py``. Everything stays on the device; only get_scale()/state_dict() and step() for
+an optimizer that cannot take found_inf read the host. Under torch.compile each call runs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..grads.grad_groups import Grads, collect_grads
+from ..grads.optimizer_wrappers import unwrap_optimizer
+from ..passes import fold
+from ..passes.backends import check_backend_name
+from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
+from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
+from ..passes.rank_checks import RankChecks
+from ..passes.rank_combine import GradAllReduce, check_process_group
+from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
+from ..policy.policy_runner import PolicyRunner
+from .compile_boundary import runs_eagerly
+from .diagnostics import device_stats
+from .optimizer_record import OptimizerRecord, OptState, read_found_inf
+from .scale_outputs import scale_outputs
+from .scaler_state import (
+    TORCH_INIT_SCALE,
+    DeviceState,
+    HostState,
+    ScalerSnapshot,
+    ScalerStateIO,
+    checked_init_scale,
+    cuda_missing,
+    policy_from_torch_args,
+    set_scale_,
+)
+from .torch_private_api import TorchPrivateAPI
+from .unscaled_step import clip_unscaled, step_unscaled
+
+__all__ = ["GradScaler", "OptState"]
+
+
+class GradScaler(TorchPrivateAPI, ScalerStateIO):
+    """Dynamic loss scaling with a fused unscale / inf-check / clip pass and no host sync.
+
+    Same constructor, methods and state_dict as ``torch.amp.GradScaler``; adds
+    :meth:`clip_grad_norm_` and the keyword-only ``backend`` ("auto", "triton" or "torch").
+    ``process_group``: the torch.distributed group across which each rank holds a part of the
+    gradients (ZeRO-style partitions, pipeline stages); the norm and found_inf are then the
+    group's, in one collective per step. DTensor (FSDP2) gradients bring their mesh's group;
+    replicated gradients (DDP) need none.
+
+    Example::
+
+        scaler = tritonscale.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        norm = scaler.clip_grad_norm_(optimizer, max_norm=1.0)  # fused unscale + inf-check + clip
+        scaler.step(optimizer)                                   # skipped on inf/NaN
+        scaler.update()
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = TORCH_INIT_SCALE,
+        growth_factor: float = LossScalePolicy.growth_factor,
+        backoff_factor: float = LossScalePolicy.backoff_factor,
+        growth_interval: int = LossScalePolicy.growth_interval,
+        enabled: bool = True,
+        *,
+        backend: str = "auto",
+        policy: LossScalePolicy | None = None,
+        fold_into_optimizer: bool = True,
+        compile_policy: bool | None = None,
+        process_group: Any = None,
+        **knobs: Any,
+    ) -> None:
+        self._device = device
+        self._backend_name = check_backend_name(backend)
+        self._fold = bool(fold_into_optimizer)
+        self._process_group = check_process_group(process_group)
+        self._rules = PolicyRunner(compile_policy)
+        self._enabled = False if cuda_missing(device, enabled) else enabled  # torch disables it then, too
+        self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
+        # Like torch, a disabled scaler keeps its arguments unchecked.
+        init_scale = checked_init_scale(init_scale, self._policy) if self._enabled else init_scale
+        self._host = HostState.initial(init_scale, self._policy)  # the values until the first scale()
+        self._tensors: DeviceState | None = None  # ... and from then on, on the device
+        self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(OptimizerRecord)
+        self._last_found_inf: torch.Tensor | None = None
+        self._last_norm: torch.Tensor | None = None
+        self._disabled_skip: torch.Tensor | None = None  # a disabled scaler's last step() skip flag
+        self._ranks = RankChecks()  # the call sequence and mismatches across ranks (rank_checks.py)
+
+    # ------------------------------------------------------------------ scale
+    @runs_eagerly
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
+        """Multiply a tensor, or each tensor of a (nested) list/tuple/iterable, by the scale.
+
+        Example::
+
+            scaler.scale(loss).backward()
+        """
+        if not self._enabled:
+            return outputs
+        return scale_outputs(outputs, self._scale_on)
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        """The scale tensor, made on ``device`` by the first scale() of the scaler's life."""
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        return self._scale
+
+    # ------------------------------------------------------- gradient passes
+    def _group(self, grads: Grads, process_group: Any = None) -> Any:
+        """The group the gradients are split across: the call's, the scaler's, or their mesh's."""
+        if process_group is not None:
+            return check_process_group(process_group)
+        return self._process_group if self._process_group is not None else grads.mesh_group
+
+    @runs_eagerly
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place and record inf/NaN on the device.
+
+        One fused read+check+write pass per (device, dtype) group; no host sync.
+
+        Example::
+
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)      # gradients now hold their true values
+            scaler.step(optimizer)
+        """
+        if not self._enabled:
+            return
+        optimizer = unwrap_optimizer(optimizer)
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        record = self._per_optimizer_states[id(optimizer)].not_stepped("unscale_")
+        if record.stage is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        grads = collect_grads(optimizer, allow_fp16=False)
+        flags = unscale_grads_(grads, scale, self._backend_name)
+        record.record_rank_flags(flags, self._group(grads), scale, self._ranks)
+        record.stage = OptState.UNSCALED
+
+    @runs_eagerly
+    def clip_grad_norm_(
+        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0, *, process_group: Any = None
+    ) -> torch.Tensor:
+        """Unscale, inf-check and clip the optimizer's gradients by their global norm, fused.
+
+        Returns the total norm of the unscaled gradients before clipping (0-dim float32 tensor on
+        the gradients' device), equal to ``unscale_`` followed by ``torch.nn.utils.clip_grad_norm_``.
+        It counts as this optimizer's ``unscale_`` for the iteration; called after ``unscale_`` it
+        only clips. The gradients are read once, then read and written once; no host sync.
+        ``process_group`` overrides the scaler's for this call: the norm returned on every rank is
+        then that of all the group's gradients, bitwise the same on each rank.
+
+        Example::
+
+            scaler.scale(loss).backward()
+            grad_norm = scaler.clip_grad_norm_(optimizer, max_norm=1.0, norm_type=2.0)
+            scaler.step(optimizer)
+            scaler.update()
+        """
+        max_norm = check_max_norm(max_norm)
+        norm_type = check_norm_type(norm_type)
+        optimizer = unwrap_optimizer(optimizer)
+        if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
+            group_of = functools.partial(self._group, process_group=process_group)
+            norm, skip = clip_unscaled(optimizer, max_norm, norm_type, group_of, self._backend_name, self._ranks)
+            self._per_optimizer_states[id(optimizer)].skip = skip
+            return norm
+        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+        record = self._per_optimizer_states[id(optimizer)].not_stepped("clip_grad_norm_")
+        folds = fold.clip_folds(optimizer, optimizer, self._fold)  # hand a fused optimizer scale / clip_coef
+        grads = collect_grads(
+            optimizer, allow_fp16=folds, kernels=kernels_compute(norm_type), allow_sparse=not folds, split_replicas=True
+        )
+        # What the gradients still have to be divided by: the scale, nothing after unscale_ or an
+        # applied clip, or what an earlier clip folded in (so a second clip sees true values).
+        pending = scale if record.stage is OptState.READY else record.grad_scale
+        pending = pending if pending is not None else torch.ones_like(scale)
+        group = self._group(grads, process_group)
+        # ``ranks`` and ``loss_scale``: what the ranks must agree on (rank_checks.py).
+        device, result = clip_grads(
+            grads,
+            pending,
+            norm_type,
+            max_norm,
+            apply=not folds,
+            unscale_on_overflow=not self._policy.skip_on_overflow,
+            backend=self._backend_name,
+            group=group,
+            prior_found_inf=record.pending_rank_flag(),
+            ranks=self._ranks,
+            loss_scale=scale,
+        )
+        record.flags_combined()  # only now: a clip that raised leaves the pending flag as it was
+        if folds:
+            record.grad_scale = fold.folded_grad_scale(pending, result.clip_coef)
+        # No gradients, no inf check (torch's step() then raises, as after unscale_); but an empty
+        # partition of a process group has the group's found_inf, and steps with the others.
+        if grads.devices or grads.replicas or group is not None:
+            record.add_flag(device, result.found_inf)
+        record.norm = result.norm
+        record.stage = OptState.UNSCALED
+        return result.norm
+
+    # ------------------------------------------------------------------ step
+    @runs_eagerly
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless already done this iteration) and step, skipping the step on inf/NaN.
+
+        Optimizers that accept ``grad_scale``/``found_inf`` (torch's fused Adam, AdamW, SGD) get
+        them as device tensors and skip on the device: no host sync. Others cost one host read of
+        found_inf, as in torch. Closures are refused, as in torch.
+
+        Example::
+
+            scaler.step(optimizer)
+            scaler.update()
+        """
+        inner = unwrap_optimizer(optimizer)  # the state is the real optimizer's; step() is the object's
+        if not self._enabled:  # torch's plain step, unless the clip_grad_norm_ before it found inf/NaN
+            record = self._per_optimizer_states.pop(id(inner), None)
+            self._disabled_skip = record.skip if record is not None else None  # for last_step_skipped()
+            return step_unscaled(optimizer, inner, self._disabled_skip, self._ranks, args, kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale, _ = self._check_scale_growth_tracker("step")
+        record = self._per_optimizer_states[id(inner)]
+        if record.stage is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if fold.takes_amp_scaling(inner) and fold.takes_grad_scaler_argument(optimizer):
+            retval = self._step_with_grad_scaler_argument(optimizer, args, kwargs)
+        elif fold.takes_amp_scaling(inner):
+            if record.stage is OptState.READY:
+                # The optimizer divides by grad_scale itself: only the read-only check pass runs
+                # (sparse gradients coalesced first, as torch does; torch's fused ones take none).
+                self._check_pass(inner, record, scale, allow_sparse=not fold.is_torch_fused(inner))
+            # No gradients: torch steps a fused optimizer all the same; update() then raises.
+            skip = self._skip_flag(record, scale.device, required=False)
+            retval = fold.step_fused(optimizer, inner, scale, record.stage, record.grad_scale, skip, args, kwargs)
+        else:
+            if record.stage is OptState.READY:
+                self.unscale_(inner)
+            skip = self._skip_flag(record, scale.device)
+            retval = fold.step_unless(optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False)
+        record.stage = OptState.STEPPED
+        return retval
+
+    def _check_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor, allow_sparse: bool) -> None:
+        """The read-only inf/NaN check of still-scaled gradients, recorded for the optimizer."""
+        grads = collect_grads(inner, allow_fp16=True, allow_sparse=allow_sparse)
+        record.record_rank_flags(check_grads(grads, scale, self._backend_name), self._group(grads), scale, self._ranks)
+
+    def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
+        """Decide on the device whether this optimizer's step is skipped; remember it for update().
+        ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0."""
+        found_inf = record.found_inf_on(device, required)
+        norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
+        skip_decision = self._rules.rule(self._policy, "skip_decision", device)
+        record.skip = self._ranks.skip(skip_decision(found_inf, norm, self._norm_stats))  # 0-dim flags
+        return record.skip
+
+    # ---------------------------------------------------------------- update
+    @runs_eagerly
+    def update(
+        self, new_scale: float | torch.Tensor | None = None, *, found_inf: bool | torch.Tensor | None = None
+    ) -> None:
+        """Back the scale off if any optimizer step this iteration saw inf/NaN, else maybe grow it.
+
+        ``new_scale`` sets the scale instead. ``found_inf`` (a bool, or a 0-dim device tensor read
+        with no host sync) is an overflow flag the caller found itself, added to what this
+        iteration's passes recorded: code that checks its own gradients (a scale manager's
+        ``update_loss_scale``) drives the policy with it. Runs on the device; no host sync.
+
+        Example::
+
+            scaler.step(optimizer)
+            scaler.update()
+        """
+        if not self._enabled:
+            self._per_optimizer_states = defaultdict(OptimizerRecord)
+            return
+        scale, _ = self._check_scale_growth_tracker("update")
+        records = list(self._per_optimizer_states.values())
+        for record in records:  # the cross-rank stage, where it is still pending (optimizer_record.py)
+            record.combine_across_ranks()
+        if found_inf is not None:
+            record = OptimizerRecord.from_flag(found_inf, scale.device)
+            self._skip_flag(record, scale.device)
+            records.append(record)
+        with self._ranks.unchanged_if_mismatched(self._tensors):
+            if new_scale is not None:
+                set_scale_(scale, new_scale)
+                self._rules.count_only_(self._policy, self._tensors, records)
+            else:
+                self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
+        self._per_optimizer_states = defaultdict(OptimizerRecord)
+        self._ranks.next_iteration()
+
+    # ------------------------------------------------------------ diagnostics
+    @runs_eagerly
+    def stats(self) -> dict[str, torch.Tensor]:
+        """This scaler's per-step statistics as 0-dim device tensors -- no host sync.
+
+        ``scale``, ``growth_tracker``, ``norm`` (the last clip_grad_norm_'s, NaN if none),
+        ``found_inf`` (last update's overflow flag), ``skipped`` (last step skipped, 0/1),
+        ``skipped_steps`` (total), ``consecutive_skips`` and ``hysteresis_left``.
+
+        Example::
+
+            stats = scaler.stats()
+            writer.add_scalar("loss_scale", stats["scale"], step)  # the logger syncs, not the step
+        """
+        scale, tracker = self._check_scale_growth_tracker("stats")
+        return device_stats(scale, tracker, self._counters, self._last_found_inf, self._last_norm)
+
+    @runs_eagerly
+    def last_step_skipped(self) -> bool:
+        """Whether the last completed iteration skipped its step (a host read).
+
+        For LR schedulers: ``if not scaler.last_step_skipped(): scheduler.step()``. The device
+        flag, for loops that must not sync, is ``scaler.stats()["skipped"]``.
+        """
+        skipped = self.last_skip_flag()
+        if self._enabled:
+            self._ranks.raise_if_flagged()
+        return skipped is not None and bool(skipped.item())
+
+    # ------------------------------------------- this iteration, for adapters
+    def optimizer_stage(self, optimizer: torch.optim.Optimizer) -> OptState | None:
+        """``optimizer``'s stage in this iteration (torch's ``OptState``); None when nothing was
+        recorded for it since the last update(). Example: ``scaler.optimizer_stage(opt) is None``."""
+        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        return record.stage if record is not None else None
+
+    def found_inf_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This iteration's overflow flag for ``optimizer`` (0-dim float32 on the device, nonzero on
+        inf/NaN; the process group's, with one); None before its first check. No host read.
+        Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later."""
+        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        return record.group_found_inf() if record is not None else None
+
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """:meth:`found_inf_for` read on the host (one read); False before the first check.
+        Example: ``if scaler.overflowed(opt): ...`` (its step() will skip)."""
+        flag = self.found_inf_for(optimizer)
+        return flag is not None and read_found_inf([flag])
+
+    def last_norm(self) -> torch.Tensor | None:
+        """The norm the last update() used (its iteration's last clip_grad_norm_), on the device;
+        None if that iteration clipped nothing. Example: ``norm = scaler.last_norm()``."""
+        return self._last_norm
+
+    def last_skip_flag(self) -> torch.Tensor | None:
+        """Whether the last completed iteration skipped its step: a 0-dim bool device tensor, no host
+        read (False before the first; None before any state). Example: ``skipped = scaler.last_skip_flag()``."""
+        if not self._enabled:  # skipped only when the clip_grad_norm_ before it found inf/NaN
+            return self._disabled_skip > 0 if self._disabled_skip is not None else None
+        return self._ranks.skip(self._counters[LAST_SKIPPED] > 0) if self._counters is not None else None
+
+    def abandon_iteration(
+        self, optimizer: torch.optim.Optimizer | None = None, snapshot: ScalerSnapshot | None = None
+    ) -> None:
+        """Forget what this iteration recorded for ``optimizer`` (every optimizer when None), as if
+        it had not begun; with a ``snapshot``, also undo the update()s since it was taken. The
+        gradients stay as the passes left them. Example::
+
+            snapshot = scaler.snapshot()  # then an update() (e.g. a backoff) and an error
+            scaler.abandon_iteration(optimizer, snapshot)  # the scaler as at the snapshot
+        """
+        if optimizer is None:
+            self._per_optimizer_states = defaultdict(OptimizerRecord)
+        else:
+            self._per_optimizer_states.pop(id(unwrap_optimizer(optimizer)), None)
+        if snapshot is not None:
+            self.restore(snapshot)
+
+    def all_reduce_grads_(self, params: list[torch.Tensor], process_group: Any, reducer: GradAllReduce) -> None:
+        """Sum ``params``' gradients over ``process_group`` in place (the Updater's data parallelism),
+        the collective carrying this scaler's scale and call sequence for the ranks to check."""
+        reducer(params, process_group, self._scale if self._enabled else None, self._ranks)
+
+    # -------------------------------------------------------- knobs and state
+    def _host_state(self) -> HostState:  # state_dict() reads the host: a flagged rank mismatch raises there
+        self._ranks.raise_if_flagged()
+        return super()._host_state()

@@ -1,0 +1,173 @@
+"""What one iteration records per optimizer: its stage and the device flags the passes left.
+
+Per iteration and optimizer the stages are READY -> UNSCALED (``unscale_`` or ``clip_grad_norm_``)
+-> STEPPED, and ``update()`` starts the next iteration, as in torch.amp.GradScaler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# torch's own enum, not a copy: frameworks test ``record["stage"] is OptState.UNSCALED`` with the
+# OptState they import from torch, and that must hold for our records too.
+from torch.amp.grad_scaler import OptState
+
+from ..passes.rank_combine import combine_found_inf
+
+
+@dataclass
+class OptimizerRecord:
+    """One optimizer's bookkeeping for the current iteration (all tensors stay on the device).
+
+    Frameworks and fused optimizers read (and some write) torch's
+    ``scaler._per_optimizer_states[id(optimizer)]["stage"]`` and ``["found_inf_per_device"]``, so
+    those two fields also work by key, as in torch's dict.
+    """
+
+    stage: OptState = OptState.READY
+    #: inf/NaN flags per gradient device: they drive the skip and the policy's backoff. With a
+    #: process group they are rank-local until ``combine_across_ranks`` (or a clip's collective).
+    found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    #: The process group the flags still have to be combined across (None: they are final).
+    _flags_group: Any = None
+    #: The loss scale and the scaler's RankChecks the combine stamps its row with (rank_checks.py).
+    _flags_stamp: tuple[torch.Tensor, Any] | None = None
+    #: The step's skip flag on the scale's device: an overflow (unless the policy lets it
+    #: through) or a norm spike.
+    skip: torch.Tensor | None = None
+    #: The unscaled total norm, when clip_grad_norm_ ran.
+    norm: torch.Tensor | None = None
+    #: What clip_grad_norm_ folded into a fused optimizer's step: scale / clip_coef.
+    grad_scale: torch.Tensor | None = None
+
+    _TORCH_KEYS = ("stage", "found_inf_per_device")
+
+    def combine_across_ranks(self) -> None:
+        """The cross-rank stage of the step: make rank-local flags the process group's (one
+        collective), if a pass left them so; nothing otherwise. Deferred to here, rather than run at
+        the pass, so that a clip_grad_norm_ after unscale_ carries them in its own collective.
+        The controller calls it where the step needs the group's flags (the skip decision,
+        update(), the torch protocol's reads); every rank makes the same calls, so every rank
+        reaches the collective."""
+        if self._flags_group is None:
+            return
+        group, self._flags_group = self._flags_group, None
+        scale, ranks = self._flags_stamp
+        device = next(iter(self.found_inf_per_device), scale.device)
+        local = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
+        # A rank without gradients (an empty ZeRO partition) still takes part, or the others
+        # would wait, and keeps the group's flag: its step skips (or not) with the others'.
+        local = local if local is not None else torch.zeros((), device=device)
+        self.found_inf_per_device = {device: combine_found_inf(local, group, ranks, scale)}
+
+    @classmethod
+    def from_flag(cls, found_inf: bool | torch.Tensor, device: torch.device) -> OptimizerRecord:
+        """A record holding only an overflow flag the caller found itself (``update(found_inf=...)``):
+        a bool, or a one-element tensor (nonzero: overflow) moved to ``device`` without a host read."""
+        if isinstance(found_inf, torch.Tensor):
+            if found_inf.numel() != 1 or found_inf.is_complex():
+                raise ValueError(
+                    f"found_inf must be a bool or a one-element tensor, got shape {tuple(found_inf.shape)}"
+                )
+            flag = (found_inf.detach().to(device, non_blocking=True).reshape(()) != 0).float()
+        elif isinstance(found_inf, bool):
+            flag = torch.tensor(float(found_inf), device=device)
+        else:
+            raise TypeError(f"found_inf must be a bool or a one-element tensor, got {type(found_inf).__name__}")
+        return cls(found_inf_per_device={device: flag})
+
+    def not_stepped(self, funcname: str) -> OptimizerRecord:
+        """This record, for an unscale_/clip_grad_norm_: torch's error after this iteration's step()."""
+        if self.stage is OptState.STEPPED:
+            raise RuntimeError(f"{funcname}() is being called after step().")
+        return self
+
+    def record_rank_flags(
+        self, flags: dict[torch.device, torch.Tensor], group: Any, scale: torch.Tensor, ranks: Any
+    ) -> None:
+        """Keep this rank's flags, to be combined across ``group`` by ``combine_across_ranks`` or a
+        later clip's collective (None: they are final). ``scale``: the loss scale (on whose device a
+        rank without gradients makes its flag) and ``ranks``: the scaler's RankChecks, both for the
+        combine's checked row."""
+        self.found_inf_per_device, self._flags_group = flags, group
+        self._flags_stamp = (scale, ranks)
+
+    def pending_rank_flag(self) -> torch.Tensor | None:
+        """The rank-local flag still to be combined, for a caller whose collective carries it (which
+        then calls ``flags_combined``); None if there is none. Changes nothing."""
+        if self._flags_group is None:
+            return None
+        flags = list(self.found_inf_per_device.values())
+        return combine_flags([t.to(flags[0].device, non_blocking=True) for t in flags]) if flags else None
+
+    def add_flag(self, device: torch.device, found_inf: torch.Tensor) -> None:
+        """Raise the flag of ``device`` with ``found_inf`` (a pass's, already the group's)."""
+        found = self.found_inf_per_device
+        found[device] = torch.maximum(found[device], found_inf) if device in found else found_inf
+
+    def found_inf_on(self, device: torch.device, required: bool = True) -> torch.Tensor:
+        """The group's flags (``combine_across_ranks`` first) as one 0-dim flag on ``device``. None
+        recorded (no gradients): torch's error if ``required``, else 0."""
+        self.combine_across_ranks()
+        found_inf = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
+        if found_inf is None:
+            if required:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        return found_inf
+
+    def group_found_inf(self) -> torch.Tensor | None:
+        """The flags made the group's (``combine_across_ranks``) and summed into one 0-dim flag on
+        the first one's device; None before the first check."""
+        self.combine_across_ranks()
+        return summed_flag(self.found_inf_per_device.values())
+
+    def flags_combined(self) -> None:
+        """The caller's collective carried the pending flag: the flags need no combining any more."""
+        self._flags_group = None
+
+    def __getitem__(self, key: str) -> Any:
+        """torch's dict protocol. ``["found_inf_per_device"]`` is how torch-protocol code (fused
+        optimizers' ``_maybe_opt_step``, frameworks) reads the flags that decide a step, so it gets
+        the group's: the lookup runs ``combine_across_ranks``, as torch's scaler has them final there."""
+        if key not in self._TORCH_KEYS:
+            raise KeyError(key)
+        if key == "found_inf_per_device":
+            self.combine_across_ranks()
+        return getattr(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self._TORCH_KEYS:
+            raise KeyError(key)
+        if key == "found_inf_per_device":  # set by hand: final, nothing left to combine
+            self._flags_group = None
+        setattr(self, key, value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._TORCH_KEYS
+
+
+def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:
+    """Sum of 0-dim flags on one device (the way torch combines found_inf), None for none."""
+    if not flags:
+        return None
+    if len(flags) == 1:  # reshape(()) is a dispatch even on a 0-dim tensor: skipped when it does nothing
+        return flags[0] if flags[0].dim() == 0 else flags[0].reshape(())
+    return torch.stack([f.reshape(()) for f in flags]).sum()
+
+
+def summed_flag(flags: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """Flags on any devices summed into one 0-dim flag on the first one's device, None for none."""
+    flags = list(flags)
+    return combine_flags([f.to(flags[0].device, non_blocking=True) for f in flags]) if flags else None
+
+
+def read_found_inf(flags: Iterable[torch.Tensor]) -> bool:
+    """Whether any found_inf flag is set: their sum read on the host (one read; torch reads each
+    device's, with the same answer). False for none."""
+    found_inf = summed_flag(flags)
+    return found_inf is not None and bool(found_inf.item())

@@ -1,0 +1,52 @@
+"""A disabled scaler's clip and step (a bf16 run: no loss scale).
+
+torch's disabled GradScaler passes step() through. Ours keeps one thing from the scaled path:
+``clip_grad_norm_`` still checks for inf/NaN (in the same pass as the clip) and the ``step()``
+right after it skips on that finding, which the step spends: no update() is needed to clear it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..grads.grad_groups import Grads, collect_grads
+from ..passes.clip_args import kernels_compute
+from ..passes.fold import step_unless
+from ..passes.grad_passes import clip_grads
+from ..passes.rank_checks import RankChecks
+
+
+def clip_unscaled(
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    norm_type: float,
+    group_of: Callable[[Grads], Any],
+    backend: str,
+    ranks: RankChecks,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain clipping (float16 gradients included) with the inf/NaN check; returns the total norm
+    and the skip flag the next step() takes. ``group_of``: the process group for the gradients."""
+    grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True)
+    _, result = clip_grads(
+        grads, None, norm_type, max_norm, apply=True, backend=backend, group=group_of(grads), ranks=ranks
+    )
+    return result.norm, ranks.skip(result.found_inf)
+
+
+def step_unscaled(
+    optimizer: Any,
+    inner: torch.optim.Optimizer,
+    skip: torch.Tensor | None,
+    ranks: RankChecks,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """torch's plain step, unless ``skip`` (the clip's finding, if a clip ran) is set. The step ends
+    the iteration for the rank checks: a bf16 loop may never call update()."""
+    ranks.next_iteration()
+    if skip is None:
+        return optimizer.step(*args, **kwargs)
+    return step_unless(optimizer, inner, skip, ranks.read_skip, args, kwargs)

@@ -1,0 +1,219 @@
+"""LossScaleOptimizer: loss scaling in the shape of TensorFlow's and Keras's optimizer wrapper.
+
+The wrapper *is* a torch optimizer to the code around it (``param_groups``, ``state``,
+``zero_grad``, ``add_param_group``, ``state_dict``, LR schedulers, step hooks), and its ``step()``
+is a whole scaled step: the fused unscale / inf-check (/ clip) of a ``GradScaler``, the inner
+optimizer's step (skipped on inf/NaN), and the policy's scale update. Nothing of the rule lives
+here: the scale, its policy and the passes are the wrapped ``GradScaler``'s.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..passes.clip_args import check_max_norm, check_norm_type
+from ..policy.loss_scale_policy import LossScalePolicy
+from ..scaler.compile_boundary import runs_eagerly
+from ..scaler.grad_scaler import GradScaler
+from ..scaler.scaler_state import TORCH_INIT_SCALE
+
+#: The key under which state_dict() carries the scaler's state beside the inner optimizer's.
+SCALER_KEY = "loss_scaler"
+#: torch.optim.Optimizer's hook registries, kept on the wrapper itself (not the inner optimizer).
+_HOOK_DICTS = tuple(
+    f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict", "load_state_dict") for when in ("pre", "post")
+)
+
+
+class LossScaleOptimizer(torch.optim.Optimizer):
+    """Wrap any torch optimizer so that its step is a loss-scaled (and optionally clipped) step.
+
+    One-call form: ``backward_and_step(loss)`` or ``minimize(loss_fn)``. Split form:
+    ``scaled_backward(loss)`` (as often as gradients accumulate), then ``step()`` (alias
+    ``apply()``): unscale + inf/NaN check (+ clip by ``max_norm``) + the inner step, skipped on
+    overflow, + the scale update. With a fused inner optimizer (``fused=True``) the unscale and the
+    clip fold into its step: no gradient write, no host sync.
+
+    Example::
+
+        optimizer = tritonscale.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=1.0)
+        loss = loss_fn(model(x), y)
+        optimizer.backward_and_step(loss)       # or: optimizer.scaled_backward(loss); optimizer.step()
+        optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        policy: LossScalePolicy | None = None,
+        *,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        init_scale: float = TORCH_INIT_SCALE,
+        backend: str = "auto",
+        scaler: GradScaler | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, LossScaleOptimizer):
+            raise TypeError("optimizer is already a LossScaleOptimizer: wrapping it twice would scale twice")
+        self.max_norm = None if max_norm is None else check_max_norm(max_norm)
+        self.norm_type = check_norm_type(norm_type)
+        if scaler is None:
+            device = _device_of(optimizer)
+            scaler = GradScaler(device.type, init_scale=init_scale, backend=backend, policy=policy)
+        elif policy is not None:
+            raise ValueError("pass either policy= or scaler= (whose policy it is), not both")
+        self.optimizer = optimizer  # the real one: GradScaler unwraps wrappers through .optimizer
+        self.scaler = scaler
+        self._backward_since_step = False
+        self._init_optimizer_parts()
+
+    def _init_optimizer_parts(self) -> None:
+        """What torch.optim.Optimizer.__init__ sets up besides the parameters (those are the inner
+        optimizer's): the wrapper's own hooks, empty, and step() patched to run them and be profiled."""
+        for name in _HOOK_DICTS:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    # ---------------------------------------- deepcopy, pickle, torch.save
+    def __getstate__(self) -> dict[str, Any]:
+        """The wrapper whole: the inner optimizer, the scaler (which pickles between iterations, as
+        torch's does) and the settings. torch.optim.Optimizer's would save ``param_groups``,
+        ``state`` and ``defaults`` only, which here are properties of the inner optimizer, and its
+        __setstate__ would then read them before ``optimizer`` exists. Hooks are left out, as
+        torch.optim.Optimizer leaves its own out."""
+        return {name: value for name, value in self.__dict__.items() if name not in _HOOK_DICTS}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_optimizer_parts()
+
+    # ----------------------------------------------- the inner optimizer's view
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"LossScaleOptimizer({self.optimizer!r}, max_norm={self.max_norm})"
+
+    # ------------------------------------------------------------- the steps
+    def scaled_backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
+        """``(loss * scale).backward()``; call once per micro-batch, then ``step()``."""
+        self.scaler.scale(loss).backward(**backward_kwargs)
+        self._backward_since_step = True
+
+    @runs_eagerly
+    def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor | None:
+        """Unscale + inf/NaN check (+ clip), the inner step unless it overflowed, the scale update.
+
+        Returns the gradient norm before clipping (a 0-dim device tensor) when ``max_norm`` is set,
+        else None. A closure cannot work here (its ``backward()`` would not be scaled): use
+        ``minimize(loss_fn)``.
+        """
+        if closure is not None:
+            raise RuntimeError(
+                "LossScaleOptimizer.step() takes no closure: the closure's backward() would not be "
+                "scaled; use minimize(loss_fn), or scaled_backward(loss) then step()"
+            )
+        if not self._backward_since_step:
+            raise RuntimeError(
+                "LossScaleOptimizer.step() without scaled_backward(loss) since the last step: "
+                "gradients from a plain loss.backward() would be divided by the loss scale"
+            )
+        norm = None
+        if self.max_norm is not None:
+            norm = self.scaler.clip_grad_norm_(self.optimizer, self.max_norm, self.norm_type)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self._backward_since_step = False
+        return norm
+
+    def apply(self) -> torch.Tensor | None:
+        """The split form's second half (TensorFlow's ``apply_gradients``): same as ``step()``."""
+        return self.step()
+
+    def backward_and_step(self, loss: torch.Tensor) -> torch.Tensor | None:
+        """``scaled_backward(loss)`` then ``step()``: one call per iteration."""
+        self.scaled_backward(loss)
+        return self.step()
+
+    def minimize(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Compute the loss with ``loss_fn()``, then a whole scaled step; returns the loss."""
+        if not callable(loss_fn):
+            raise TypeError(f"minimize() takes a function returning the loss, got {type(loss_fn).__name__}")
+        loss = loss_fn()
+        self.backward_and_step(loss)
+        return loss
+
+    # ----------------------------------------------------------- what it says
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (a host read)."""
+        return self.scaler.get_scale()
+
+    @property
+    def step_applied(self) -> torch.Tensor:
+        """1.0 if the last step was applied, 0.0 if it was skipped: a device tensor, no sync."""
+        return 1.0 - self.scaler.stats()["skipped"]
+
+    def last_step_applied(self) -> bool:
+        """Whether the last step was applied (a host read)."""
+        return not self.scaler.last_step_skipped()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state_dict, with the scaler's under ``"loss_scaler"``."""
+        return {**self.optimizer.state_dict(), SCALER_KEY: self.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load both, or nothing. The scaler's load checks everything before it changes anything;
+        if the inner optimizer's load then fails, the scaler gets its previous state back."""
+        state_dict = dict(state_dict)
+        if SCALER_KEY not in state_dict:
+            raise KeyError(f"state_dict has no {SCALER_KEY!r}: not saved from a LossScaleOptimizer")
+        scaler_state = state_dict.pop(SCALER_KEY)
+        previous = self.scaler.state_dict()
+        self.scaler.load_state_dict(scaler_state)
+        try:
+            self.optimizer.load_state_dict(state_dict)
+        except BaseException:
+            self.scaler.load_state_dict(previous)
+            raise
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            return param.device
+    raise ValueError("the optimizer has no parameters")
