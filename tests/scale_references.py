@@ -3,7 +3,7 @@
 Each class restates one framework's rule in plain Python, independently of tritonscale, in the
 arithmetic the original does it in: Python numbers where the original keeps the scale in Python
 (Megatron-LM, DeepSpeed, apex, MindSpore's manager), float32 where it keeps it in a float32 variable
-(TensorFlow). tests/test_policies.py and tests/test_scale_managers.py check tritonscale's scale
+(TensorFlow). tests/policy/test_policies.py and tests/shapes/test_scale_managers.py check tritonscale's scale
 against them step for step, on the overflow patterns of ``overflow_pattern``.
 """
 
@@ -155,3 +155,22 @@ class ApexRef:  # apex/amp/scaler.py, LossScaler.update_scale (dynamic)
         if self.unskipped == self.window:
             self.scale = min(self.max, self.scale * 2.0)
             self.unskipped = 0
+
+
+class Loop:
+    """A one-parameter training loop whose gradient is made inf on request."""
+
+    def __init__(self, scaler, backend, clip=False):
+        self.param = torch.nn.Parameter(torch.ones(8))
+        self.opt = torch.optim.SGD([self.param], lr=1e-3)
+        self.scaler, self.clip = scaler, clip
+
+    def step(self, overflow, grad_value=1.0):
+        self.opt.zero_grad()
+        self.scaler.scale((self.param * grad_value).sum()).backward()
+        if overflow:
+            self.param.grad[3] = math.inf
+        norm = self.scaler.clip_grad_norm_(self.opt, 1e6) if self.clip else None
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        return norm

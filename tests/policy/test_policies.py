@@ -17,6 +17,7 @@ import torch
 from scale_references import (
     ApexRef,
     DeepSpeedRef,
+    Loop,
     MegatronRef,
     MindSporeRef,
     TensorFlowExponentialRef,
@@ -28,25 +29,6 @@ from tritonscale import GradScaler, LossScalePolicy, ScalerConfigError
 
 
 # ------------------------------------------------------------------ harness
-class Loop:
-    """A one-parameter training loop whose gradient is made inf on request."""
-
-    def __init__(self, scaler, backend, clip=False):
-        self.param = torch.nn.Parameter(torch.ones(8))
-        self.opt = torch.optim.SGD([self.param], lr=1e-3)
-        self.scaler, self.clip = scaler, clip
-
-    def step(self, overflow, grad_value=1.0):
-        self.opt.zero_grad()
-        self.scaler.scale((self.param * grad_value).sum()).backward()
-        if overflow:
-            self.param.grad[3] = math.inf
-        norm = self.scaler.clip_grad_norm_(self.opt, 1e6) if self.clip else None
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        return norm
-
-
 def follow(scaler, ref, pattern, backend, clip=False):
     loop = Loop(scaler, backend, clip)
     for i, overflow in enumerate(pattern):

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from test_policies import ApexRef, DeepSpeedRef, Loop, MegatronRef, overflow_pattern
+from scale_references import ApexRef, DeepSpeedRef, Loop, MegatronRef, overflow_pattern
 
 from tritonscale import GradScaler, ScalerConfigError
 from tritonscale.shapes.checkpoint_import import from_apex, from_deepspeed, from_megatron

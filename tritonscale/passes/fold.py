@@ -78,6 +78,13 @@ def warn_grad_scaler_argument(stacklevel: int = 3) -> None:
     )
 
 
+def step_with_grad_scaler_argument(optimizer: Any, scaler: Any, args: tuple, kwargs: dict) -> Any:
+    """The older protocol's step: the optimizer calls the scaler's ``_check_inf_per_device`` and
+    ``_get_scale_async`` itself (apex, TransformerEngine). Called by ``GradScaler.step``."""
+    warn_grad_scaler_argument(stacklevel=4)  # the warning points at the caller of scaler.step()
+    return optimizer.step(*args, **{**kwargs, "grad_scaler": scaler})
+
+
 def folded_grad_scale(scale: torch.Tensor, clip_coef: torch.Tensor) -> torch.Tensor:
     """What clip_grad_norm_ hands a fused optimizer: dividing by ``scale / clip_coef`` unscales and
     clips in the optimizer's own pass (about 1 ulp from torch's unscale-then-clip)."""

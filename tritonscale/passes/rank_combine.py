@@ -32,6 +32,13 @@ from .rank_checks import STAMP, RankChecks, on_device
 Group = Any
 
 
+def gradient_group(call_group: Group, scaler_group: Group, mesh_group: Group) -> Group:
+    """The group the gradients are split across: the call's, else the scaler's, else their mesh's."""
+    if call_group is not None:
+        return check_process_group(call_group)
+    return scaler_group if scaler_group is not None else mesh_group
+
+
 def check_process_group(group: Group, name: str = "process_group", *, optional: bool = True) -> Group:
     """``group`` if it is a torch.distributed ProcessGroup of an initialized run (or None, where
     ``optional``); a TypeError naming ``name`` otherwise."""

@@ -1,11 +1,11 @@
 """GradScaler: a drop-in for torch.amp.GradScaler whose passes are the fused Triton kernels.
 
-The controller only: it runs the gradient passes through a backend (or folds them into a fused
-optimizer: ``fold.py``), keeps the per-optimizer stages (``optimizer_record.py``) and hands each
-iteration's flags to the policy's rule (``loss_scale_policy.py``). State and checkpoints: ``scaler_state.py``;
-torch's accessors and private members: ``torch_private_api.py``; a disabled scaler's clip and step:
-``unscaled_step.py``. Everything stays on the device; only get_scale()/state_dict() and step() for
-an optimizer that cannot take found_inf read the host. Under torch.compile each call runs eagerly.
+The controller: its state is the fields ``__init__`` sets, and every method here uses only those
+and the methods of this file. A step runs the passes (``passes/``) on the optimizer's gradients
+(``grads/``), records each optimizer's stage (``optimizer_record.py``) and hands the flags to the
+policy's rule (``policy/``). torch's accessors and private names are a layer over these fields
+(``torch_private_api.py``); checkpoints: ``scaler_state.py``. Nothing reads the host but
+get_scale()/state_dict() and step() for an optimizer that cannot take found_inf.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..passes.backends import check_backend_name
 from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
 from ..passes.rank_checks import RankChecks
-from ..passes.rank_combine import GradAllReduce, check_process_group
+from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
 from .compile_boundary import runs_eagerly
@@ -85,6 +85,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         process_group: Any = None,
         **knobs: Any,
     ) -> None:
+        # The constructor's settings.
         self._device = device
         self._backend_name = check_backend_name(backend)
         self._fold = bool(fold_into_optimizer)
@@ -94,8 +95,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
         # Like torch, a disabled scaler keeps its arguments unchecked.
         init_scale = checked_init_scale(init_scale, self._policy) if self._enabled else init_scale
-        self._host = HostState.initial(init_scale, self._policy)  # the values until the first scale()
-        self._tensors: DeviceState | None = None  # ... and from then on, on the device
+        # The scale and the policy's trackers: Python numbers until the first scale(), then tensors.
+        self._host = HostState.initial(init_scale, self._policy)
+        self._tensors: DeviceState | None = None
+        # This iteration, per optimizer (keyed by id, as torch's), and what the last one left.
         self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(OptimizerRecord)
         self._last_found_inf: torch.Tensor | None = None
         self._last_norm: torch.Tensor | None = None
@@ -106,50 +109,50 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
     @runs_eagerly
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor, or each tensor of a (nested) list/tuple/iterable, by the scale.
-
-        Example::
-
-            scaler.scale(loss).backward()
-        """
+        Example: ``scaler.scale(loss).backward()``."""
         if not self._enabled:
             return outputs
         return scale_outputs(outputs, self._scale_on)
 
     def _scale_on(self, device: torch.device) -> torch.Tensor:
         """The scale tensor, made on ``device`` by the first scale() of the scaler's life."""
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(device)
-        return self._scale
+        if self._tensors is None:
+            self._tensors = self._host.to_device(device)
+        return self._tensors.scale
+
+    def _state_for(self, funcname: str) -> DeviceState:
+        """The device state, which a step needs: torch's error when no scale() has made it."""
+        if self._tensors is None:
+            raise AssertionError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
+                "scaler.scale(loss or outputs) earlier in the iteration."
+            )
+        return self._tensors
 
     # ------------------------------------------------------- gradient passes
     def _group(self, grads: Grads, process_group: Any = None) -> Any:
-        """The group the gradients are split across: the call's, the scaler's, or their mesh's."""
-        if process_group is not None:
-            return check_process_group(process_group)
-        return self._process_group if self._process_group is not None else grads.mesh_group
+        return gradient_group(process_group, self._process_group, grads.mesh_group)
 
     @runs_eagerly
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale in place and record inf/NaN on the device.
-
-        One fused read+check+write pass per (device, dtype) group; no host sync.
-
-        Example::
-
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)      # gradients now hold their true values
-            scaler.step(optimizer)
-        """
+        """Divide the optimizer's gradients by the scale in place and record inf/NaN on the device:
+        one fused read+check+write pass per (device, dtype) group; no host sync. Example:
+        ``scaler.unscale_(optimizer)`` after backward (the gradients now hold their true values)."""
         if not self._enabled:
             return
         optimizer = unwrap_optimizer(optimizer)
-        scale, _ = self._check_scale_growth_tracker("unscale_")
+        scale = self._state_for("unscale_").scale
         record = self._per_optimizer_states[id(optimizer)].not_stepped("unscale_")
         if record.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        grads = collect_grads(optimizer, allow_fp16=False)
-        flags = unscale_grads_(grads, scale, self._backend_name)
-        record.record_rank_flags(flags, self._group(grads), scale, self._ranks)
+        self._unscale_pass(optimizer, record, scale)
+
+    def _unscale_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor) -> None:
+        """unscale_'s work: the fused unscale + check of the optimizer's gradients, recorded."""
+        grads = collect_grads(inner, allow_fp16=False)
+        record.record_rank_flags(
+            unscale_grads_(grads, scale, self._backend_name), self._group(grads), scale, self._ranks
+        )
         record.stage = OptState.UNSCALED
 
     @runs_eagerly
@@ -180,16 +183,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             norm, skip = clip_unscaled(optimizer, max_norm, norm_type, group_of, self._backend_name, self._ranks)
             self._per_optimizer_states[id(optimizer)].skip = skip
             return norm
-        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+        scale = self._state_for("clip_grad_norm_").scale
         record = self._per_optimizer_states[id(optimizer)].not_stepped("clip_grad_norm_")
         folds = fold.clip_folds(optimizer, optimizer, self._fold)  # hand a fused optimizer scale / clip_coef
         grads = collect_grads(
             optimizer, allow_fp16=folds, kernels=kernels_compute(norm_type), allow_sparse=not folds, split_replicas=True
         )
-        # What the gradients still have to be divided by: the scale, nothing after unscale_ or an
-        # applied clip, or what an earlier clip folded in (so a second clip sees true values).
-        pending = scale if record.stage is OptState.READY else record.grad_scale
-        pending = pending if pending is not None else torch.ones_like(scale)
+        pending = record.pending_factor(scale)
         group = self._group(grads, process_group)
         # ``ranks`` and ``loss_scale``: what the ranks must agree on (rank_checks.py).
         device, result = clip_grads(
@@ -205,15 +205,11 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             ranks=self._ranks,
             loss_scale=scale,
         )
-        record.flags_combined()  # only now: a clip that raised leaves the pending flag as it was
         if folds:
             record.grad_scale = fold.folded_grad_scale(pending, result.clip_coef)
-        # No gradients, no inf check (torch's step() then raises, as after unscale_); but an empty
-        # partition of a process group has the group's found_inf, and steps with the others.
-        if grads.devices or grads.replicas or group is not None:
-            record.add_flag(device, result.found_inf)
-        record.norm = result.norm
-        record.stage = OptState.UNSCALED
+        # Only now: a clip that raised leaves the record (and its pending rank flag) as it was.
+        checked = bool(grads.devices or grads.replicas) or group is not None
+        record.record_clip(device, result.found_inf, result.norm, checked)
         return result.norm
 
     # ------------------------------------------------------------------ step
@@ -223,12 +219,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
 
         Optimizers that accept ``grad_scale``/``found_inf`` (torch's fused Adam, AdamW, SGD) get
         them as device tensors and skip on the device: no host sync. Others cost one host read of
-        found_inf, as in torch. Closures are refused, as in torch.
-
-        Example::
-
-            scaler.step(optimizer)
-            scaler.update()
+        found_inf, as in torch. Closures are refused, as in torch. Example: ``scaler.step(optimizer)``.
         """
         inner = unwrap_optimizer(optimizer)  # the state is the real optimizer's; step() is the object's
         if not self._enabled:  # torch's plain step, unless the clip_grad_norm_ before it found inf/NaN
@@ -237,13 +228,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return step_unscaled(optimizer, inner, self._disabled_skip, self._ranks, args, kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        scale, _ = self._check_scale_growth_tracker("step")
+        scale = self._state_for("step").scale
         record = self._per_optimizer_states[id(inner)]
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
         if fold.takes_amp_scaling(inner) and fold.takes_grad_scaler_argument(optimizer):
-            retval = self._step_with_grad_scaler_argument(optimizer, args, kwargs)
+            retval = fold.step_with_grad_scaler_argument(optimizer, self, args, kwargs)
         elif fold.takes_amp_scaling(inner):
             if record.stage is OptState.READY:
                 # The optimizer divides by grad_scale itself: only the read-only check pass runs
@@ -254,7 +245,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             retval = fold.step_fused(optimizer, inner, scale, record.stage, record.grad_scale, skip, args, kwargs)
         else:
             if record.stage is OptState.READY:
-                self.unscale_(inner)
+                self._unscale_pass(inner, record, scale)
             skip = self._skip_flag(record, scale.device)
             retval = fold.step_unless(optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False)
         record.stage = OptState.STEPPED
@@ -271,7 +262,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         found_inf = record.found_inf_on(device, required)
         norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
-        record.skip = self._ranks.skip(skip_decision(found_inf, norm, self._norm_stats))  # 0-dim flags
+        record.skip = self._ranks.skip(skip_decision(found_inf, norm, self._tensors.norm_stats))  # 0-dim flags
         return record.skip
 
     # ---------------------------------------------------------------- update
@@ -294,7 +285,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if not self._enabled:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
-        scale, _ = self._check_scale_growth_tracker("update")
+        scale = self._state_for("update").scale
         records = list(self._per_optimizer_states.values())
         for record in records:  # the cross-rank stage, where it is still pending (optimizer_record.py)
             record.combine_across_ranks()
@@ -314,27 +305,17 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
     # ------------------------------------------------------------ diagnostics
     @runs_eagerly
     def stats(self) -> dict[str, torch.Tensor]:
-        """This scaler's per-step statistics as 0-dim device tensors -- no host sync.
-
-        ``scale``, ``growth_tracker``, ``norm`` (the last clip_grad_norm_'s, NaN if none),
-        ``found_inf`` (last update's overflow flag), ``skipped`` (last step skipped, 0/1),
-        ``skipped_steps`` (total), ``consecutive_skips`` and ``hysteresis_left``.
-
-        Example::
-
-            stats = scaler.stats()
-            writer.add_scalar("loss_scale", stats["scale"], step)  # the logger syncs, not the step
-        """
-        scale, tracker = self._check_scale_growth_tracker("stats")
-        return device_stats(scale, tracker, self._counters, self._last_found_inf, self._last_norm)
+        """Per-step statistics as 0-dim device tensors, no host sync: ``scale``, ``growth_tracker``,
+        ``norm`` (the last clip_grad_norm_'s, NaN if none), ``found_inf`` (the last update's flag),
+        ``skipped`` (0/1), ``skipped_steps``, ``consecutive_skips``, ``hysteresis_left``. Example:
+        ``writer.add_scalar("loss_scale", scaler.stats()["scale"], step)`` (the logger syncs)."""
+        state = self._state_for("stats")
+        return device_stats(state.scale, state.growth_tracker, state.counters, self._last_found_inf, self._last_norm)
 
     @runs_eagerly
     def last_step_skipped(self) -> bool:
-        """Whether the last completed iteration skipped its step (a host read).
-
-        For LR schedulers: ``if not scaler.last_step_skipped(): scheduler.step()``. The device
-        flag, for loops that must not sync, is ``scaler.stats()["skipped"]``.
-        """
+        """Whether the last completed iteration skipped its step (a host read; the device flag is
+        ``last_skip_flag()``). Example: ``if not scaler.last_step_skipped(): scheduler.step()``."""
         skipped = self.last_skip_flag()
         if self._enabled:
             self._ranks.raise_if_flagged()
@@ -370,7 +351,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         read (False before the first; None before any state). Example: ``skipped = scaler.last_skip_flag()``."""
         if not self._enabled:  # skipped only when the clip_grad_norm_ before it found inf/NaN
             return self._disabled_skip > 0 if self._disabled_skip is not None else None
-        return self._ranks.skip(self._counters[LAST_SKIPPED] > 0) if self._counters is not None else None
+        return self._ranks.skip(self._tensors.counters[LAST_SKIPPED] > 0) if self._tensors is not None else None
 
     def abandon_iteration(
         self, optimizer: torch.optim.Optimizer | None = None, snapshot: ScalerSnapshot | None = None
@@ -386,15 +367,28 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             self._per_optimizer_states = defaultdict(OptimizerRecord)
         else:
             self._per_optimizer_states.pop(id(unwrap_optimizer(optimizer)), None)
-        if snapshot is not None:
-            self.restore(snapshot)
+        if snapshot is not None:  # in place: the device tensors keep their addresses
+            if self._enabled and snapshot.host is not None:
+                self._policy, self._host = LossScalePolicy(**snapshot.policy.knobs()), snapshot.host.copy()
+                if self._tensors is not None:
+                    self._tensors.load_(snapshot.host)
+            self._last_found_inf, self._last_norm = snapshot.last_found_inf, snapshot.last_norm
+
+    def snapshot(self) -> ScalerSnapshot:
+        """The scale, its trackers and policy (a host read) and stats()'s last found_inf and norm:
+        what ``abandon_iteration(optimizer, snapshot)`` puts back. Example: ``saved = scaler.snapshot()``."""
+        policy, host = (LossScalePolicy(**self._policy.knobs()), self._host_state()) if self._enabled else (None, None)
+        return ScalerSnapshot(policy, host, self._last_found_inf, self._last_norm)
 
     def all_reduce_grads_(self, params: list[torch.Tensor], process_group: Any, reducer: GradAllReduce) -> None:
         """Sum ``params``' gradients over ``process_group`` in place (the Updater's data parallelism),
         the collective carrying this scaler's scale and call sequence for the ranks to check."""
-        reducer(params, process_group, self._scale if self._enabled else None, self._ranks)
+        scale = self._tensors.scale if self._enabled and self._tensors is not None else None
+        reducer(params, process_group, scale, self._ranks)
 
     # -------------------------------------------------------- knobs and state
-    def _host_state(self) -> HostState:  # state_dict() reads the host: a flagged rank mismatch raises there
+    def _host_state(self) -> HostState:
+        """The scale and trackers as Python numbers (a host read once they live on the device); a
+        rank mismatch flagged on the device raises here, at the read."""
         self._ranks.raise_if_flagged()
-        return super()._host_state()
+        return self._tensors.to_host() if self._tensors is not None else self._host

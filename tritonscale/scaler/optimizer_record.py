@@ -130,6 +130,23 @@ class OptimizerRecord:
         """The caller's collective carried the pending flag: the flags need no combining any more."""
         self._flags_group = None
 
+    def pending_factor(self, scale: torch.Tensor) -> torch.Tensor:
+        """What the gradients still have to be divided by: the scale before any pass, 1 after
+        unscale_ or an applied clip, or what an earlier clip folded in (so a second clip sees true
+        values)."""
+        pending = scale if self.stage is OptState.READY else self.grad_scale
+        return pending if pending is not None else torch.ones_like(scale)
+
+    def record_clip(self, device: torch.device, found_inf: torch.Tensor, norm: torch.Tensor, checked: bool) -> None:
+        """A clip's outcome: its flag (when the clip ``checked`` anything: no gradients, no inf
+        check, and torch's step() then raises, as after unscale_; an empty partition of a process
+        group does check, with the group's flag), its norm, and the stage UNSCALED."""
+        self.flags_combined()  # the clip's collective carried any pending flag
+        if checked:
+            self.add_flag(device, found_inf)
+        self.norm = norm
+        self.stage = OptState.UNSCALED
+
     def __getitem__(self, key: str) -> Any:
         """torch's dict protocol. ``["found_inf_per_device"]`` is how torch-protocol code (fused
         optimizers' ``_maybe_opt_step``, frameworks) reads the flags that decide a step, so it gets

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import abc
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
@@ -59,6 +60,9 @@ class HostState:
         """Where a fresh scaler starts: a full hysteresis budget, every other tracker at zero."""
         return cls(scale, 0, [policy.hysteresis] + [0] * (len(COUNTER_NAMES) - 1), [0.0, 0.0])
 
+    def copy(self) -> HostState:
+        return HostState(self.scale, self.growth_tracker, list(self.counters), list(self.norm_stats))
+
     def to_device(self, device: torch.device) -> DeviceState:
         return DeviceState(
             scale=torch.full((), self.scale, dtype=torch.float32, device=device),
@@ -96,9 +100,15 @@ class DeviceState:
 class ScalerSnapshot(NamedTuple):
     """``GradScaler.snapshot()``: what ``abandon_iteration`` puts back."""
 
-    state: dict[str, Any]  # state_dict()
+    policy: LossScalePolicy | None  # a copy; None for a disabled scaler (nothing to put back)
+    host: HostState | None  # the scale and trackers, read to the host
     last_found_inf: torch.Tensor | None  # stats()["found_inf"] and ["norm"]: the last update's
     last_norm: torch.Tensor | None
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """What ``state_dict()`` returned when the snapshot was taken."""
+        return to_state_dict(self.policy, self.host) if self.policy is not None else {}
 
 
 def cuda_missing(device: str, enabled: bool) -> bool:
@@ -119,12 +129,19 @@ def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy
 
 
 class ScalerStateIO:
-    """Mixed into GradScaler: ``state_dict``, ``load_state_dict`` and pickling, over the scaler's
-    ``_policy``, ``_host`` (values before the first scale()) and ``_tensors`` (after)."""
+    """Mixed into GradScaler: ``state_dict``, ``load_state_dict`` and pickling.
 
-    def _host_state(self) -> HostState:
-        """The current values as Python numbers (a host sync once they live on the device)."""
-        return self._tensors.to_host() if self._tensors is not None else self._host
+    It reads and writes only the GradScaler fields declared below (set in ``grad_scaler.py``'s
+    ``__init__``) and calls only ``_host_state`` there; ``tests/scaler/test_controller_fields.py``
+    holds it to that."""
+
+    _enabled: bool
+    _policy: LossScalePolicy
+    _host: HostState  # the values before the first scale()
+    _tensors: DeviceState | None  # ... and after
+    _per_optimizer_states: dict
+    _process_group: Any
+    _host_state: Callable[[], HostState]  # a method: the values read to the host
 
     @runs_eagerly
     def state_dict(self) -> dict[str, Any]:
@@ -151,19 +168,9 @@ class ScalerStateIO:
         if self._tensors is not None:
             self._tensors.load_(host)
 
-    def snapshot(self) -> ScalerSnapshot:
-        """The state_dict (a host read) and stats()'s last found_inf and norm: what
-        ``abandon_iteration(optimizer, snapshot)`` puts back. Example: ``saved = scaler.snapshot()``."""
-        return ScalerSnapshot(self.state_dict(), self._last_found_inf, self._last_norm)
-
-    def restore(self, snapshot: ScalerSnapshot) -> None:
-        """Put the scale, its trackers and stats() back as they were at ``snapshot``."""
-        self.load_state_dict(snapshot.state)  # in place: the device tensors keep their addresses
-        self._last_found_inf, self._last_norm = snapshot.last_found_inf, snapshot.last_norm
-
     def __getstate__(self) -> dict[str, Any]:
         # Device tensors do not travel: the values go as Python numbers, made anew at the next scale().
-        if getattr(self, "_process_group", None) is not None:
+        if self._process_group is not None:
             raise TypeError(
                 "a GradScaler with a process_group cannot be pickled (process groups do not travel); "
                 "save state_dict() and load it into a scaler made with the group"

@@ -20,19 +20,21 @@ stages and the passes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..grads.grad_groups import collect_grads
 from ..grads.optimizer_wrappers import unwrap_optimizer
-from ..passes.fold import warn_grad_scaler_argument
 from ..passes.grad_passes import torch_unscale_
+from ..passes.rank_checks import RankChecks
 from ..policy.knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
 from ..policy.loss_scale_policy import LossScalePolicy
 from .compile_boundary import runs_eagerly
-from .optimizer_record import read_found_inf
+from .optimizer_record import OptimizerRecord, read_found_inf
 from .scale_outputs import PerDevice
+from .scaler_state import DeviceState, HostState
 
 
 def _device_tensor(name: str) -> property:
@@ -52,7 +54,24 @@ def _knob(name: str) -> property:
 
 class TorchPrivateAPI:
     """Mixed into GradScaler: torch's knob accessors and private members. Nothing here is on the
-    fused hot path."""
+    fused hot path.
+
+    A layer over the GradScaler fields declared below (set in ``grad_scaler.py``'s ``__init__``):
+    it reads and writes those and calls only the GradScaler methods declared with them;
+    ``tests/scaler/test_controller_fields.py`` holds it to that."""
+
+    _device: str
+    _backend_name: str
+    _fold: bool
+    _process_group: Any
+    _enabled: bool
+    _policy: LossScalePolicy
+    _host: HostState
+    _tensors: DeviceState | None
+    _per_optimizer_states: dict[int, OptimizerRecord]
+    _ranks: RankChecks
+    _state_for: Callable[[str], DeviceState]  # the device state a step needs, or torch's error
+    _check_pass: Callable[..., None]  # the read-only inf/NaN check, recorded for an optimizer
 
     # -------------------------------------------------------- state, as torch names it
     _scale = _device_tensor("scale")
@@ -82,12 +101,8 @@ class TorchPrivateAPI:
         return self._init_scale if self._scale is None else float(self._scale.item())
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return self._scale, self._growth_tracker
+        state = self._state_for(funcname)
+        return state.scale, state.growth_tracker
 
     @runs_eagerly
     def _get_growth_tracker(self) -> int:
@@ -144,11 +159,6 @@ class TorchPrivateAPI:
     _growth_interval = _knob("growth_interval")
 
     # ------------------------------------------------ the step(grad_scaler=...) protocol
-    def _step_with_grad_scaler_argument(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        """The older protocol's step: the optimizer calls _check_inf_per_device / _get_scale_async."""
-        warn_grad_scaler_argument(stacklevel=4)  # the warning points at the caller of scaler.step()
-        return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor itself, no host read (None before the first scale())."""
         return self._scale
@@ -157,7 +167,7 @@ class TorchPrivateAPI:
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Check the optimizer's (still scaled) gradients for inf/NaN without writing them; record
         and return the flag per device, as torch's does with its dummy unit-scale unscale."""
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        scale = self._state_for("_check_inf_per_device").scale
         inner = unwrap_optimizer(optimizer)
         record = self._per_optimizer_states[id(inner)]
         self._check_pass(inner, record, scale, allow_sparse=True)
