@@ -233,9 +233,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        if fold.takes_amp_scaling(inner) and fold.takes_grad_scaler_argument(optimizer):
+        amp_scaling = fold.takes_amp_scaling(inner)  # which of the three step protocols
+        if amp_scaling and fold.takes_grad_scaler_argument(optimizer):
             retval = fold.step_with_grad_scaler_argument(optimizer, self, args, kwargs)
-        elif fold.takes_amp_scaling(inner):
+        elif amp_scaling:
             if record.stage is OptState.READY:
                 # The optimizer divides by grad_scale itself: only the read-only check pass runs
                 # (sparse gradients coalesced first, as torch does; torch's fused ones take none).
