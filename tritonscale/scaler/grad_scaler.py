@@ -150,9 +150,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
     def _unscale_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor) -> None:
         """unscale_'s work: the fused unscale + check of the optimizer's gradients, recorded."""
         grads = collect_grads(inner, allow_fp16=False)
-        record.record_rank_flags(
-            unscale_grads_(grads, scale, self._backend_name), self._group(grads), scale, self._ranks
-        )
+        group = self._group(grads)
+        record.record_rank_flags(unscale_grads_(grads, scale, self._backend_name), group, scale, self._ranks)
         record.stage = OptState.UNSCALED
 
     @runs_eagerly
@@ -175,8 +174,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             scaler.step(optimizer)
             scaler.update()
         """
-        max_norm = check_max_norm(max_norm)
-        norm_type = check_norm_type(norm_type)
+        # In stage order: the arguments, the optimizer's record, the fold plan, the gradients, the
+        # pass (with the rank combine), what a fused optimizer gets, and the record of the outcome.
+        max_norm, norm_type = check_max_norm(max_norm), check_norm_type(norm_type)
+        kernels = kernels_compute(norm_type)
         optimizer = unwrap_optimizer(optimizer)
         if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
             group_of = functools.partial(self._group, process_group=process_group)
@@ -185,11 +186,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return norm
         scale = self._state_for("clip_grad_norm_").scale
         record = self._per_optimizer_states[id(optimizer)].not_stepped("clip_grad_norm_")
+        pending, prior_found_inf = record.pending_factor(scale), record.pending_rank_flag()
         folds = fold.clip_folds(optimizer, optimizer, self._fold)  # hand a fused optimizer scale / clip_coef
-        grads = collect_grads(
-            optimizer, allow_fp16=folds, kernels=kernels_compute(norm_type), allow_sparse=not folds, split_replicas=True
-        )
-        pending = record.pending_factor(scale)
+        grads = collect_grads(optimizer, allow_fp16=folds, kernels=kernels, allow_sparse=not folds, split_replicas=True)
+        has_grads = bool(grads.devices or grads.replicas)
         group = self._group(grads, process_group)
         # ``ranks`` and ``loss_scale``: what the ranks must agree on (rank_checks.py).
         device, result = clip_grads(
@@ -201,15 +201,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             unscale_on_overflow=not self._policy.skip_on_overflow,
             backend=self._backend_name,
             group=group,
-            prior_found_inf=record.pending_rank_flag(),
+            prior_found_inf=prior_found_inf,
             ranks=self._ranks,
             loss_scale=scale,
         )
-        if folds:
-            record.grad_scale = fold.folded_grad_scale(pending, result.clip_coef)
+        folded = fold.folded_grad_scale(pending, result.clip_coef) if folds else None
         # Only now: a clip that raised leaves the record (and its pending rank flag) as it was.
-        checked = bool(grads.devices or grads.replicas) or group is not None
-        record.record_clip(device, result.found_inf, result.norm, checked)
+        record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
         return result.norm
 
     # ------------------------------------------------------------------ step
@@ -255,7 +253,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
     def _check_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor, allow_sparse: bool) -> None:
         """The read-only inf/NaN check of still-scaled gradients, recorded for the optimizer."""
         grads = collect_grads(inner, allow_fp16=True, allow_sparse=allow_sparse)
-        record.record_rank_flags(check_grads(grads, scale, self._backend_name), self._group(grads), scale, self._ranks)
+        group = self._group(grads)
+        record.record_rank_flags(check_grads(grads, scale, self._backend_name), group, scale, self._ranks)
 
     def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().

@@ -137,11 +137,21 @@ class OptimizerRecord:
         pending = scale if self.stage is OptState.READY else self.grad_scale
         return pending if pending is not None else torch.ones_like(scale)
 
-    def record_clip(self, device: torch.device, found_inf: torch.Tensor, norm: torch.Tensor, checked: bool) -> None:
+    def record_clip(
+        self,
+        device: torch.device,
+        found_inf: torch.Tensor,
+        norm: torch.Tensor,
+        checked: bool,
+        folded_grad_scale: torch.Tensor | None,
+    ) -> None:
         """A clip's outcome: its flag (when the clip ``checked`` anything: no gradients, no inf
         check, and torch's step() then raises, as after unscale_; an empty partition of a process
-        group does check, with the group's flag), its norm, and the stage UNSCALED."""
+        group does check, with the group's flag), its norm, the stage UNSCALED, and what a fused
+        optimizer divides by when the clip folded into its step (None: the clip applied itself)."""
         self.flags_combined()  # the clip's collective carried any pending flag
+        if folded_grad_scale is not None:
+            self.grad_scale = folded_grad_scale
         if checked:
             self.add_flag(device, found_inf)
         self.norm = norm

@@ -1,0 +1,83 @@
+"""The controller reads top-down: each call visits the stage modules in order, each once.
+
+A profiler records which tritonscale modules the methods of ``grad_scaler.py`` call, in order
+(consecutive calls into one module are one visit). A module visited again means the path went
+back to an earlier stage. Two returns are the design, and named: ``passes/fold.py`` decides how the
+optimizer is handed the step before the passes and hands it over after them; a clip opens the
+optimizer's record (``scaler/optimizer_record.py``) before the pass and records the outcome after
+it, so a pass that raises leaves the record as it was (``unscale_`` and the pass a ``step()``
+with none before it runs do the same).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tritonscale import GradScaler
+
+#: The returns the design makes, per call (see the module docstring).
+EXPECTED_RETURNS = {
+    "unscale_": {"scaler/optimizer_record.py"},
+    "clip_grad_norm_": {"passes/fold.py", "scaler/optimizer_record.py"},
+    "step": {"passes/fold.py"},
+    "step alone": {"passes/fold.py", "scaler/optimizer_record.py"},  # the pass step() runs itself
+    "update": set(),
+}
+
+
+def _module(code) -> str | None:
+    name = code.co_filename.replace("\\", "/")
+    return name.split("/tritonscale/")[-1] if "/tritonscale/" in name else None
+
+
+def controller_visits(call) -> list[str]:
+    """The tritonscale modules the controller's own methods call during ``call()``, in order."""
+    visits: list[str] = []
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_back is None or frame.f_code.co_name.startswith("<"):
+            return
+        caller, callee = _module(frame.f_back.f_code), _module(frame.f_code)
+        if caller == "scaler/grad_scaler.py" and callee not in (None, caller):
+            if not visits or visits[-1] != callee:
+                visits.append(callee)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return visits
+
+
+def _iteration(optimizer_kind: str, until: str):
+    params = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
+    if optimizer_kind == "fused":
+        optimizer = torch.optim.AdamW(params, fused=True)
+    else:
+        optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu", backend="torch")
+    scaler.scale(sum(p.sum() for p in params)).backward()
+    calls = {
+        "unscale_": lambda: scaler.unscale_(optimizer),
+        "clip_grad_norm_": lambda: scaler.clip_grad_norm_(optimizer, max_norm=1.0),
+        "step": lambda: scaler.step(optimizer),
+        "update": scaler.update,
+    }
+    calls["step alone"] = calls["step"]
+    order = {"unscale_": ["unscale_"], "step alone": ["step alone"]}.get(until, ["clip_grad_norm_", "step", "update"])
+    for name in order[: order.index(until)]:
+        calls[name]()
+    return calls[until]
+
+
+@pytest.mark.parametrize("optimizer_kind", ["fused", "plain"])
+@pytest.mark.parametrize("call", ["unscale_", "clip_grad_norm_", "step", "step alone", "update"])
+def test_each_stage_module_is_visited_once(call, optimizer_kind):
+    visits = controller_visits(_iteration(optimizer_kind, call))
+    assert visits, "the profiler saw the controller call nothing"
+    returns = {m for i, m in enumerate(visits) if m in visits[:i]}
+    assert returns <= EXPECTED_RETURNS[call], f"{call} goes back to {returns - EXPECTED_RETURNS[call]}: {visits}"
