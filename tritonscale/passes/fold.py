@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from ..scaler.optimizer_record import OptState
-
 
 def takes_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
     """True for optimizers that divide by ``grad_scale`` and skip on ``found_inf`` themselves.
@@ -92,12 +90,12 @@ def folded_grad_scale(scale: torch.Tensor, clip_coef: torch.Tensor) -> torch.Ten
 
 
 def grad_scale_for_step(
-    optimizer: torch.optim.Optimizer, scale: torch.Tensor, stage: OptState, folded: torch.Tensor | None
+    optimizer: torch.optim.Optimizer, scale: torch.Tensor, still_scaled: bool, folded: torch.Tensor | None
 ) -> torch.Tensor | None:
     """The ``grad_scale`` a fused optimizer's step gets: the loss scale when nothing was unscaled
     yet (times the optimizer's own ``grad_scale``, as torch does), the factor clip_grad_norm_
     folded in, or the optimizer's own (None: the gradients hold their true values already)."""
-    if stage is OptState.READY:
+    if still_scaled:
         return scale * getattr(optimizer, "grad_scale", 1)
     if folded is not None:
         return folded
@@ -128,7 +126,7 @@ def step_fused(
     optimizer: Any,
     inner: torch.optim.Optimizer,
     scale: torch.Tensor,
-    stage: OptState,
+    still_scaled: bool,
     folded: torch.Tensor | None,
     skip: torch.Tensor,
     args: tuple = (),
@@ -136,7 +134,7 @@ def step_fused(
 ) -> Any:
     """A fused optimizer's step: ``grad_scale`` (:func:`grad_scale_for_step`) and ``found_inf``
     (``skip``, the step's skip flag) set on ``inner`` for the call."""
-    attributes = {"grad_scale": grad_scale_for_step(inner, scale, stage, folded), "found_inf": skip}
+    attributes = {"grad_scale": grad_scale_for_step(inner, scale, still_scaled, folded), "found_inf": skip}
     return step_with_amp_attributes(optimizer, inner, attributes, args, kwargs)
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..grads.grad_groups import Grads
-from ..scaler.scale_outputs import PerDevice
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
+from .device_copies import PerDevice
 from .rank_combine import combine_check
 
 

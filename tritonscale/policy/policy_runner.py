@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import host_reads
-from ..scaler.optimizer_record import OptimizerRecord, combine_flags
-from ..scaler.scaler_state import DeviceState
+from ..passes.found_inf import combine_flags
+
+if TYPE_CHECKING:  # the controller hands these in; the runner reads their fields
+    from ..scaler.optimizer_record import OptimizerRecord
+    from ..scaler.scaler_state import DeviceState
 from .loss_scale_policy import HostCheck, LossScalePolicy
 from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
 

@@ -22,6 +22,7 @@ from ..grads.optimizer_wrappers import unwrap_optimizer
 from ..passes import fold
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
+from ..passes.found_inf import read_found_inf
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
 from ..passes.rank_checks import RankChecks
 from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
@@ -29,7 +30,7 @@ from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
 from .compile_boundary import runs_eagerly
 from .diagnostics import device_stats
-from .optimizer_record import OptimizerRecord, OptState, read_found_inf
+from .optimizer_record import OptimizerRecord, OptState
 from .scale_outputs import scale_outputs
 from .scaler_state import (
     TORCH_INIT_SCALE,
@@ -241,7 +242,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
                 self._check_pass(inner, record, scale, allow_sparse=not fold.is_torch_fused(inner))
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
             skip = self._skip_flag(record, scale.device, required=False)
-            retval = fold.step_fused(optimizer, inner, scale, record.stage, record.grad_scale, skip, args, kwargs)
+            still_scaled = record.stage is OptState.READY
+            retval = fold.step_fused(optimizer, inner, scale, still_scaled, record.grad_scale, skip, args, kwargs)
         else:
             if record.stage is OptState.READY:
                 self._unscale_pass(inner, record, scale)

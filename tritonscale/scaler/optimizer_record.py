@@ -6,7 +6,6 @@ Per iteration and optimizer the stages are READY -> UNSCALED (``unscale_`` or ``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 # OptState they import from torch, and that must hold for our records too.
 from torch.amp.grad_scaler import OptState
 
+from ..passes.found_inf import combine_flags, summed_flag
 from ..passes.rank_combine import combine_found_inf
 
 
@@ -176,25 +176,3 @@ class OptimizerRecord:
 
     def __contains__(self, key: object) -> bool:
         return key in self._TORCH_KEYS
-
-
-def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:
-    """Sum of 0-dim flags on one device (the way torch combines found_inf), None for none."""
-    if not flags:
-        return None
-    if len(flags) == 1:  # reshape(()) is a dispatch even on a 0-dim tensor: skipped when it does nothing
-        return flags[0] if flags[0].dim() == 0 else flags[0].reshape(())
-    return torch.stack([f.reshape(()) for f in flags]).sum()
-
-
-def summed_flag(flags: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """Flags on any devices summed into one 0-dim flag on the first one's device, None for none."""
-    flags = list(flags)
-    return combine_flags([f.to(flags[0].device, non_blocking=True) for f in flags]) if flags else None
-
-
-def read_found_inf(flags: Iterable[torch.Tensor]) -> bool:
-    """Whether any found_inf flag is set: their sum read on the host (one read; torch reads each
-    device's, with the same answer). False for none."""
-    found_inf = summed_flag(flags)
-    return found_inf is not None and bool(found_inf.item())

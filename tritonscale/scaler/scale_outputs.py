@@ -9,18 +9,7 @@ from typing import Any
 
 import torch
 
-
-class PerDevice:
-    """Copies of one device tensor (the scale), made on demand, non-blocking, for each device that asks."""
-
-    def __init__(self, master: torch.Tensor) -> None:
-        self.master = master
-        self._copies: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        if device not in self._copies:
-            self._copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
-        return self._copies[device]
+from ..passes.device_copies import PerDevice
 
 
 def scale_outputs(outputs: Any, scale_on: Callable[[torch.device], torch.Tensor]) -> Any:
