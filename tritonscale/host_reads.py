@@ -12,5 +12,7 @@ import torch
 
 
 def are_free(device: torch.device) -> bool:
-    """True where reading a value of ``device`` on the host costs no synchronization (the CPU)."""
-    return device.type == "cpu"
+    """True where reading a value of ``device`` on the host costs no synchronization (the CPU),
+    and not while Dynamo traces: a compiled step takes the device paths, so no host read (and no
+    Python number that would become a constant of the graph) gets into it."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()

@@ -1,17 +1,24 @@
-"""Under ``torch.compile`` the scaler's calls run eagerly, as torch.amp.GradScaler's do.
+"""What of the scaler a ``torch.compile``d caller traces, and what runs eagerly inside it.
 
 A step keeps what it needs on the host (the per-optimizer stages and flags, Python numbers read
 from the device where that is free, the Triton launches on raw addresses), and Dynamo would bake
 such things into a graph as constants of the first trace or run them on fake tensors. Dynamo skips
-torch.amp.GradScaler (it lives in torch); ``runs_eagerly`` does the same for every tritonscale call
-that reads or writes scaler state: a compiled function calling one gets a graph break around the
-call, the call runs exactly as in eager mode -- everything it calls too, the optimizer's own
-``step`` inside ``scaler.step`` included -- and the code around it still compiles. A ``torch.compile``
-made inside such a call (the policy rule on CUDA) still compiles. Tracing a scaled step into one
-graph is future work.
+torch.amp.GradScaler (it lives in torch); ``runs_eagerly`` does the same for the tritonscale calls
+that need it: a compiled function calling one gets a graph break around the call, the call runs
+exactly as in eager mode -- everything it calls too, the optimizer's own ``step`` inside
+``scaler.step`` included -- and the code around it still compiles. A ``torch.compile`` made
+inside such a call (the policy rule on CUDA) still compiles.
+
+``update()`` is traced instead when the iteration is local (``update_traces``): it is device ops
+on the scale state and Python bookkeeping Dynamo replays, and under tracing every host read takes
+its device form (``host_reads.are_free``). Anything that talks to other ranks or reads the host on
+purpose (a policy's opt-in checks) still runs eagerly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -19,3 +26,15 @@ import torch
 runs_eagerly = torch.compiler.disable(
     recursive=True, reason="tritonscale runs the scaler's calls eagerly, as torch.amp.GradScaler's"
 )
+
+
+def update_traces(process_group: Any, ranks: Any, policy: Any, records: Iterable[Any]) -> bool:
+    """Whether update() may be traced into the caller's graph: no process group on the scaler, no
+    record whose flags still need the group's combine, no rank mismatch pending, and a policy that
+    reads nothing on the host. Example: ``update_traces(None, RankChecks(), LossScalePolicy(), [])``."""
+    return (
+        process_group is None
+        and ranks.pending is None
+        and not policy.needs_host_check()
+        and not any(record.has_pending_rank_flags() for record in records)
+    )

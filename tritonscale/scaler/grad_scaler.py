@@ -28,7 +28,7 @@ from ..passes.rank_checks import RankChecks
 from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
-from .compile_boundary import runs_eagerly
+from .compile_boundary import runs_eagerly, update_traces
 from .diagnostics import device_stats
 from .optimizer_record import OptimizerRecord, OptState
 from .scale_outputs import scale_outputs
@@ -268,7 +268,6 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         return record.skip
 
     # ---------------------------------------------------------------- update
-    @runs_eagerly
     def update(
         self, new_scale: float | torch.Tensor | None = None, *, found_inf: bool | torch.Tensor | None = None
     ) -> None:
@@ -277,13 +276,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         ``new_scale`` sets the scale instead. ``found_inf`` (a bool, or a 0-dim device tensor read
         with no host sync) is an overflow flag the caller found itself, added to what this
         iteration's passes recorded: code that checks its own gradients (a scale manager's
-        ``update_loss_scale``) drives the policy with it. Runs on the device; no host sync.
-
-        Example::
-
-            scaler.step(optimizer)
-            scaler.update()
+        ``update_loss_scale``) drives the policy with it. Runs on the device; no host sync. A
+        compiled caller traces it when the iteration is local (``compile_boundary.update_traces``).
+        Example: ``scaler.update()`` after the iteration's step()s.
         """
+        records = self._per_optimizer_states.values()
+        if torch.compiler.is_compiling() and not update_traces(self._process_group, self._ranks, self._policy, records):
+            return self._update_eagerly(new_scale, found_inf)
         if not self._enabled:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
@@ -303,6 +302,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
                 self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
         self._ranks.next_iteration()
+
+    @runs_eagerly
+    def _update_eagerly(self, new_scale: float | torch.Tensor | None, found_inf: bool | torch.Tensor | None) -> None:
+        self.update(new_scale, found_inf=found_inf)
 
     # ------------------------------------------------------------ diagnostics
     @runs_eagerly

@@ -126,6 +126,10 @@ class OptimizerRecord:
         self.combine_across_ranks()
         return summed_flag(self.found_inf_per_device.values())
 
+    def has_pending_rank_flags(self) -> bool:
+        """Whether the flags still wait for the group's combine (``combine_across_ranks``)."""
+        return self._flags_group is not None
+
     def flags_combined(self) -> None:
         """The caller's collective carried the pending flag: the flags need no combining any more."""
         self._flags_group = None

@@ -1,0 +1,81 @@
+"""update() traced by a compiled caller: one graph, no recompilation once warm, eager's results.
+
+The oracle is the same run in eager mode. The run lets the scale grow (growth_interval=2) and
+feeds two overflows, so that the rule backs off, counts skips and grows again while the compiled
+update is warm: a Python number of the scale state that Dynamo specialised on would recompile
+(``error_on_recompile``) or freeze (the stats would drift from eager's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from tritonscale import GradScaler
+
+STEPS = 12
+OVERFLOWS = (4, 8)
+WARM = 3  # updates before which a recompilation is allowed
+
+
+def training_run(optimizer_kind: str, compiled: bool, fullgraph: bool = True, **knobs) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
+    if optimizer_kind == "fused":
+        optimizer = torch.optim.AdamW(params, lr=0.01, fused=True)
+    else:
+        optimizer = torch.optim.SGD(params, lr=0.01)
+    scaler = GradScaler("cpu", backend="torch", growth_interval=2, **knobs)
+    counter = CompileCounterWithBackend("aot_eager")
+    update = torch.compile(scaler.update, backend=counter, fullgraph=fullgraph) if compiled else scaler.update
+    stats = []
+    for i in range(STEPS):
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        if i in OVERFLOWS:
+            params[0].grad[0, 0] = math.inf
+        scaler.clip_grad_norm_(optimizer, max_norm=1.0)
+        scaler.step(optimizer)
+        with torch._dynamo.config.patch(error_on_recompile=compiled and i >= WARM):
+            update()
+        stats.append({name: value.clone() for name, value in scaler.stats().items()})
+        optimizer.zero_grad()
+    return {"stats": stats, "params": [p.detach().clone() for p in params], "graphs": counter.frame_count}
+
+
+def assert_same_run(compiled: dict, eager: dict) -> None:
+    skipped = [int(s["skipped"]) for s in eager["stats"]]
+    assert [i for i, s in enumerate(skipped) if s] == list(OVERFLOWS)
+    scales = [float(s["scale"]) for s in eager["stats"]]
+    assert max(scales) > scales[0] and min(scales[OVERFLOWS[0] :]) < max(scales)  # grew and backed off
+    for ours, reference in zip(compiled["stats"], eager["stats"]):
+        assert ours.keys() == reference.keys()
+        for name in reference:
+            torch.testing.assert_close(ours[name], reference[name], rtol=0, atol=0, equal_nan=True, msg=name)
+    for ours, reference in zip(compiled["params"], eager["params"]):
+        assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("optimizer_kind", ["fused", "plain"])
+@pytest.mark.parametrize("paths", ["cpu", "gpu"])
+def test_update_compiles_whole_without_recompiling(request, optimizer_kind, paths):
+    if paths == "gpu":  # the paths a GPU takes: no host reads, the rule as device ops
+        request.getfixturevalue("forbid_host_reads")
+    compiled = training_run(optimizer_kind, compiled=True)
+    assert_same_run(compiled, training_run(optimizer_kind, compiled=False))
+    # fullgraph=True held (a break raises); at most one recompilation, before WARM.
+    assert 1 <= compiled["graphs"] <= 2
+
+
+def test_a_policy_that_reads_the_host_runs_eagerly_inside_a_compiled_caller():
+    """max_consecutive_skips reads one device value per update: that update stays eager (a graph
+    break around it) and the run is eager's. With fullgraph=True the compile says where it broke."""
+    knobs = {"max_consecutive_skips": 5}
+    assert_same_run(
+        training_run("fused", compiled=True, fullgraph=False, **knobs), training_run("fused", False, **knobs)
+    )
+    with pytest.raises(Exception, match="tritonscale runs the scaler's calls eagerly"):
+        training_run("fused", compiled=True, fullgraph=True, **knobs)
