@@ -280,14 +280,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         compiled caller traces it when the iteration is local (``compile_boundary.update_traces``).
         Example: ``scaler.update()`` after the iteration's step()s.
         """
-        records = self._per_optimizer_states.values()
+        records = list(self._per_optimizer_states.values())
         if torch.compiler.is_compiling() and not update_traces(self._process_group, self._ranks, self._policy, records):
             return self._update_eagerly(new_scale, found_inf)
         if not self._enabled:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
         scale = self._state_for("update").scale
-        records = list(self._per_optimizer_states.values())
         for record in records:  # the cross-rank stage, where it is still pending (optimizer_record.py)
             record.combine_across_ranks()
         if found_inf is not None:
