@@ -16,6 +16,12 @@ Variants (same model, same seed, same batches, AdamW, clipping at ``--max-norm``
 * ``tritonscale-foreach``  the same with AdamW(foreach=True): our clip writes the gradients
 * ``tritonscale-flat``     the fold with every gradient a view of one flat buffer (``flatten_grads_``),
                            zeroed with one ``buffer.zero_()`` (the others use ``zero_grad(set_to_none=True)``)
+* ``tritonscale-compiled`` the fold with ``clip_grad_norm_`` and ``update`` each compiled whole
+                           (``torch.compile(..., fullgraph=True)``, ``--compile-backend``, inductor by
+                           default); ``scaler.step`` runs eagerly between them, as in a compiled
+                           post-backward function. The compiles (and update's one recompilation,
+                           when the iteration counter turns dynamic) happen in the warm-up steps:
+                           at least ``COMPILE_WARMUP`` with this variant.
 
 Phases, timed with ``time.perf_counter`` around each call (on CUDA with ``torch.cuda.synchronize()``
 at every phase boundary, so a phase owns its kernels): forward (the loss, under autocast when
@@ -57,7 +63,9 @@ VARIANTS = (
     "tritonscale-fold",
     "tritonscale-foreach",
     "tritonscale-flat",
+    "tritonscale-compiled",
 )
+COMPILE_WARMUP = 3  # warm-up steps the compiled variant needs: compile, recompile once, run warm
 PHASES = ("forward", "backward", "scaler", "step", "update", "zero_grad")
 PHASE_COLORS = {
     "forward": "tab:blue",
@@ -106,6 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="tritonscale's")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--max-norm", type=float, default=1.0)
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of tritonscale-compiled")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/train_step"))
     args = parser.parse_args(argv)
@@ -113,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     overrides = {k: getattr(args, k) for k in ("d_model", "layers", "batch", "steps", "warmup")}
     args.preset_name = name
     args.preset = Preset(**{**asdict(PRESETS[name]), **{k: v for k, v in overrides.items() if v is not None}})
+    if "tritonscale-compiled" in args.variants and args.preset.warmup < COMPILE_WARMUP:
+        args.preset = Preset(**{**asdict(args.preset), "warmup": COMPILE_WARMUP})
     return args
 
 
@@ -147,7 +158,8 @@ class Variant:
         torch.manual_seed(args.seed)
         self.model = LM(args.preset).to(device=device, dtype=DTYPES[args.dtype])
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        fused = name in ("no-scaling", "no-scaling+clip", "torch-fused", "tritonscale-fold", "tritonscale-flat")
+        fused = name in ("no-scaling", "no-scaling+clip", "torch-fused", "tritonscale-fold", "tritonscale-flat",
+                         "tritonscale-compiled")  # fmt: skip
         self.opt = torch.optim.AdamW(self.params, lr=1e-4, fused=fused or None, foreach=None if fused else True)
         self.flat = name == "tritonscale-flat"
         self.buffers = tritonscale.flatten_grads_(self.params) if self.flat else []
@@ -162,6 +174,11 @@ class Variant:
         self.max_norm = args.max_norm
         self.cuda = device.type == "cuda"
         self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        self.clip_call, self.update_call = self.clip_eagerly, (self.scaler.update if self.scaler else None)
+        if name == "tritonscale-compiled":
+            options = {"backend": args.compile_backend, "fullgraph": True}
+            self.clip_call = torch.compile(self.clip_eagerly, **options)
+            self.update_call = torch.compile(self.scaler.update, **options)
 
     def tick(self) -> float:
         if self.cuda:
@@ -175,7 +192,7 @@ class Variant:
             logits = self.model(tokens)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-    def clip(self) -> None:
+    def clip_eagerly(self) -> None:
         name, scaler = self.name, self.scaler
         if name == "no-scaling+clip":
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
@@ -192,12 +209,12 @@ class Variant:
         marks.append(self.tick())
         (scaler.scale(loss) if scaler is not None else loss).backward()
         marks.append(self.tick())
-        self.clip()
+        self.clip_call()
         marks.append(self.tick())
         scaler.step(self.opt) if scaler is not None else self.opt.step()
         marks.append(self.tick())
         if scaler is not None:
-            scaler.update()
+            self.update_call()
         marks.append(self.tick())
         if self.flat:  # one fill per buffer; optimizer.zero_grad(set_to_none=False) fills view by view
             for buffer in self.buffers:

@@ -177,6 +177,8 @@ def _find_spans(grads: list[torch.Tensor]) -> list[Span] | None:
 
 
 def as_runs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``flat_runs(grads)``, or the gradients themselves (non-empty ones) when nothing merges."""
-    runs = flat_runs(grads)
+    """``flat_runs(grads)``, or the gradients themselves (non-empty ones) when nothing merges.
+    While Dynamo traces, always the gradients themselves: a traced tensor has no address, and a
+    compiled graph runs again on whatever memory its inputs have then."""
+    runs = None if torch.compiler.is_compiling() else flat_runs(grads)
     return runs if runs is not None else [g for g in grads if g.numel() > 0]

@@ -73,7 +73,8 @@ def test_run_all_quick_writes_every_result(tmp_path):
     steps = json.loads((tmp_path / "train_step/train_step.json").read_text())
     assert steps["machine"]["device"] == "cpu" and steps["args"]["preset_name"] == "quick"
     assert list(steps["variants"]) == ["no-scaling", "no-scaling+clip", "torch-fused", "torch-foreach",
-                                       "tritonscale-fold", "tritonscale-foreach", "tritonscale-flat"]  # fmt: skip
+                                       "tritonscale-fold", "tritonscale-foreach", "tritonscale-flat",
+                                       "tritonscale-compiled"]  # fmt: skip
     for name, result in steps["variants"].items():
         assert set(result["phases"]) == {"forward", "backward", "scaler", "step", "update", "zero_grad"}
         assert all(len(samples) == 3 for samples in steps["raw_ms"][name].values()), name  # 3 recorded steps

@@ -4,8 +4,9 @@ A user compiles the post-backward step (clip_grad_norm_ + step + update, fused A
 is the same run in eager mode: norms, skip flags and scales bit for bit, parameters equal. The run
 lets the scale grow (growth_interval=2) and feeds an inf so that a step skips and the scale backs
 off: state the step keeps on the host and a compiled graph would freeze shows up there (a cached
-1/scale gave norms 2x eager's once the scale had grown). The scaler's calls run eagerly
-(compile_boundary.py), as torch.amp.GradScaler's do; the code around them still compiles.
+1/scale gave norms 2x eager's once the scale had grown). clip_grad_norm_ and update() are traced
+into the caller's graph; step() runs eagerly between them (compile_boundary.py), and so does the
+optimizer's own step inside it.
 """
 
 from __future__ import annotations
@@ -90,14 +91,20 @@ def training_run(backend: str, compiler: str | None, shape: str = "GradScaler") 
     }
 
 
-def assert_same_run(compiled: dict, eager: dict) -> None:
+def assert_same_run(compiled: dict, eager: dict, exact: bool = True) -> None:
+    """Skips and scales bit for bit; norms and parameters too (``exact``: aot_eager runs eager's
+    ops), or within float32 tolerance (inductor reorders the norm's reductions)."""
     assert eager["skipped"][OVERFLOW_STEP] and sum(eager["skipped"]) == 1
     assert max(eager["scales"]) > eager["scales"][0]  # the scale grew (and backed off at the overflow)
-    assert compiled["norm bits"] == eager["norm bits"]
     assert compiled["skipped"] == eager["skipped"]
     assert compiled["scales"] == eager["scales"]
+    if exact:
+        assert compiled["norm bits"] == eager["norm bits"]
+    norms = torch.tensor(compiled["norm bits"], dtype=torch.int32).view(torch.float32)
+    expected = torch.tensor(eager["norm bits"], dtype=torch.int32).view(torch.float32)
+    torch.testing.assert_close(norms, expected, equal_nan=True)
     for ours, reference in zip(compiled["params"], eager["params"]):
-        assert torch.equal(ours, reference)
+        torch.testing.assert_close(ours, reference, **({"rtol": 0, "atol": 0} if exact else {}))
     # The fused optimizer's step ran eagerly: traced, torch 2.13's fused optimizers ignore
     # found_inf (and fused SGD grad_scale).
     assert compiled["optimizer steps traced"] == [False] * STEPS
@@ -111,7 +118,7 @@ def test_compiled_step_equals_eager(request, backend, paths):
 
 
 def test_compiled_step_equals_eager_with_inductor(forbid_host_reads):
-    assert_same_run(training_run("torch", "inductor"), training_run("torch", None))
+    assert_same_run(training_run("torch", "inductor"), training_run("torch", None), exact=False)
 
 
 @pytest.mark.parametrize("shape", ["LossScaleOptimizer", "Updater"])

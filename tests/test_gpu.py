@@ -139,3 +139,96 @@ def test_gpu_step_replays_from_a_cuda_graph():
     assert min(scales) < max(scales)  # the trajectory moved: a backoff and a growth were replayed
     for p1, p2 in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p1, p2, rtol=0, atol=0)
+
+
+def _capturable_setup(seed: int = 0):
+    import tritonscale
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+    scaler = tritonscale.GradScaler(
+        "cuda", init_scale=2.0**16, growth_interval=3, backend="triton", compile_policy=False
+    )
+    return model, opt, scaler
+
+
+def _whole_step(model, opt, scaler, x, y):
+    """The whole scaled iteration: forward under fp16 autocast, scale, backward, clip, step, update."""
+    opt.zero_grad(set_to_none=False)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    scaler.scale(loss).backward()
+    norm = scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    return norm
+
+
+def test_gpu_whole_scaled_step_replays_from_a_cuda_graph():
+    """Scale, backward, clip, fused step and update captured once; every later iteration is a
+    replay on new data (copied into the static inputs), skips and growth happening on the device."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batches = [(torch.randn(32, 64, device="cuda", generator=g), torch.randn(32, 8, device="cuda", generator=g))
+               for _ in range(14)]  # fmt: skip
+    batches[8][0][0, 0] = math.inf
+    model, opt, scaler = _capturable_setup()
+    ref_model, ref_opt, ref_scaler = _capturable_setup()
+    static_x, static_y = batches[0][0].clone(), batches[0][1].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (lazy state, autotune), both alike
+        for x, y in batches[:3]:
+            static_x.copy_(x), static_y.copy_(y)
+            _whole_step(model, opt, scaler, static_x, static_y)
+            _whole_step(ref_model, ref_opt, ref_scaler, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_norm = _whole_step(model, opt, scaler, static_x, static_y)
+    scales, ref_scales = [], []
+    for x, y in batches[3:]:
+        static_x.copy_(x), static_y.copy_(y)
+        graph.replay()
+        ref_norm = _whole_step(ref_model, ref_opt, ref_scaler, x, y)
+        scales.append(float(scaler._scale))
+        ref_scales.append(float(ref_scaler._scale))
+        torch.testing.assert_close(static_norm, ref_norm, equal_nan=True)
+    assert scales == ref_scales
+    assert min(scales) < max(scales)  # a backoff and a growth were replayed
+    for p1, p2 in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p1, p2)
+
+
+def test_gpu_compiled_post_backward_step_equals_eager():
+    """clip + step + update compiled (inductor, mode="reduce-overhead": CUDA graphs where inductor
+    can) equals the eager step: skips and scales exactly, parameters within tolerance."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    batches = [(torch.randn(32, 64, device="cuda", generator=g), torch.randn(32, 8, device="cuda", generator=g))
+               for _ in range(12)]  # fmt: skip
+    batches[6][0][0, 0] = math.inf
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model, opt, scaler = _capturable_setup()
+
+        def post_backward(opt=opt, scaler=scaler):
+            norm = scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+            return norm
+
+        step = torch.compile(post_backward, mode="reduce-overhead") if compiled else post_backward
+        scales = []
+        for x, y in batches:
+            opt.zero_grad(set_to_none=False)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            step()
+            scales.append(float(scaler._scale))
+        runs.append((scales, [p.detach().clone() for p in model.parameters()]))
+    (eager_scales, eager_params), (scales, params) = runs
+    assert scales == eager_scales and min(scales) < max(scales)
+    for p1, p2 in zip(params, eager_params):
+        torch.testing.assert_close(p1, p2)

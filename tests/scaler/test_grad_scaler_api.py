@@ -319,11 +319,12 @@ def test_step_with_a_plain_optimizer_reads_found_inf_once(backend, monkeypatch):
 # --------------------------------------------------------------- launches
 def count_launches(monkeypatch):
     import tritonscale.passes.backends.triton_backend as tb
+    import tritonscale.passes.backends.triton_ops as ops
 
     calls = []
-    for name in ("check_pass", "finalize", "apply_factor_"):
-        original = getattr(tb, name)
-        monkeypatch.setattr(tb, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    for module, name in ((ops, "check_pass"), (ops, "finalize"), (tb, "apply_factor_"), (ops, "apply_factor_")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
     return calls
 
 

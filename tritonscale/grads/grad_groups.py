@@ -45,6 +45,18 @@ class Grads:
     #: With ``split_replicas``: the gradients another rank counts in the norm (replicated ones
     #: held by a rank that is not their group's first), sorted the same way; None if there are none.
     replicas: Grads | None = None
+    #: Collected while Dynamo traced: the dense gradients whose memory the compiled graph checks
+    #: for overlaps at run time (``disjoint_at_run_time``), with their parameters' names.
+    unchecked: tuple[list[torch.Tensor], list[str]] | None = None
+
+    def disjoint_at_run_time(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``values`` (tensors the in-place passes depend on), passed through the overlap check of
+        the gradients' memory when it could not run at collection (a traced step): the check then
+        runs in the graph, at run time, before anything that depends on ``values``."""
+        if self.unchecked is None or len(self.unchecked[0]) < 2:
+            return values
+        grads, names = self.unchecked
+        return torch.ops.tritonscale.check_disjoint(grads, "\n".join(names), values)
 
     @property
     def devices(self) -> list[torch.device]:
@@ -97,13 +109,18 @@ def collect_grads(
     # All views of one flatten_grads_ buffer or one bucket run, proved again now (flat_grads.py).
     # Only for the norms the kernels compute: a norm of partial norms is the norm for 1, 2 and
     # inf, not for 0 or negative orders, which also count the buffer's padding.
-    run = known_run(optimizer) if kernels and not any_marked() else None
+    # While Dynamo traces nothing is proved by address: a traced tensor has none, and the graph
+    # runs again on whatever memory its inputs have then. Every gradient goes as itself.
+    by_address = not torch.compiler.is_compiling()
+    run = known_run(optimizer) if by_address and kernels and not any_marked() else None
     if run is not None:
         if not allow_fp16 and run.dtype is torch.float16:
             raise ValueError("Attempting to unscale FP16 gradients.")
         return Grads(kernel={run.device: [[run]]})
     counted, replicas = _Sorter(), _Sorter()
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
+    # While tracing, the parameters of ``dense``, in order: for the error of the run-time check.
+    dense_where: dict[torch.device, list[str]] | None = None if by_address else defaultdict(list)
     to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]] = []
     layouts = _ShardLayouts()
     # Plain tensors need no layout work once one was seen (unless mark_replicated was ever called):
@@ -127,18 +144,24 @@ def collect_grads(
                 device = grad.device
                 into.per_device[device][grad.dtype].append(grad)
                 dense[device].append(grad)
+                if dense_where is not None:
+                    dense_where[device].append(_where(g_index, p_index))
                 continue
             where = _where(g_index, p_index)
-            if _sort_for_torch_ops(optimizer, grad, into, dense, where, allow_sparse=allow_sparse):
+            if _sort_for_torch_ops(
+                optimizer, grad, into, dense, where, allow_sparse=allow_sparse, dense_where=dense_where
+            ):
                 to_coalesce.append((param, into))
     for device, grads in dense.items():
-        if device.type != "meta":  # meta tensors have no memory
+        if device.type != "meta" and by_address:  # meta tensors have no memory
             _check_no_overlap(optimizer, grads)
     _coalesce(to_coalesce)
     result = counted.grads()
+    if dense_where is not None:
+        result.unchecked = ([g for grads in dense.values() for g in grads], [w for d in dense for w in dense_where[d]])
     result.mesh, result.marked_replicas = layouts.mesh(), layouts.marked
     result.replicas = replicas.grads() if replicas else None
-    if kernels:
+    if kernels and by_address:
         _remember_if_one_run(optimizer, result)
     return result
 
@@ -151,6 +174,7 @@ def _sort_for_torch_ops(
     where: str,
     *,
     allow_sparse: bool,
+    dense_where: dict[torch.device, list[str]] | None = None,
 ) -> bool:
     """Validate a gradient the kernels do not take and sort it for torch ops (``into.other``; a
     dense one also into ``dense``, for the overlap check). True for a sparse gradient still to be
@@ -176,6 +200,8 @@ def _sort_for_torch_ops(
         raise TypeError(f"{where} has a {grad.layout} gradient; supported: strided, sparse_coo")
     elif is_dense(grad):
         dense[grad.device].append(grad)
+        if dense_where is not None:
+            dense_where[grad.device].append(where)
     into.other[grad.device].append(grad)
     return uncoalesced
 
@@ -262,20 +288,48 @@ def _check_no_overlap(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor
     key = (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(_NBYTES, grads)))
     if _NO_OVERLAP.get(key):
         return
-    # Dense gradients: the elements of g fill [data_ptr, data_ptr + nbytes). Empty ones hold nothing.
-    spans = sorted((start, start + size, i) for i, (start, size) in enumerate(zip(*key)) if size)
+    pair = _first_overlap(*key)
+    if pair is not None:
+        first = _where_is(optimizer, grads[pair[0]])
+        raise _shared_memory_error(first, _where_is(optimizer, grads[pair[1]], besides=first))
+    _NO_OVERLAP.put(key, True)
+
+
+def _first_overlap(starts: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
+    """Two indices of dense gradients (the elements of each fill [start, start + size) bytes) whose
+    memory overlaps, or None. Empty ones hold nothing. One sort."""
+    spans = sorted((start, start + size, i) for i, (start, size) in enumerate(zip(starts, sizes)) if size)
     reach, reach_owner = -1, -1
     for start, end, i in spans:
         if start < reach:
-            first = _where_is(optimizer, grads[reach_owner])
-            second = _where_is(optimizer, grads[i], besides=first)
-            raise ValueError(
-                f"the gradients of {first} and {second} share memory; each parameter needs a gradient of "
-                "its own (the norm would count shared elements once and unscaling would scale them twice)"
-            )
+            return reach_owner, i
         if end > reach:
             reach, reach_owner = end, i
-    _NO_OVERLAP.put(key, True)
+    return None
+
+
+def _shared_memory_error(first: str, second: str) -> ValueError:
+    return ValueError(
+        f"the gradients of {first} and {second} share memory; each parameter needs a gradient of "
+        "its own (the norm would count shared elements once and unscaling would scale them twice)"
+    )
+
+
+@torch.library.custom_op("tritonscale::check_disjoint", mutates_args=())
+def check_disjoint(grads: list[torch.Tensor], names: str, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A compiled step's overlap check, at run time on the real gradients (``names``: their
+    parameters, one per line): raises as ``collect_grads`` does, else returns ``values`` (copies:
+    an op's outputs may not alias its inputs)."""
+    pair = _first_overlap(tuple(g.data_ptr() for g in grads), tuple(g.nbytes for g in grads))
+    if pair is not None:
+        where = names.split("\n")
+        raise _shared_memory_error(where[pair[0]], where[pair[1]])
+    return [v.clone() for v in values]
+
+
+@check_disjoint.register_fake
+def _(grads, names, values):
+    return [torch.empty_like(v) for v in values]
 
 
 def _where_is(optimizer: torch.optim.Optimizer, grad: torch.Tensor, besides: str | None = None) -> str:

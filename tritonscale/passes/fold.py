@@ -10,8 +10,6 @@ the clip rides along and the gradients are never written by the scaler.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -46,14 +44,13 @@ def takes_grad_scaler_argument(optimizer: Any) -> bool:
     return _declares_grad_scaler(getattr(step, "__func__", step))
 
 
-@functools.lru_cache(maxsize=256)
 def _declares_grad_scaler(step: Any) -> bool:
-    # inspect.signature is slow next to a fused step, which would pay it every time; a class's step is one object.
-    # A pure function of its key (the function object, held by the cache): it cannot go stale.
-    try:
-        return "grad_scaler" in inspect.signature(step).parameters
-    except (TypeError, ValueError):  # a builtin or C step without a signature
-        return False
+    # Read from the code object (through functools.wraps wrappers, as inspect.signature would):
+    # cheap enough for every step, nothing cached, and Dynamo traces it without a graph break.
+    while hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    code = getattr(step, "__code__", None)  # None: a builtin or C step, which declares nothing
+    return code is not None and "grad_scaler" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
 
 
 def clip_folds(inner: torch.optim.Optimizer, optimizer: Any, fold_into_optimizer: bool) -> bool:

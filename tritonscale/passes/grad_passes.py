@@ -116,6 +116,8 @@ def clip_grads(
         result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
     if prior_found_inf is not None:
         result.found_inf = torch.maximum(result.found_inf, prior_found_inf.to(device, non_blocking=True))
+    # A traced step proves the gradients' memory disjoint at run time, before anything below.
+    result.found_inf, result.factor = grads.disjoint_at_run_time([result.found_inf, result.factor])
     result = combine_check(result, scale, norm_type, max_norm, group, ranks, loss_scale)
     if unscale_on_overflow:
         overflow = result.found_inf > 0

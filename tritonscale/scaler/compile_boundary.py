@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..grads.grad_sharding import any_marked, is_dtensor
+
 #: Decorator: the function, and all it calls, is never traced by Dynamo (``torch.compiler.disable``).
 runs_eagerly = torch.compiler.disable(
     recursive=True, reason="tritonscale runs the scaler's calls eagerly, as torch.amp.GradScaler's"
@@ -37,4 +39,17 @@ def update_traces(process_group: Any, ranks: Any, policy: Any, records: Iterable
         and ranks.pending is None
         and not policy.needs_host_check()
         and not any(record.has_pending_rank_flags() for record in records)
+    )
+
+
+def clip_traces(process_group: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether clip_grad_norm_ may be traced into the caller's graph: no process group (the call's
+    or the scaler's) and gradients local to this rank (no DTensor, nothing mark_replicated), so
+    nothing talks to other ranks. Example: ``clip_traces(None, optimizer)``."""
+    return (
+        process_group is None
+        and not any_marked()
+        and not any(
+            is_dtensor(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        )
     )

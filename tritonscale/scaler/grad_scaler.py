@@ -28,7 +28,7 @@ from ..passes.rank_checks import RankChecks
 from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
-from .compile_boundary import runs_eagerly, update_traces
+from .compile_boundary import clip_traces, runs_eagerly, update_traces
 from .diagnostics import device_stats
 from .optimizer_record import OptimizerRecord, OptState
 from .scale_outputs import scale_outputs
@@ -155,7 +155,6 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         record.record_rank_flags(unscale_grads_(grads, scale, self._backend_name), group, scale, self._ranks)
         record.stage = OptState.UNSCALED
 
-    @runs_eagerly
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0, *, process_group: Any = None
     ) -> torch.Tensor:
@@ -180,6 +179,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         max_norm, norm_type = check_max_norm(max_norm), check_norm_type(norm_type)
         kernels = kernels_compute(norm_type)
         optimizer = unwrap_optimizer(optimizer)
+        if torch.compiler.is_compiling() and not clip_traces(process_group or self._process_group, optimizer):
+            return self._clip_eagerly(optimizer, max_norm, norm_type, process_group)
         if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
             group_of = functools.partial(self._group, process_group=process_group)
             norm, skip = clip_unscaled(optimizer, max_norm, norm_type, group_of, self._backend_name, self._ranks)
@@ -210,6 +211,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         # Only now: a clip that raised leaves the record (and its pending rank flag) as it was.
         record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
         return result.norm
+
+    @runs_eagerly
+    def _clip_eagerly(self, optimizer: Any, max_norm: float, norm_type: float, process_group: Any) -> torch.Tensor:
+        return self.clip_grad_norm_(optimizer, max_norm, norm_type, process_group=process_group)
 
     # ------------------------------------------------------------------ step
     @runs_eagerly

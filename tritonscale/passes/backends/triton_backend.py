@@ -1,19 +1,27 @@
-"""Triton backend: the fused kernels, a constant number of launches per step."""
+"""Triton backend: the fused kernels, a constant number of launches per step.
+
+A step being traced by Dynamo goes through the same kernels registered as custom ops
+(``triton_ops.py``): the plan is then the gradient groups themselves, laid out at run time.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ...kernels import apply_factor_, check_pass, describe_grads, finalize, norm_code
-from ...kernels.check_pass import PARTIAL_ROWS
+from ...kernels import apply_factor_
 from ...kernels.jit_helpers import INTERPRETING
+from . import triton_ops
 from .base import CheckResult
 
 
-def _layouts(groups: list[list[torch.Tensor]]) -> list:
-    # The controller validated every gradient (grad_groups.collect_grads) before any launch.
-    layouts = (describe_grads(grads, validate=False) for grads in groups)
-    return [layout for layout in layouts if layout is not None]
+@dataclass
+class TracedPlan:
+    """A traced check's plan: the groups, flat, for ``torch.ops.tritonscale.apply_factor_``."""
+
+    grads: list[torch.Tensor]
+    sizes: list[int]
 
 
 class TritonBackend:
@@ -26,26 +34,25 @@ class TritonBackend:
         return device.type == "cuda" and not INTERPRETING
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-        layouts = _layouts(groups)
-        for layout in layouts:  # one fused read+check+write launch per dtype group
+        for layout in triton_ops.layouts(groups):  # one fused read+check+write launch per dtype group
             apply_factor_(layout, scale, invert=True, found_inf=found_inf)
 
     def check(
         self, groups: list[list[torch.Tensor]], scale: torch.Tensor, norm_type: float, max_norm: float | None
     ) -> CheckResult:
-        code = norm_code(norm_type)
-        layouts = _layouts(groups)
-        # Every group of the device writes its own columns of one partials buffer, so a single
-        # finalize sees them all. An empty device still gets one all-zero column.
-        columns = max(1, sum(layout.programs for layout in layouts))
-        partials = torch.zeros(PARTIAL_ROWS, columns, dtype=torch.float32, device=scale.device)
-        start = 0
-        for layout in layouts:
-            check_pass(layout, partials[:, start:], code)
-            start += layout.programs
-        result = finalize(partials, columns, scale, code, max_norm)
-        return CheckResult(found_inf=result[0], norm=result[1], clip_coef=result[2], factor=result[3], plan=layouts)
+        if torch.compiler.is_compiling():
+            plan = TracedPlan([g for grads in groups for g in grads], [len(grads) for grads in groups])
+            found_inf, norm, clip_coef, factor = torch.ops.tritonscale.check(
+                plan.grads, plan.sizes, scale, float(norm_type), max_norm
+            )
+            return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=plan)
+        layouts = triton_ops.layouts(groups)
+        found_inf, norm, clip_coef, factor = triton_ops.check_layouts(layouts, scale, norm_type, max_norm)
+        return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=layouts)
 
     def apply_(self, result: CheckResult) -> None:
+        if isinstance(result.plan, TracedPlan):
+            torch.ops.tritonscale.apply_factor_(result.plan.grads, result.plan.sizes, result.factor)
+            return
         for layout in result.plan:
             apply_factor_(layout, result.factor)
