@@ -1,23 +1,28 @@
-"""The README stays honest: its Python examples run, and CI runs its test command verbatim."""
+"""The README and docs/ stay honest: their Python examples run, their excerpts are in the scripts
+they name, and CI runs the README's test command verbatim."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
-def code_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+def code_blocks(language: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 
 #: A block starting with this line is an excerpt of a script that needs several processes: it is
 #: not run here but must appear, line for line, in that script (which tests/test_examples.py runs).
 EXCERPT = "# examples/"
+#: docs/ may also show excerpts of the tests (the GPU tier's, which cannot run here).
+EXCERPTS = (EXCERPT, "# tests/")
 
 
 def test_python_examples_run():
@@ -34,9 +39,19 @@ def test_python_examples_run():
     assert loop["scaler"].get_scale() == 2.0**16
 
 
+@pytest.mark.parametrize("page", DOCS, ids=[page.name for page in DOCS])
+def test_docs_python_examples_run(page):
+    for block in code_blocks("python", page.read_text()):
+        if not block.startswith(EXCERPTS):
+            exec(compile(block, str(page.relative_to(ROOT)), "exec"), {})
+
+
 def test_excerpts_are_in_their_scripts():
     excerpts = [block for block in code_blocks("python") if block.startswith(EXCERPT)]
     assert excerpts, "the multi-process section shows excerpts of examples/train_multiprocess.py"
+    excerpts += [
+        block for page in DOCS for block in code_blocks("python", page.read_text()) if block.startswith(EXCERPTS)
+    ]
     for block in excerpts:
         source, *lines = block.splitlines()
         script = (ROOT / source.removeprefix("# ").strip()).read_text()

@@ -79,3 +79,28 @@ def test_a_policy_that_reads_the_host_runs_eagerly_inside_a_compiled_caller():
     )
     with pytest.raises(Exception, match="tritonscale runs the scaler's calls eagerly"):
         training_run("fused", compiled=True, fullgraph=True, **knobs)
+
+
+def test_update_with_a_new_scale_under_compile():
+    """``update(new_scale)`` with a tensor is traced (fullgraph) and sets each value it is given;
+    with a Python number (checked on the host, and a number Dynamo would specialise on) it runs
+    eagerly inside the compiled caller, and fullgraph=True names the reason."""
+    torch._dynamo.reset()
+    params = [torch.nn.Parameter(torch.randn(4))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu", backend="torch")
+    traced = torch.compile(lambda value: scaler.update(value), backend="aot_eager", fullgraph=True)
+    mixed = torch.compile(lambda value: scaler.update(value), backend="aot_eager")
+    for i, value in enumerate((2.0, 4.0, 8.0, 16.0, 0.5, 64.0)):
+        scaler.scale(params[0].sum()).backward()
+        scaler.step(optimizer)
+        # A tensor traced: no recompilation for a new value once warm (the iteration counter turns
+        # dynamic at the second call; a float argument is the caller's own guard).
+        with torch._dynamo.config.patch(error_on_recompile=i == 5):
+            (traced if i % 2 else mixed)(torch.tensor(value) if i % 2 else value)
+        assert scaler.get_scale() == value
+    scaler.scale(params[0].sum()).backward()
+    scaler.step(optimizer)
+    with pytest.raises(Exception, match="tritonscale runs the scaler's calls eagerly"):
+        traced(32.0)
+    assert scaler.get_scale() == 64.0

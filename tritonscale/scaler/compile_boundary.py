@@ -1,18 +1,19 @@
 """What of the scaler a ``torch.compile``d caller traces, and what runs eagerly inside it.
 
-A step keeps what it needs on the host (the per-optimizer stages and flags, Python numbers read
-from the device where that is free, the Triton launches on raw addresses), and Dynamo would bake
-such things into a graph as constants of the first trace or run them on fake tensors. Dynamo skips
-torch.amp.GradScaler (it lives in torch); ``runs_eagerly`` does the same for the tritonscale calls
-that need it: a compiled function calling one gets a graph break around the call, the call runs
-exactly as in eager mode -- everything it calls too, the optimizer's own ``step`` inside
-``scaler.step`` included -- and the code around it still compiles. A ``torch.compile`` made
-inside such a call (the policy rule on CUDA) still compiles.
+Traced into the caller's graph (``fullgraph=True`` holds): ``clip_grad_norm_`` and ``update()``,
+when nothing in them talks to other ranks or reads the host on purpose. While Dynamo traces, every
+host read takes its device form (``host_reads.are_free``), nothing is proved by address (a traced
+tensor has none: ``grads/grad_groups.collect_grads``), and the Triton passes are custom ops
+(``passes/backends/triton_ops.py``), so no Python number and no address of the first trace is baked
+into the graph.
 
-``update()`` is traced instead when the iteration is local (``update_traces``): it is device ops
-on the scale state and Python bookkeeping Dynamo replays, and under tracing every host read takes
-its device form (``host_reads.are_free``). Anything that talks to other ranks or reads the host on
-purpose (a policy's opt-in checks) still runs eagerly.
+Everything else runs eagerly inside a compiled caller, with a graph break around it, as Dynamo
+skips torch.amp.GradScaler: ``runs_eagerly`` marks those calls, and the ``*_stays_eager`` checks
+send a clip or an update that cannot be traced (process groups, DTensor gradients, a policy's
+host checks) through an eager twin. ``step()`` is among them: traced, torch 2.13's fused
+optimizers ignore ``found_inf`` (and fused SGD ``grad_scale``), so the hand-over stays eager
+(``tests/passes/test_fused_step_under_compile.py``). A ``torch.compile`` made inside an eager call
+(the policy rule on CUDA) still compiles.
 """
 
 from __future__ import annotations
@@ -30,23 +31,29 @@ runs_eagerly = torch.compiler.disable(
 )
 
 
-def update_traces(process_group: Any, ranks: Any, policy: Any, records: Iterable[Any]) -> bool:
-    """Whether update() may be traced into the caller's graph: no process group on the scaler, no
-    record whose flags still need the group's combine, no rank mismatch pending, and a policy that
-    reads nothing on the host. Example: ``update_traces(None, RankChecks(), LossScalePolicy(), [])``."""
-    return (
+def update_stays_eager(
+    process_group: Any, ranks: Any, policy: Any, records: Iterable[Any], new_scale: Any = None
+) -> bool:
+    """True while Dynamo traces an update() it may not take into the caller's graph. It may when
+    there is no process group on the scaler, no record whose flags still need the group's combine,
+    no rank mismatch pending, a policy that reads nothing on the host, and no ``new_scale`` given
+    as a Python number (checked on the host, and a number Dynamo would specialise on; a tensor is
+    traced). Example: ``update_stays_eager(None, RankChecks(), LossScalePolicy(), [])``."""
+    return torch.compiler.is_compiling() and not (
         process_group is None
         and ranks.pending is None
         and not policy.needs_host_check()
         and not any(record.has_pending_rank_flags() for record in records)
+        and (new_scale is None or isinstance(new_scale, torch.Tensor))
     )
 
 
-def clip_traces(process_group: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether clip_grad_norm_ may be traced into the caller's graph: no process group (the call's
-    or the scaler's) and gradients local to this rank (no DTensor, nothing mark_replicated), so
-    nothing talks to other ranks. Example: ``clip_traces(None, optimizer)``."""
-    return (
+def clip_stays_eager(process_group: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """True while Dynamo traces a clip_grad_norm_ it may not take into the caller's graph. It may
+    with no process group (the call's or the scaler's) and gradients local to this rank (no
+    DTensor, nothing mark_replicated): nothing talks to other ranks. Example:
+    ``clip_stays_eager(None, optimizer)``."""
+    return torch.compiler.is_compiling() and not (
         process_group is None
         and not any_marked()
         and not any(

@@ -28,7 +28,7 @@ from ..passes.rank_checks import RankChecks
 from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
-from .compile_boundary import clip_traces, runs_eagerly, update_traces
+from .compile_boundary import clip_stays_eager, runs_eagerly, update_stays_eager
 from .diagnostics import device_stats
 from .optimizer_record import OptimizerRecord, OptState
 from .scale_outputs import scale_outputs
@@ -179,7 +179,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         max_norm, norm_type = check_max_norm(max_norm), check_norm_type(norm_type)
         kernels = kernels_compute(norm_type)
         optimizer = unwrap_optimizer(optimizer)
-        if torch.compiler.is_compiling() and not clip_traces(process_group or self._process_group, optimizer):
+        if clip_stays_eager(process_group or self._process_group, optimizer):
             return self._clip_eagerly(optimizer, max_norm, norm_type, process_group)
         if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
             group_of = functools.partial(self._group, process_group=process_group)
@@ -282,11 +282,11 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         with no host sync) is an overflow flag the caller found itself, added to what this
         iteration's passes recorded: code that checks its own gradients (a scale manager's
         ``update_loss_scale``) drives the policy with it. Runs on the device; no host sync. A
-        compiled caller traces it when the iteration is local (``compile_boundary.update_traces``).
+        compiled caller traces it when the iteration is local (``compile_boundary.update_stays_eager``).
         Example: ``scaler.update()`` after the iteration's step()s.
         """
         records = list(self._per_optimizer_states.values())
-        if torch.compiler.is_compiling() and not update_traces(self._process_group, self._ranks, self._policy, records):
+        if update_stays_eager(self._process_group, self._ranks, self._policy, records, new_scale):
             return self._update_eagerly(new_scale, found_inf)
         if not self._enabled:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
