@@ -23,6 +23,15 @@ from .grad_sharding import any_marked, is_dtensor, is_first_rank, local_shard, m
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
 
+#: torch's error for float16 gradients an in-place unscale would write into, and what works instead.
+FP16_REFUSED = (
+    "Attempting to unscale FP16 gradients. Unscaled values written back into float16 gradients "
+    "underflow and overflow; with float16 parameters use an optimizer made with fused=True "
+    "(torch.optim.AdamW, Adam, SGD, Adagrad), whose step divides by the scale itself "
+    "(clip_grad_norm_ then folds into it), or keep float32 parameters and run the forward "
+    "under torch.autocast"
+)
+
 #: Gradient layouts already found free of overlaps, keyed by each gradient's (address, bytes): the
 #: check reads nothing else, so a hit is its answer for the memory as it is now.
 _NO_OVERLAP: BoundedCache[bool] = BoundedCache(16)
@@ -115,7 +124,7 @@ def collect_grads(
     run = known_run(optimizer) if by_address and kernels and not any_marked() else None
     if run is not None:
         if not allow_fp16 and run.dtype is torch.float16:
-            raise ValueError("Attempting to unscale FP16 gradients.")
+            raise ValueError(FP16_REFUSED)
         return Grads(kernel={run.device: [[run]]})
     counted, replicas = _Sorter(), _Sorter()
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
@@ -139,7 +148,7 @@ def collect_grads(
                 into = counted if counted_here or not split_replicas else replicas
                 plain_seen = plain_seen or (plain and plain_fast)
             if not allow_fp16 and grad.dtype is torch.float16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
+                raise ValueError(FP16_REFUSED)
             if kernels and is_supported_grad(grad):
                 device = grad.device
                 into.per_device[device][grad.dtype].append(grad)

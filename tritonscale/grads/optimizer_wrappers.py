@@ -9,6 +9,7 @@ object is unscaled exactly once.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -42,5 +43,16 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
             if real is optimizer
             else f"{type(optimizer).__name__} (wrapping {type(real).__name__})"
         )
-        raise TypeError(f"expected a torch.optim.Optimizer or a wrapper with .optimizer, got {what}")
+        raise TypeError(f"expected a torch.optim.Optimizer or a wrapper with .optimizer, got {what}{_hint(real)}")
     return real
+
+
+def _hint(given: Any) -> str:
+    """What works instead, for the likely mix-up: parameters (or a module) where the optimizer goes,
+    as torch.nn.utils.clip_grad_norm_ takes them."""
+    if isinstance(given, (torch.Tensor, torch.nn.Module)) or inspect.isgenerator(given) or isinstance(given, list):
+        return (
+            ". The scaler's methods take the optimizer, whose param_groups hold the gradients: "
+            "scaler.clip_grad_norm_(optimizer, max_norm), unlike torch.nn.utils.clip_grad_norm_(parameters, max_norm)"
+        )
+    return ""

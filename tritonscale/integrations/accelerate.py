@@ -52,6 +52,7 @@ from accelerate.utils import DistributedType
 from ..grads.optimizer_wrappers import unwrap_optimizer
 from ..passes.clip_args import check_max_norm, check_norm_type
 from ..scaler.grad_scaler import GradScaler
+from .cpu_precision import warn_float16_on_cpu
 
 __all__ = ["FusedClipFallbackWarning", "FusedScalerTrainerMixin", "install", "installed_scaler"]
 
@@ -124,6 +125,8 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
         # Accelerate keys both the autocast wrapper of prepare()/autocast() and unscale_gradients on
         # native_amp, which it leaves False on CPU.
         accelerator.native_amp = True
+        if accelerator.device.type == "cpu":
+            warn_float16_on_cpu("Accelerate", 'mixed_precision="fp16"', "float32", 'mixed_precision="bf16"')
         if accelerator._models:
             warnings.warn(
                 "install() turned fp16 on after prepare(): the models prepared so far run without "

@@ -42,6 +42,7 @@ from torch.optim import LBFGS, Optimizer
 from ..grads.optimizer_wrappers import unwrap_optimizer
 from ..passes.fold import takes_amp_scaling
 from ..scaler.grad_scaler import GradScaler, OptState
+from .cpu_precision import warn_float16_on_cpu
 
 __all__ = ["FabricFusedClipPrecision", "FusedClipPrecision", "enable_fused_clipping"]
 
@@ -52,6 +53,8 @@ def _make_scaler(precision: str, device: str, scaler: GradScaler | None, scaler_
     """The plugin's scaler: the one passed, or a new one (disabled for bf16-mixed, which has no scale)."""
     if precision not in ("16-mixed", "bf16-mixed"):
         raise ValueError(f"precision must be '16-mixed' or 'bf16-mixed', got {precision!r}")
+    if precision == "16-mixed" and torch.device(device).type == "cpu":
+        warn_float16_on_cpu("Lightning", '"16-mixed"', "bfloat16", '"bf16-mixed"', calls_to_user=2)
     if scaler is not None:
         # The plugin calls clip_grad_norm_ and reads the per-optimizer stage with our meaning:
         # torch.amp.GradScaler has neither, so it belongs in Lightning's own MixedPrecision.
