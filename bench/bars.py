@@ -20,7 +20,9 @@
    update): ``torch/ours`` (the issue quoted 1.49x).
 
 All variants of a bar run interleaved (``timing.interleaved``), medians of ``--repeats`` repeats (bar 2: 10x as many
-samples) after one warm-up round; JSON with the machine and every quantile goes to ``--out``.
+samples) after one warm-up round. Every ratio is printed with its spread, the 20% and 80% quantiles
+of the per-round ratios, and marked "within noise" when the spread contains 1.0. JSON with the
+machine, every quantile, the raw samples and each ratio's spread goes to ``--out``.
 
     python bench/bars.py                      # CPU, ~1 minute
     python bench/bars.py --quick --out /tmp/bars.json   # tiny sizes (the smoke test)
@@ -34,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from timing import describe, interleaved, machine, split_sizes, write_results
+from timing import describe, format_ratio, interleaved, machine, split_sizes, spread_of, write_results
 
 import tritonscale
 
@@ -46,7 +48,7 @@ TINY_STEPS_PER_SAMPLE = 20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=21, help="timed repeats per variant (bar 2: 10x samples)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats (the smoke test)")
     parser.add_argument("--device", default="cpu")
@@ -80,17 +82,20 @@ def scaler(kind: str, device: torch.device, backend: str, **knobs):
 
 
 def ratio_line(bar: str, what: str, num: str, den: str, timed: dict, target: str | None = None, note: str = "") -> dict:
-    """One printed line (and its JSON record): the ratio of two medians, with the medians."""
+    """One printed line (and its JSON record): the ratio of two medians with its p20-p80 spread over
+    the interleaved rounds (``timing.ratio_spread``; "within noise" when the spread contains 1.0),
+    and the medians."""
     a, b = timed[num]["median_ms"], timed[den]["median_ms"]
-    ratio = a / b
+    spread = spread_of(timed, num, den)
+    ratio = spread["ratio"]
     ok = None
     if target is not None:
         op, value = target.split()
         ok = ratio >= float(value) if op == ">=" else ratio <= float(value)
     verdict = note if target is None else f" (target {target}: {'met' if ok else 'MISSED'})"
-    print(f"{bar} {what}: {num}/{den} = {ratio:.3f}{verdict}  [median ms: {num} {a:.4g}, {den} {b:.4g}]")
-    return {"bar": bar, "what": what, "ratio": f"{num}/{den}", "value": ratio, "target": target, "met": ok,
-            "numerator": timed[num], "denominator": timed[den]}  # fmt: skip
+    print(f"{bar} {what}: {num}/{den} = {format_ratio(spread, 3)}{verdict}  [median ms: {num} {a:.4g}, {den} {b:.4g}]")
+    return {"bar": bar, "what": what, "ratio": f"{num}/{den}", "value": ratio, "spread": spread, "target": target,
+            "met": ok, "numerator": timed[num], "denominator": timed[den]}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- bar 1
@@ -185,6 +190,11 @@ class TinyStep:
             self.step()
 
 
+def scaled_timing(timed: dict, factor: float) -> dict:
+    """An ``interleaved`` entry (quantiles and ``samples_ms``) with every time multiplied by ``factor``."""
+    return {k: [t * factor for t in v] if isinstance(v, list) else v * factor for k, v in timed.items()}
+
+
 def bar2(args, device: torch.device) -> list[dict]:
     setups = {"torch": TinyStep("torch", args.bar2, device, args.backend),
               "ours": TinyStep("ours", args.bar2, device, args.backend)}  # fmt: skip
@@ -193,7 +203,7 @@ def bar2(args, device: torch.device) -> list[dict]:
     timed = interleaved(
         {name: synced(s.steps, device) for name, s in setups.items()}, 10 * args.repeats, reset=lambda name: None
     )
-    per_step = {name: {k: v / TINY_STEPS_PER_SAMPLE for k, v in t.items()} for name, t in timed.items()}
+    per_step = {name: scaled_timing(t, 1 / TINY_STEPS_PER_SAMPLE) for name, t in timed.items()}
     what = f"tiny whole step, 1 parameter of {args.bar2} elements, AdamW(fused=True)"
     lines = [ratio_line("2", what, "torch", "ours", per_step, ">= 1.0")]
     for knob in KNOBS:

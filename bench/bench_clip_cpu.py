@@ -10,7 +10,9 @@ unscale_, reads in the norm, reads+writes in the clip = 5 N b; tritonscale reads
 and reads+writes in the apply pass = 3 N b, an ideal 1.67x at the bandwidth limit.
 
 Both variants are timed in one process, interleaved (``timing.interleaved``) with the gradients restored (untimed)
-before each repeat; medians and 20/80% quantiles are reported, and a JSON file of every point.
+before each repeat; medians and 20/80% quantiles are reported, the ratio torch/tritonscale with the
+20/80% quantiles of its per-round ratios ("within noise" when they contain 1.0), and a JSON file of
+every point (with the raw samples).
 
     python bench/bench_clip_cpu.py                     # 1M..64M fp32 elements in 200 tensors
     python bench/bench_clip_cpu.py --sizes 65536 --repeats 3 --tensors 4   # smoke size
@@ -24,13 +26,13 @@ import sys
 from pathlib import Path
 
 import torch
-from timing import describe, interleaved, machine, split_sizes
+from timing import describe, format_ratio, interleaved, machine, split_sizes, spread_of
 
 import tritonscale
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2**20, 2**22, 2**24, 2**26])
     parser.add_argument("--tensors", type=int, default=200)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -77,7 +79,8 @@ def bench_point(numel: int, n_tensors: int, dtype: torch.dtype, repeats: int) ->
         "tritonscale": timed["tritonscale"],
         "bytes_model": {"torch": 5 * numel * bytes_per, "tritonscale": 3 * numel * bytes_per},
     }
-    point["ratio"] = point["torch"]["median_ms"] / point["tritonscale"]["median_ms"]
+    point["ratio_spread"] = spread_of(timed, "torch", "tritonscale")
+    point["ratio"] = point["ratio_spread"]["ratio"]
     return point
 
 
@@ -86,7 +89,8 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     info = machine()
     print(f"unscale+clip section, {args.dtype}, {args.tensors} tensors, on {describe(info)}; median ms [20%, 80%]")
-    print(f"{'elements':>10} {'torch ms':>22} {'tritonscale ms':>22} {'ratio':>6} {'bytes torch/ours':>18}")
+    print(f"{'elements':>10} {'torch ms':>22} {'tritonscale ms':>22} {'torch/ours [p20, p80]':>32} "
+          f"{'bytes torch/ours':>18}")  # fmt: skip
     points = []
     for numel in args.sizes:
         p = bench_point(numel, min(args.tensors, numel), dtype, args.repeats)
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
         t, o = p["torch"], p["tritonscale"]
         print(
             f"{numel:>10} {t['median_ms']:>8.2f} [{t['q20_ms']:.2f}, {t['q80_ms']:.2f}] "
-            f"{o['median_ms']:>8.2f} [{o['q20_ms']:.2f}, {o['q80_ms']:.2f}] {p['ratio']:>6.2f} "
+            f"{o['median_ms']:>8.2f} [{o['q20_ms']:.2f}, {o['q80_ms']:.2f}] {format_ratio(p['ratio_spread']):>32} "
             f"{p['bytes_model']['torch'] / 2**20:>8.0f}/{p['bytes_model']['tritonscale'] / 2**20:.0f} MiB"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,9 @@ every rank:
 * ``clip, local`` / ``clip, partitioned``: a whole ``clip_grad_norm_`` over ``--numel`` elements in
   ``--tensors`` tensors per rank, without and with ``process_group``: what distribution adds.
 
+Printed per rank: the median of each, and the ratios in ``RATIOS`` with the 20% and 80% quantiles
+of their per-round ratios, marked "within noise" when those contain 1.0.
+
     python bench/collectives.py --out out/collectives     # JSON + a table on stdout
 """
 
@@ -27,16 +30,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from timing import describe, interleaved, machine, split_sizes
+from timing import describe, format_ratio, interleaved, machine, split_sizes, spread_of
+
+# (numerator, denominator): time ratios printed and stored per rank, > 1 where the numerator is slower
+RATIOS = (
+    ("all-gather (ours)", "2 all-reduces (Megatron)"),
+    ("all-gather (ours)", "1 all-reduce"),
+    ("clip, partitioned", "clip, local"),
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("out/collectives"))
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=200)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("out/collectives"), help="folder of collectives.json")
+    parser.add_argument("--ranks", type=int, default=2, help="gloo processes to spawn")
+    parser.add_argument("--repeats", type=int, default=200, help="interleaved rounds")
     parser.add_argument("--numel", type=int, default=2**20, help="gradient elements per rank")
-    parser.add_argument("--tensors", type=int, default=50)
+    parser.add_argument("--tensors", type=int, default=50, help="tensors the elements are split into")
     return parser.parse_args(argv)
 
 
@@ -107,12 +117,18 @@ def main(argv=None, progress=None) -> int:
         mp.start_processes(_rank_main, args=(args.ranks, tmp, args), nprocs=args.ranks, start_method="spawn")
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(args.ranks)]
     info = machine(torch.device("cpu"))
-    print(f"{args.ranks} gloo ranks on {describe(info)}; {args.repeats} interleaved repeats; medians (ms)")
+    print(f"{args.ranks} gloo ranks on {describe(info)}; {args.repeats} interleaved repeats; medians (ms); "
+          "ratios with the p20-p80 of the per-round ratios")  # fmt: skip
     print(f"{'variant':28s} " + " ".join(f"rank {r:<5d}" for r in range(args.ranks)))
     for name in per_rank[0]:
         print(f"{name:28s} " + " ".join(f"{ranks[name]['median_ms']:<10.3f}" for ranks in per_rank))
+    ratios = []
+    for num, den in RATIOS:
+        spreads = [spread_of(ranks, num, den) for ranks in per_rank]
+        ratios.append({"ratio": f"{num} / {den}", "per_rank": spreads})
+        print(f"{num} / {den}: " + "; ".join(f"rank {r} {format_ratio(s)}" for r, s in enumerate(spreads)))
     result = {"machine": info, "ranks": args.ranks, "numel_per_rank": args.numel, "tensors": args.tensors,
-              "repeats": args.repeats, "per_rank": per_rank}  # fmt: skip
+              "repeats": args.repeats, "per_rank": per_rank, "ratios": ratios}  # fmt: skip
     path = args.out / "collectives.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

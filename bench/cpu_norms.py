@@ -36,7 +36,7 @@ DATA = {"normal": 1.0, "subnormal squares": 1e-22}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=2**24)
     parser.add_argument("--tensors", type=int, default=200, help="views for the foreach norm")
     parser.add_argument("--repeats", type=int, default=15)

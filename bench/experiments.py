@@ -20,10 +20,12 @@ it). Experiments:
 
 Reported per experiment: the maximum difference of the loss curves, whether the scale and skipped
 steps match torch's, the median time of a whole step and of the gradient handling (clip + step +
-update), and their ratios torch / tritonscale. A figure (loss, scale, gradient norm, skipped steps;
-one row per experiment) and a JSON file of every series go to ``--out``.
+update), and their ratios torch / tritonscale with the 20% and 80% quantiles of the per-step
+ratios (step i of both runs is one interleaved round), marked "within noise" when those contain
+1.0. A figure (``experiments_plot.py``: loss, its difference from torch's, scale, gradient norm,
+skipped steps; one row per experiment) and a JSON file of every series go to ``--out``.
 
-    python bench/experiments.py                      # CPU preset, a few minutes
+    python bench/experiments.py                      # CPU preset (minutes; longer where float16 is slow)
     python bench/experiments.py --preset gpu         # bigger model and longer runs on CUDA
     python bench/experiments.py --steps 20 --only lm-fp16
 """
@@ -32,16 +34,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import figures
+import experiments_plot
 import torch
-from timing import describe, machine, round_order
+from timing import describe, format_ratio, machine, ratio_spread, round_order
 
 import tritonscale
 
@@ -66,16 +67,21 @@ PRESETS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="cpu")
     parser.add_argument("--steps", type=int, help="override the preset's steps per run")
     parser.add_argument("--d-model", type=int, help="override the preset's transformer width")
-    parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
-    parser.add_argument("--optimizer", choices=["fused", "foreach"], default="fused")
-    parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
-    parser.add_argument("--max-norm", type=float, default=1.0)
+    parser.add_argument("--fp16-d-model", type=int,
+                        help="transformer width of the float16 experiments (lm-fp16, overflow): smaller where "
+                             "float16 is slow (run_all's budget); default --d-model")  # fmt: skip
+    parser.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS), help="experiments to run")
+    parser.add_argument(
+        "--optimizer", choices=["fused", "foreach"], default="fused", help="AdamW(fused=True) or foreach"
+    )
+    parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="tritonscale's")
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip_grad_norm_'s max_norm")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("out/experiments"))
+    parser.add_argument("--out", type=Path, default=Path("out/experiments"), help="folder of the JSON and PNG")
     return parser.parse_args(argv)
 
 
@@ -282,6 +288,8 @@ class Clock:
 def run_experiment(name: str, args, preset: Preset, device: torch.device, progress=None) -> dict:
     setting = SETTINGS[name]
     steps = args.steps or preset.steps
+    if setting.task == "lm" and setting.amp_dtype == torch.float16 and args.fp16_d_model:
+        preset = Preset(**{**asdict(preset), "d_model": args.fp16_d_model})
     make_task = lm_task if setting.task == "lm" else mlp_task
     task = make_task(preset, steps, args.seed)
     task.batches = [tuple(t.to(device) for t in batch) for batch in task.batches]
@@ -293,7 +301,9 @@ def run_experiment(name: str, args, preset: Preset, device: torch.device, progre
             run.step(i, batch)
         if progress is not None:
             progress()
-    return summarize(name, setting, runs)
+    result = summarize(name, setting, runs)
+    result["d_model"] = preset.d_model if setting.task == "lm" else None
+    return result
 
 
 def summarize(name: str, setting: Setting, runs: list[Run]) -> dict:
@@ -318,43 +328,30 @@ def summarize(name: str, setting: Setting, runs: list[Run]) -> dict:
         "median_grad_ms": {run.name: median(run.series, "grad_ms") for run in runs},
         "runs": {run.name: run.series for run in runs},
     }
-    result["step_time_ratio"] = result["median_step_ms"]["torch"] / result["median_step_ms"]["tritonscale"]
-    result["grad_time_ratio"] = result["median_grad_ms"]["torch"] / result["median_grad_ms"]["tritonscale"]
+    # Step i of the two runs is one interleaved round: the spread is over the per-step ratios.
+    for key, series in (("step_time", "step_ms"), ("grad_time", "grad_ms")):
+        result[f"{key}_spread"] = ratio_spread(ref[series][warm], ours[series][warm])
+        result[f"{key}_ratio"] = result[f"{key}_spread"]["ratio"]
     return result
 
 
 # ----------------------------------------------------------------------------- output
 
 
-def plot(results: list[dict], path: Path, title: str) -> Path:
-    plt = figures.pyplot()
-    fig, axes = plt.subplots(len(results), 4, figsize=(18, 3.2 * len(results)), squeeze=False)
-    styles = {"torch": dict(color="tab:blue", lw=2.2, alpha=0.6), "tritonscale": dict(color="tab:orange", lw=1.0)}
-    for row, result in zip(axes, results):
-        for run_name, s in result["runs"].items():
-            style = styles.get(run_name, dict(color="tab:green", lw=1.0, ls="--"))
-            steps = range(len(s["loss"]))
-            row[0].plot(steps, s["loss"], label=run_name, **style)
-            row[1].plot(steps, s["scale"], label=run_name, **style)
-            finite = [(i, n) for i, n in enumerate(s["grad_norm"]) if math.isfinite(n) and n > 0]
-            row[2].plot([i for i, _ in finite], [n for _, n in finite], label=run_name, **style)
-            cumulative, total = [], 0
-            for skipped in s["skipped"]:
-                total += skipped
-                cumulative.append(total)
-            row[3].plot(steps, cumulative, label=run_name, **style)
-        name = result["experiment"]
-        row[0].set_title(f"{name}: loss (max |diff| {result['max_loss_diff']:.2g})")
-        row[1].set_title(f"{name}: loss scale")
-        row[1].set_yscale("log", base=2)
-        row[2].set_title(f"{name}: gradient norm before clipping")
-        row[2].set_yscale("log")
-        row[3].set_title(f"{name}: skipped steps (cumulative)")
-        for ax in row:
-            ax.set_xlabel("step")
-            ax.grid(True, alpha=0.3)
-        row[0].legend(fontsize=8)
-    return figures.save(fig, path, title)
+def print_table(results: list[dict]) -> None:
+    """One line per experiment; the time ratios torch / tritonscale with their p20-p80 over the steps."""
+    print(f"{'experiment':>10} {'max|dloss|':>10} {'same scale':>10} {'skipped':>9} {'step ms torch/ours':>19} "
+          f"{'ratio [p20, p80]':>30} {'clip+step+update ms':>20} {'ratio [p20, p80]':>30}")  # fmt: skip
+    for r in results:
+        skipped = "/".join(str(r["skipped_steps"][k]) for k in ("torch", "tritonscale"))
+        steps_ms = "/".join(f"{r['median_step_ms'][k]:.2f}" for k in ("torch", "tritonscale"))
+        grad_ms = "/".join(f"{r['median_grad_ms'][k]:.3f}" for k in ("torch", "tritonscale"))
+        print(f"{r['experiment']:>10} {r['max_loss_diff']:>10.3g} {str(r['same_scales']):>10} {skipped:>9} "
+              f"{steps_ms:>19} {format_ratio(r['step_time_spread']):>30} {grad_ms:>20} "
+              f"{format_ratio(r['grad_time_spread']):>30}")  # fmt: skip
+        for k in [k for k in r["runs"] if k not in ("torch", "tritonscale")]:
+            print(f"{'':>10} {k}: {r['skipped_steps'][k]} skipped, final loss {r['final_loss'][k]:.4f} "
+                  f"(torch {r['final_loss']['torch']:.4f})")  # fmt: skip
 
 
 def main(argv=None, progress=None) -> int:
@@ -366,8 +363,9 @@ def main(argv=None, progress=None) -> int:
     device = torch.device(preset.device)
     steps = args.steps or preset.steps
     info = machine(device)
-    print(f"experiments on {describe(info)}, "
-          f"{steps} steps each, AdamW ({args.optimizer}), clip {args.max_norm}")  # fmt: skip
+    fp16_width = f", float16 transformer d_model {args.fp16_d_model}" if args.fp16_d_model else ""
+    print(f"experiments on {describe(info)}, {steps} steps each, d_model {preset.d_model}{fp16_width}, "
+          f"AdamW ({args.optimizer}), clip {args.max_norm}")  # fmt: skip
     total, done = steps * len(args.only), 0
 
     def tick():
@@ -377,22 +375,14 @@ def main(argv=None, progress=None) -> int:
             progress(done, total)
 
     results = [run_experiment(name, args, preset, device, tick) for name in args.only]
-    print(f"{'experiment':>10} {'max|dloss|':>10} {'same scale':>10} {'skipped':>9} "
-          f"{'step ms torch/ours':>19} {'ratio':>6} {'clip+step+update ms':>20} {'ratio':>6}")  # fmt: skip
-    for r in results:
-        skipped = "/".join(str(r["skipped_steps"][k]) for k in ("torch", "tritonscale"))
-        steps_ms = "/".join(f"{r['median_step_ms'][k]:.2f}" for k in ("torch", "tritonscale"))
-        grad_ms = "/".join(f"{r['median_grad_ms'][k]:.3f}" for k in ("torch", "tritonscale"))
-        print(f"{r['experiment']:>10} {r['max_loss_diff']:>10.3g} {str(r['same_scales']):>10} {skipped:>9} "
-              f"{steps_ms:>19} {r['step_time_ratio']:>6.2f} {grad_ms:>20} {r['grad_time_ratio']:>6.2f}")  # fmt: skip
-        extra = [k for k in r["runs"] if k not in ("torch", "tritonscale")]
-        for k in extra:
-            print(f"{'':>10} {k}: {r['skipped_steps'][k]} skipped, final loss {r['final_loss'][k]:.4f} "
-                  f"(torch {r['final_loss']['torch']:.4f})")  # fmt: skip
+    print_table(results)
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "experiments.json"
-    json_path.write_text(json.dumps({"machine": info, "args": vars(args) | {"out": str(args.out)}, "results": results}))
-    png = plot(results, args.out / "experiments.png", f"torch.amp.GradScaler vs tritonscale on {describe(info)}")
+    sizes = asdict(preset) | {"steps": steps, "fp16_d_model": args.fp16_d_model or preset.d_model}
+    json_path.write_text(json.dumps({"machine": info, "args": vars(args) | {"out": str(args.out)}, "sizes": sizes,
+                                     "results": results}))  # fmt: skip
+    png = experiments_plot.plot(results, args.out / "experiments.png",
+                                f"torch.amp.GradScaler vs tritonscale on {describe(info)}")  # fmt: skip
     print(f"wrote {json_path} and {png}")
     return 0
 

@@ -16,10 +16,11 @@ def pyplot():
     return plt
 
 
-def save(fig, path: Path, title: str) -> Path:
-    """Title, tighten and write ``fig`` to ``path`` (PNG), creating its folder; returns the path."""
+def save(fig, path: Path, title: str, rect: tuple[float, float, float, float] | None = None) -> Path:
+    """Title, tighten (into ``rect`` of the figure, leaving room for a legend outside the panels) and
+    write ``fig`` to ``path`` (PNG), creating its folder; returns the path."""
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
     pyplot().close(fig)

@@ -31,7 +31,7 @@ LAYOUTS = {"flat": (True, False), "table-aligned": (False, True), "table": (Fals
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", nargs="+", choices=list(TARGETS), default=["sm90", "gfx942"])
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--out", type=Path, default=Path("out/kernel_report.json"))

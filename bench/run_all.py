@@ -14,7 +14,15 @@ Stages (each one a script in bench/ that also runs on its own):
 5. ``train_step.py``    a whole training step of a small transformer, phase by phase (forward,
                         backward, scaler, step, update, zero_grad), torch's variants against ours
 
-    python bench/run_all.py                     # CPU: a few minutes, results in out/
+On CPU the job first measures this machine (about a second: float16 autocast against float32,
+the stages' own work at small sizes; ``budget.py``), sizes the slow stages to fit ``--budget``
+seconds (fewer steps and a narrower model for the float16 experiments, fewer repeats and sizes for
+the sweep, fewer steps for the whole-step benchmark), prints the sizes and how long it expects to
+take, then runs. ``run_all.json`` in the output folder records the measurement, the sizes, the
+estimate and each stage's real time.
+
+    python bench/run_all.py                     # CPU: sized to about 4 minutes, results in out/
+    python bench/run_all.py --budget 600        # CPU: bigger sizes, where they fit 10 minutes
     python bench/run_all.py --device cuda       # GPU presets: bigger model, sizes up to 1G elements
     python bench/run_all.py --quick --out /tmp/smoke   # every stage at a tiny size (seconds)
 """
@@ -24,31 +32,53 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import budget
 import collectives
 import experiments
 import kernel_report
 import sweep
 import train_step
 from progress import ProgressBar
+from timing import describe, machine
 
-# Share of the progress bar per stage, roughly their share of the CPU run's time.
+# Share of the progress bar per stage where nothing was measured (--quick, --device cuda); a
+# measured CPU run weighs each stage by its estimate.
 WEIGHTS = {"experiments": 0.42, "sweep": 0.43, "kernel_report": 0.07, "collectives": 0.03, "train_step": 0.05}
+ENTRY_POINTS = {
+    "experiments": experiments.main,
+    "sweep": sweep.main,
+    "kernel_report": kernel_report.main,
+    "collectives": collectives.main,
+    "train_step": train_step.main,
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("out"))
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("out"), help="folder of the PNG, JSON and log files")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the GPU presets, no budget")
     parser.add_argument("--quick", action="store_true", help="every stage at a tiny size (a smoke run)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=240.0,
+        help="seconds the CPU run should take; the slow stages are sized to fit (default 240)",
+    )
+    parser.add_argument("--simulate-slow-fp16", type=float, default=1.0, metavar="FACTOR",
+                        help="multiply the measured float16 autocast times by FACTOR before sizing: tries "
+                             "the sizing of a CPU without fast float16 on one that has it")  # fmt: skip
     return parser.parse_args(argv)
 
 
-def stage_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
+def stage_arguments(args: argparse.Namespace, sizes: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+    """Each stage's command line: output paths, the device's presets, then ``--quick``'s tiny sizes
+    or the budget's ``sizes`` (``budget.stage_arguments``)."""
     out = args.out
     stages = {
         "experiments": ["--out", str(out / "experiments")],
@@ -67,43 +97,81 @@ def stage_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
         stages["kernel_report"] += ["--targets", "sm90", "--dtypes", "fp32"]
         stages["collectives"] += ["--repeats", "3", "--numel", "4096", "--tensors", "4"]
         stages["train_step"] += ["--quick"]
+    for stage, extra in (sizes or {}).items():
+        stages[stage] += extra
     return stages
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    bar = ProgressBar(WEIGHTS)
-    entry_points = {
-        "experiments": experiments.main,
-        "sweep": sweep.main,
-        "kernel_report": kernel_report.main,
-        "collectives": collectives.main,
-        "train_step": train_step.main,
-    }
-    logs, failed = {}, []
-    start = time.perf_counter()
-    for stage, stage_args in stage_arguments(args).items():
+def size_to_budget(args: argparse.Namespace) -> dict | None:
+    """Measure this machine and plan the stages' sizes (CPU runs but ``--quick``); print the plan."""
+    if args.quick or args.device != "cpu":
+        why = "--quick: tiny sizes" if args.quick else "GPU presets"
+        print(f"run_all: {why}, not sized to a budget", flush=True)
+        return None
+    print(f"run_all: measuring this machine to size the stages for a {args.budget:.0f} s budget ...", flush=True)
+    measured = budget.measure(args.simulate_slow_fp16)
+    plan = budget.plan(measured, args.budget, experiments.PRESETS["cpu"].steps)
+    plan["measurement"] = measured
+    slow = measured["matmul_time_vs_float32"]["float16"]
+    simulated = f" (simulated: x{args.simulate_slow_fp16:g})" if args.simulate_slow_fp16 != 1.0 else ""
+    print(f"run_all: on {describe(machine())}: a float16-autocast matmul takes {slow:.1f}x float32's{simulated}; "
+          f"measured in {measured['seconds']:.1f} s")  # fmt: skip
+    for stage, size in plan["sizes"].items():
+        shown = ", ".join(f"{k} {v}" for k, v in size.items()) or "fixed size"
+        print(f"run_all:   {stage:<14} {shown:<36} ~{plan['stage_estimate_s'][stage]:.0f} s")
+    over = " (OVER the budget even at the smallest sizes)" if plan["over_budget"] else ""
+    print(f"run_all: expected to take about {plan['estimate_s'] / 60:.1f} min ({plan['estimate_s']:.0f} s){over}",
+          flush=True)  # fmt: skip
+    return plan
+
+
+def run_stages(args: argparse.Namespace, plan: dict | None) -> tuple[dict, dict, list]:
+    """Every stage with its stdout to a log file and the bar on stderr: (logs, seconds, failed)."""
+    estimates = plan["stage_estimate_s"] if plan else None
+    weights = {k: v / sum(estimates.values()) for k, v in estimates.items()} if plan else WEIGHTS
+    bar = ProgressBar(weights, estimates_s=estimates)
+    bar.start_clock()
+    logs, seconds, failed = {}, {}, []
+    sizes = budget.stage_arguments(plan["sizes"]) if plan else None
+    for stage, stage_args in stage_arguments(args, sizes).items():
+        began = time.perf_counter()
         bar.update(stage, 0, 1)
         progress = lambda done, total, stage=stage: bar.update(stage, done, total)
         log = io.StringIO()
         # The stages' tables go to a log (printed below) so that the bar is not torn by them.
         with contextlib.redirect_stdout(log):
+            print(f"$ python bench/{stage}.py {' '.join(stage_args)}")
             try:
-                code = entry_points[stage](stage_args, progress=progress)
+                code = ENTRY_POINTS[stage](stage_args, progress=progress)
             except Exception:
                 traceback.print_exc(file=log)
                 code = 1
         bar.update(stage, 1, 1)
+        seconds[stage] = time.perf_counter() - began
         if code != 0:
             failed.append(stage)
         logs[stage] = log.getvalue()
         (args.out / f"{stage}.log").write_text(logs[stage])
     bar.close()
+    return logs, seconds, failed
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    plan = size_to_budget(args)
+    logs, seconds, failed = run_stages(args, plan)
     for stage, text in logs.items():
-        print(f"== {stage}{' (FAILED)' if stage in failed else ''}\n{text}")
+        print(f"== {stage}{' (FAILED)' if stage in failed else ''} ({seconds[stage]:.0f} s)\n{text}")
+    total = time.perf_counter() - start
+    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    record = {"machine": machine(), "args": arguments, "plan": plan, "stage_seconds": seconds,
+              "total_seconds": total, "failed": failed}  # fmt: skip
+    (args.out / "run_all.json").write_text(json.dumps(record, indent=2))
     written = sorted(p for p in args.out.rglob("*") if p.suffix in (".png", ".json", ".log"))
-    print(f"done in {time.perf_counter() - start:.0f} s; results in {args.out.resolve()}:")
+    expected = f" (expected {plan['estimate_s']:.0f} s)" if plan else ""
+    print(f"done in {total:.0f} s{expected}; results in {args.out.resolve()}:")
     for path in written:
         print(f"  {path}")
     if failed:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import figures
 import torch
-from timing import describe, interleaved, machine, split_sizes
+from timing import describe, format_ratio, interleaved, machine, split_sizes, spread_of
 
 import tritonscale
 
@@ -53,6 +53,11 @@ VARIANTS = ("torch", "tritonscale", "torch-fused", "fold", "copy")
 GRAD_PASSES = {"torch": 5, "tritonscale": 3, "torch-fused": 5, "fold": 1, "copy": 2}  # bytes / (N * b)
 OPTIMIZER_PASSES = {"sgd": 5, "adamw": 7, "fused-adamw": 7, "fused-adamw-fold": 8}
 LAYOUTS = ("flat", "200", "2000x4K")
+LAYOUT_NAMES = {  # what the layout names in the table, the JSON and the plot stand for
+    "flat": "one flat buffer (flatten_grads_)",
+    "200": "200 tensors",
+    "2000x4K": "2000 tensors of 4096 elements",
+}
 COLORS = {
     "torch": "tab:blue",
     "tritonscale": "tab:orange",
@@ -64,22 +69,36 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--min-size", type=int, default=2**16)
-    parser.add_argument("--max-size", type=int, default=2**26)
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
-    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu (interleaved medians) or cuda (do_bench, Triton kernels)")
+    parser.add_argument("--min-size", type=int, default=2**16, help="smallest swept point, in elements")
+    parser.add_argument("--max-size", type=int, default=2**26, help="largest swept point, in elements (sizes x4)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="gradient dtypes")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=LAYOUTS,
+        default=list(LAYOUTS),
+        help="flat: one flat buffer; 200: 200 tensors; 2000x4K: 2000 tensors of 4096 elements",
+    )
     parser.add_argument(
         "--unfused", choices=["sgd", "adamw"], default="sgd", help="optimizer of the first two variants"
     )
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path("out/sweep"))
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds per point (small points get more)")
+    parser.add_argument("--out", type=Path, default=Path("out/sweep"), help="folder of sweep.json and sweep.png")
     parser.add_argument("--progress", default=None, help=argparse.SUPPRESS)  # set by run_all
     return parser.parse_args(argv)
 
 
+def rounds_for(numel: int, repeats: int) -> int:
+    """Timed rounds of a CPU point: small points are cheap and noisy (host overhead), so they get
+    more than ``repeats``, up to 9x (at most 61)."""
+    scaled = int(repeats * (2**24 / numel) ** 0.5)
+    return max(repeats, min(scaled, 9 * repeats, 61))
+
+
 def sizes_between(low: int, high: int) -> list[int]:
+    """Powers of 4 times ``low`` up to ``high``: the sizes of the swept layouts."""
     out, n = [], low
     while n <= high:
         out.append(n)
@@ -185,9 +204,7 @@ def bench_point(numel: int, dtype: torch.dtype, layout: str, device: torch.devic
             if name in setups:
                 setups[name].reset()
 
-        # Small points are cheap and noisy (host overhead): give them more repeats.
-        scaled = int(repeats * (2**24 / numel) ** 0.5)
-        timed = interleaved(fns, max(repeats, min(scaled, 9 * repeats, 61)), reset)
+        timed = interleaved(fns, rounds_for(numel, repeats), reset)
         launches = None
     point = {"numel": numel, "dtype": str(dtype).replace("torch.", ""), "layout": layout, "device": str(device)}
     point["unfused_optimizer"] = unfused
@@ -199,63 +216,91 @@ def bench_point(numel: int, dtype: torch.dtype, layout: str, device: torch.devic
     copy_rate = point["copy"]["gb_per_s"]
     for name in timed:
         point[name]["fraction_of_copy_bandwidth"] = point[name]["gb_per_s"] / copy_rate
-    if "torch" in timed:
-        point["ratio_tritonscale"] = timed["torch"]["median_ms"] / timed["tritonscale"]["median_ms"]
-    if "torch-fused" in timed:
-        point["ratio_fold"] = timed["torch-fused"]["median_ms"] / timed["fold"]["median_ms"]
+    for key, base, ours in (("ratio_tritonscale", "torch", "tritonscale"), ("ratio_fold", "torch-fused", "fold")):
+        if base in timed:
+            point[key] = timed[base]["median_ms"] / timed[ours]["median_ms"]
+            if "samples_ms" in timed[base]:  # the CPU's interleaved rounds (do_bench on a GPU keeps none)
+                point[f"{key}_spread"] = spread_of(timed, base, ours)
     return point
 
 
 def plot(points: list[dict], path: Path, title: str) -> Path:
-    """Per dtype (rows): median time vs size for each layout, and the speed-ups vs size."""
+    """Per dtype (rows): median time vs size for each swept layout, with a p20-p80 band, and the
+    speed-ups vs size, with p20-p80 error bars (the per-round ratios)."""
     plt = figures.pyplot()
     dtypes = sorted({p["dtype"] for p in points}, key=list(DTYPES).index)
     layouts = [lay for lay in LAYOUTS if any(p["layout"] == lay for p in points)]
     swept = [lay for lay in layouts if lay != "2000x4K"]  # 2000x4K is one point: speed-up panel only
     cols = len(swept) + 1
-    fig, axes = plt.subplots(len(dtypes), cols, figsize=(5.2 * cols, 3.8 * len(dtypes)), squeeze=False)
+    fig, axes = plt.subplots(len(dtypes), cols, figsize=(5.6 * cols, 4.0 * len(dtypes)), squeeze=False)
     for row, dtype in zip(axes, dtypes):
         for ax, layout in zip(row, swept):
-            series = sorted(
-                (p for p in points if p["dtype"] == dtype and p["layout"] == layout), key=lambda p: p["numel"]
-            )
-            for name in VARIANTS:
-                have = [p for p in series if name in p]
-                if have:
-                    ax.plot([p["numel"] for p in have], [p[name]["median_ms"] for p in have], marker="o", ms=3,
-                            label=name, color=COLORS[name], linestyle="--" if name == "copy" else "-")  # fmt: skip
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{dtype}, layout {layout}: time per step")
-            ax.set_xlabel("gradient elements")
-            ax.set_ylabel("ms (median)")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-        ax = row[-1]
-        drawn = False
-        for layout, marker in zip(layouts, "os^"):
-            series = sorted(
-                (p for p in points if p["dtype"] == dtype and p["layout"] == layout), key=lambda p: p["numel"]
-            )
-            for key, name in (("ratio_tritonscale", "tritonscale"), ("ratio_fold", "fold")):
-                have = [p for p in series if key in p]
-                if have:
-                    label = f"{'torch / tritonscale' if name == 'tritonscale' else 'torch-fused / fold'} ({layout})"
-                    ax.plot([p["numel"] for p in have], [p[key] for p in have], marker=marker, ms=4,
-                            color=COLORS[name], linestyle="-" if layout == "flat" else ":", label=label)  # fmt: skip
-                    drawn = True
-        ax.set_title(f"{dtype}: speed-up (>1: tritonscale faster)")
-        if drawn:
-            ax.axhline(1.0, color="black", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("gradient elements")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-        else:  # float16: torch's GradScaler refuses to unscale float16 gradients, so there is no baseline
-            ax.text(0.5, 0.5, "no torch baseline:\ntorch.amp.GradScaler refuses\nfloat16 gradients", ha="center",
-                    va="center", transform=ax.transAxes)  # fmt: skip
-            ax.set_axis_off()
-    return figures.save(fig, path, title)
+            time_panel(ax, [p for p in points if p["dtype"] == dtype and p["layout"] == layout], dtype, layout)
+        speedup_panel(row[-1], [p for p in points if p["dtype"] == dtype], dtype, layouts)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    notes = "; ".join(f"{k}: {LAYOUT_NAMES[k]}" for k in layouts)
+    height = fig.get_figheight()
+    return figures.save(fig, path, f"{title}\nlayouts: {notes}; bands and bars: 20%-80% of the repeats",
+                        rect=(0, 0.35 / height, 1, 1))  # fmt: skip
+
+
+def time_panel(ax, series: list[dict], dtype: str, layout: str) -> None:
+    """Median ms per step against size for each variant, with its p20-p80 band."""
+    series = sorted(series, key=lambda p: p["numel"])
+    for name in VARIANTS:
+        have = [p for p in series if name in p]
+        if not have:
+            continue
+        x = [p["numel"] for p in have]
+        ax.plot(x, [p[name]["median_ms"] for p in have], marker="o", ms=3, label=name, color=COLORS[name],
+                linestyle="--" if name == "copy" else "-")  # fmt: skip
+        ax.fill_between(x, [p[name]["q20_ms"] for p in have], [p[name]["q80_ms"] for p in have],
+                        color=COLORS[name], alpha=0.2, lw=0)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"{dtype}, {LAYOUT_NAMES[layout]}: time per step", fontsize=9)
+    ax.set_xlabel("gradient elements")
+    ax.set_ylabel("ms per step (median, p20-p80 band)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def speedup_panel(ax, points: list[dict], dtype: str, layouts: list[str]) -> None:
+    """torch / tritonscale and torch-fused / fold against size, one marker per layout, p20-p80 bars."""
+    drawn = False
+    for layout, marker in zip(layouts, "os^"):
+        series = sorted((p for p in points if p["layout"] == layout), key=lambda p: p["numel"])
+        for key, name in (("ratio_tritonscale", "tritonscale"), ("ratio_fold", "fold")):
+            have = [p for p in series if key in p]
+            if not have:
+                continue
+            ys = [p[key] for p in have]
+            spreads = [p.get(f"{key}_spread") for p in have]
+            below = [max(0.0, y - s["q20"]) if s else 0.0 for y, s in zip(ys, spreads)]
+            above = [max(0.0, s["q80"] - y) if s else 0.0 for y, s in zip(ys, spreads)]
+            label = f"{'torch / tritonscale' if name == 'tritonscale' else 'torch-fused / fold'} ({layout})"
+            style = dict(marker=marker, ms=4, capsize=2, color=COLORS[name], linestyle="-" if layout == "flat" else ":")
+            ax.errorbar([p["numel"] for p in have], ys, yerr=[below, above], label=label, **style)
+            drawn = True
+    ax.set_title(f"{dtype}: speed-up (>1: tritonscale faster)", fontsize=9)
+    if drawn:
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("gradient elements")
+        ax.set_ylabel("time ratio (p20-p80 bars; across 1: noise)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    else:  # float16: torch's GradScaler refuses to unscale float16 gradients, so there is no baseline
+        ax.text(0.5, 0.5, "no torch baseline:\ntorch.amp.GradScaler refuses\nfloat16 gradients", ha="center",
+                va="center", transform=ax.transAxes)  # fmt: skip
+        ax.set_axis_off()
+
+
+def shown_ratio(point: dict, key: str) -> str:
+    """A speed-up as printed: with its p20-p80 spread and "within noise" where measured, '-' where none."""
+    if f"{key}_spread" in point:
+        return format_ratio(point[f"{key}_spread"])
+    return f"{point[key]:.2f}" if key in point else "-"
 
 
 def main(argv=None, progress=None) -> int:
@@ -265,18 +310,19 @@ def main(argv=None, progress=None) -> int:
     info = machine(device)
     plan = [(n, d, lay) for d in args.dtypes for lay in args.layouts
             for n in (sizes_between(args.min_size, args.max_size) if lay != "2000x4K" else [4096 * 2000])]  # fmt: skip
-    print(f"sweep on {describe(info)}, "
-          f"unfused optimizer {args.unfused}; median ms per step; speed-ups torch/tritonscale and torch-fused/fold; "
-          "bytes model in MB; GB/s of the best variant")  # fmt: skip
+    print(f"sweep on {describe(info)}, unfused optimizer {args.unfused}, {args.repeats} repeats, sizes "
+          f"{args.min_size}..{args.max_size}; median ms per step; speed-ups torch/tritonscale and torch-fused/fold "
+          "with the p20-p80 of the per-round ratios; bytes model in MB; GB/s of the best variant")  # fmt: skip
+    print("layouts: " + "; ".join(f"{k} = {v}" for k, v in LAYOUT_NAMES.items() if k in args.layouts))
     header = f"{'dtype':>8} {'layout':>8} {'elements':>10} " + " ".join(f"{v:>11}" for v in VARIANTS)
-    print(header + f" {'speed-up':>8} {'fold':>6}  {'MB torch/ours/t-fused/fold':>26} {'GB/s':>6} {'of copy':>7}")
+    print(header + f" {'speed-up [p20, p80]':>30} {'fold [p20, p80]':>30}  {'MB torch/ours/t-fused/fold':>26} "
+          f"{'GB/s':>6} {'of copy':>7}")  # fmt: skip
     points = []
     for k, (numel, dtype_name, layout) in enumerate(plan):
         p = bench_point(numel, DTYPES[dtype_name], layout, device, args.repeats, args.unfused)
         points.append(p)
         cells = " ".join(f"{p[v]['median_ms']:>11.3f}" if v in p else f"{'n/a':>11}" for v in VARIANTS)
-        ratio = f"{p['ratio_tritonscale']:>8.2f}" if "ratio_tritonscale" in p else f"{'-':>8}"
-        fold = f"{p['ratio_fold']:>6.2f}" if "ratio_fold" in p else f"{'-':>6}"
+        ratio, fold = (f"{shown_ratio(p, key):>30}" for key in ("ratio_tritonscale", "ratio_fold"))
         mb = "/".join(f"{p[v]['bytes'] / 1e6:.3g}" if v in p else "-" for v in VARIANTS[:-1])
         best = max((v for v in VARIANTS[:-1] if v in p), key=lambda v: p[v]["gb_per_s"])
         rate = f"{p[best]['gb_per_s']:>6.1f} {p[best]['fraction_of_copy_bandwidth']:>7.0%}"
@@ -285,7 +331,10 @@ def main(argv=None, progress=None) -> int:
             progress(k + 1, len(plan))
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "sweep.json"
-    json_path.write_text(json.dumps({"machine": info, "unfused_optimizer": args.unfused, "points": points}, indent=2))
+    sizes = {"min_size": args.min_size, "max_size": args.max_size, "repeats": args.repeats, "dtypes": args.dtypes,
+             "layouts": args.layouts}  # fmt: skip
+    json_path.write_text(json.dumps({"machine": info, "unfused_optimizer": args.unfused, "sizes": sizes,
+                                     "layouts": LAYOUT_NAMES, "points": points}, indent=2))  # fmt: skip
     png = plot(points, args.out / "sweep.png", f"clip + optimizer step + scale update on {describe(info)}")
     print(f"wrote {json_path} and {png}")
     return 0

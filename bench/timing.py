@@ -1,4 +1,10 @@
-"""Shared timing helpers for the CPU benchmarks: interleaved repeats, medians and quantiles."""
+"""Shared timing helpers for the benchmarks: interleaved repeats, medians, quantiles and ratio spreads.
+
+A ratio of two medians hides how much it moves from round to round. Every benchmark that prints a
+ratio (variant against baseline) also prints its spread: the 20% and 80% quantiles of the
+per-round ratios of the interleaved rounds (``ratio_spread``), and marks the ratio "within noise"
+when that band contains 1.0 (the two variants are not told apart by this run).
+"""
 
 from __future__ import annotations
 
@@ -17,9 +23,45 @@ T = TypeVar("T")
 
 
 def quantiles(samples: list[float]) -> dict[str, float]:
-    """Median and 20/80% quantiles, in milliseconds."""
-    q = statistics.quantiles(samples, n=5) if len(samples) > 1 else [samples[0]] * 4
-    return {"median_ms": statistics.median(samples) * 1e3, "q20_ms": q[0] * 1e3, "q80_ms": q[3] * 1e3}
+    """Median and 20/80% quantiles of samples in seconds, in milliseconds."""
+    q20, q80 = band(samples)
+    return {"median_ms": statistics.median(samples) * 1e3, "q20_ms": q20 * 1e3, "q80_ms": q80 * 1e3}
+
+
+def band(samples: list[float]) -> tuple[float, float]:
+    """The 20% and 80% quantiles (``statistics.quantiles(n=5)``, its default exclusive method); a
+    single sample is its own band."""
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    q = statistics.quantiles(samples, n=5)
+    return q[0], q[3]
+
+
+def ratio_spread(a_samples: list[float], b_samples: list[float]) -> dict[str, object]:
+    """The ratio a / b of two interleaved measurements, with its noise band.
+
+    ``a_samples[r]`` and ``b_samples[r]`` are round r of an interleaved measurement (run back to
+    back, so drift hits both); round r's ratio is ``a_samples[r] / b_samples[r]``. Returned:
+    ``ratio`` (median of a / median of b: the headline figure), ``q20`` / ``q80`` (the 20% and 80%
+    quantiles of the per-round ratios), ``rounds`` and ``within_noise``: True when the band contains
+    1.0 (this run does not tell a from b), None with a single round (no spread to judge by).
+    """
+    if len(a_samples) != len(b_samples) or not a_samples:
+        raise ValueError(f"ratio_spread needs paired rounds, got {len(a_samples)} and {len(b_samples)} samples")
+    per_round = [a / b for a, b in zip(a_samples, b_samples)]
+    q20, q80 = band(per_round)
+    within = q20 <= 1.0 <= q80 if len(per_round) > 1 else None
+    ratio = statistics.median(a_samples) / statistics.median(b_samples)
+    return {"ratio": ratio, "q20": q20, "q80": q80, "rounds": len(per_round), "within_noise": within}
+
+
+def format_ratio(spread: dict[str, object], digits: int = 2) -> str:
+    """``1.23 [1.10, 1.35]``: the ratio and its p20-p80 band, with `` within noise`` appended when the
+    band contains 1.0."""
+    text = f"{spread['ratio']:.{digits}f} [{spread['q20']:.{digits}f}, {spread['q80']:.{digits}f}]"
+    if spread["within_noise"] is None:
+        return text + " (1 round: no spread)"
+    return text + (" within noise" if spread["within_noise"] else "")
 
 
 def round_order(order: list[T], rep: int) -> list[T]:
@@ -43,7 +85,8 @@ def interleaved(
     still in cache: at 4M float32 elements in 200 tensors that gave whichever variant came first
     ~10% on the 2-core development machine.) ``reset(name)`` runs untimed before every call
     (restore the gradients); ``after(name)`` runs untimed after it (e.g. the scaler's update).
-    The first round is warm-up.
+    The first round is warm-up. Returned per variant: ``quantiles`` of its samples and the samples
+    themselves (``samples_ms``, round by round, for ``ratio_spread``).
     """
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(repeats + 1):
@@ -55,7 +98,12 @@ def interleaved(
             after(name)
             if rep > 0:
                 times[name].append(elapsed)
-    return {name: quantiles(samples) for name, samples in times.items()}
+    return {name: {**quantiles(samples), "samples_ms": [t * 1e3 for t in samples]} for name, samples in times.items()}
+
+
+def spread_of(timed: dict[str, dict], a: str, b: str) -> dict[str, object]:
+    """``ratio_spread`` of variants ``a`` and ``b`` of an ``interleaved`` result."""
+    return ratio_spread(timed[a]["samples_ms"], timed[b]["samples_ms"])
 
 
 def cpu_model() -> str:

@@ -30,9 +30,10 @@ at every phase boundary, so a phase owns its kernels): forward (the loss, under 
 step, in rotating order (``timing.round_order``), each on its own copy of the model, so machine
 drift hits all of them; the first ``--warmup`` steps are not recorded. Reported per variant: median and 20/80%
 quantiles of every phase and of the whole step, the scaler's share of the step (scaler median /
-step median), the step relative to ``no-scaling``, and scaler + step + update (the gradient
-handling). In the fold the unscale and the clip's multiply run inside the optimizer's step, so
-compare whole steps (or scaler + step + update), not the scaler phase alone.
+step median), the step relative to ``no-scaling`` with the 20/80% quantiles of the per-step ratios
+("within noise" when they contain 1.0), and scaler + step + update (the gradient handling). In the
+fold the unscale and the clip's multiply run inside the optimizer's step, so compare whole steps
+(or scaler + step + update), not the scaler phase alone.
 
     python bench/train_step.py                                   # CPU preset: ~5M parameters, float32
     python bench/train_step.py --device cuda --autocast float16  # GPU preset: ~100M parameters
@@ -51,7 +52,7 @@ from pathlib import Path
 
 import figures
 import torch
-from timing import describe, machine, quantiles, round_order
+from timing import describe, format_ratio, machine, quantiles, ratio_spread, round_order
 
 import tritonscale
 
@@ -100,7 +101,7 @@ PRESETS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the same script runs on both)")
     parser.add_argument("--preset", choices=list(PRESETS), help="default: gpu on cuda, else cpu")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 3 steps (the smoke run)")
@@ -226,8 +227,12 @@ class Variant:
             for phase, start, end in zip(PHASES, marks, marks[1:]):
                 self.samples[phase].append(end - start)
 
+    def step_samples(self) -> list[float]:
+        """Seconds of each recorded step, all phases."""
+        return [sum(parts) for parts in zip(*(self.samples[phase] for phase in PHASES))]
+
     def summary(self) -> dict:
-        steps = [sum(parts) for parts in zip(*(self.samples[phase] for phase in PHASES))]
+        steps = self.step_samples()
         result = {"phases": {phase: quantiles(self.samples[phase]) for phase in PHASES}, "step": quantiles(steps)}
         handling = [sum(parts) for parts in zip(*(self.samples[phase] for phase in ("scaler", "step", "update")))]
         result["scaler_step_update"] = quantiles(handling)
@@ -248,7 +253,8 @@ def make_batches(p: Preset, device: torch.device, seed: int, n: int = 4) -> list
 
 
 def plot(results: dict, path: Path, title: str) -> Path:
-    """Stacked bars: one bar per variant, one segment per phase (medians), the step's median on top."""
+    """Stacked bars: one bar per variant, one segment per phase (medians), the step's median on top,
+    with the whole step's p20-p80 as an error bar."""
     plt = figures.pyplot()
     names = list(results)
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 5.2))
@@ -257,11 +263,16 @@ def plot(results: dict, path: Path, title: str) -> Path:
         heights = [results[n]["phases"][phase]["median_ms"] for n in names]
         ax.bar(names, heights, bottom=bottoms, color=PHASE_COLORS[phase], label=phase, width=0.6)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    steps = [results[n]["step"] for n in names]  # the whole step's p20-p80, on the stacked medians' top
+    below = [max(0.0, s["median_ms"] - s["q20_ms"]) for s in steps]
+    above = [max(0.0, s["q80_ms"] - s["median_ms"]) for s in steps]
+    ax.errorbar(range(len(names)), bottoms, yerr=[below, above], fmt="none", ecolor="black", capsize=4, lw=1,
+                label="step p20-p80")  # fmt: skip
     for x, (name, top) in enumerate(zip(names, bottoms)):
         r = results[name]
-        ax.text(x, top, f"{r['step']['median_ms']:.1f} ms\nscaler {r['scaler_share']:.1%}", ha="center",
+        ax.text(x, top + above[x], f"{r['step']['median_ms']:.1f} ms\nscaler {r['scaler_share']:.1%}", ha="center",
                 va="bottom", fontsize=8)  # fmt: skip
-    ax.set_ylim(0, max(bottoms) * 1.18)
+    ax.set_ylim(0, max(b + a for b, a in zip(bottoms, above)) * 1.18)
     ax.set_ylabel("ms per step (median of each phase)")
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.grid(True, axis="y", alpha=0.3)
@@ -291,17 +302,22 @@ def main(argv=None, progress=None) -> int:
         if progress is not None:
             progress(i + 1, total)
     results = {name: v.summary() for name, v in variants.items()}
-    base = results.get("no-scaling")
-    for r in results.values():
-        r["vs_no_scaling"] = r["step"]["median_ms"] / base["step"]["median_ms"] if base else None
+    base = variants.get("no-scaling")
+    for name, r in results.items():
+        # Step i of every variant is one interleaved round: the spread is over the per-step ratios.
+        against = base is not None and name != "no-scaling"
+        spread = ratio_spread(variants[name].step_samples(), base.step_samples()) if against else None
+        r["vs_no_scaling"] = spread["ratio"] if spread else (1.0 if base else None)
+        r["vs_no_scaling_spread"] = spread
 
     print(f"{'variant':>20} " + " ".join(f"{ph:>9}" for ph in PHASES) + f" {'step [20%, 80%]':>24} {'scaler':>7} "
-          f"{'vs none':>7} {'scaler+step+update':>18}")  # fmt: skip
+          f"{'vs none [p20, p80]':>30} {'scaler+step+update':>18}")  # fmt: skip
     for name, r in results.items():
         cells = " ".join(f"{r['phases'][ph]['median_ms']:>9.3f}" for ph in PHASES)
         s = r["step"]
         step = f"{s['median_ms']:.2f} [{s['q20_ms']:.2f}, {s['q80_ms']:.2f}]"
-        versus = f"{r['vs_no_scaling']:>6.3f}x" if r["vs_no_scaling"] else f"{'-':>7}"
+        spread = r["vs_no_scaling_spread"]
+        versus = f"{format_ratio(spread, 3) if spread else '-':>30}"
         print(
             f"{name:>20} {cells} {step:>24} {r['scaler_share']:>7.1%} {versus} "
             f"{r['scaler_step_update']['median_ms']:>18.3f}"

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))  # the scripts import their shared helpers (bench/timing.py) by name
 
@@ -44,6 +46,9 @@ def test_run_all_quick_writes_every_result(tmp_path):
     for r in experiments:
         assert r["same_scales"] and r["same_skipped_steps"], r["experiment"]
         assert r["steps"] == 3 and all(len(s["loss"]) == 3 for s in r["runs"].values())
+        spread = r["step_time_spread"]  # 3 steps, the first 2 warm-up: one round, no spread to judge by
+        assert spread["rounds"] == 1 and spread["q20"] == spread["q80"] and spread["within_noise"] is None
+        assert set(r["grad_time_spread"]) == {"ratio", "q20", "q80", "rounds", "within_noise"}
     overflow = experiments[-1]
     # init_scale 2**24 overflows the first steps: both skip them, the policy run too.
     assert overflow["skipped_steps"]["torch"] == overflow["skipped_steps"]["tritonscale"] >= 1
@@ -54,7 +59,8 @@ def test_run_all_quick_writes_every_result(tmp_path):
     for timings in collectives["per_rank"]:
         assert set(timings) == {"all-gather (ours)", "all-gather alone", "2 all-reduces (Megatron)",
                                 "1 all-reduce", "clip, local", "clip, partitioned"}  # fmt: skip
-        assert all(t["median_ms"] > 0 for t in timings.values())
+        assert all(t["median_ms"] > 0 and len(t["samples_ms"]) == 3 for t in timings.values())
+    assert [len(r["per_rank"]) for r in collectives["ratios"]] == [2, 2, 2]
 
     sweep = json.loads((tmp_path / "sweep/sweep.json").read_text())
     assert sweep["machine"]["device"] == "cpu" and sweep["machine"]["torch"] and sweep["machine"]["triton"]
@@ -66,6 +72,10 @@ def test_run_all_quick_writes_every_result(tmp_path):
             ("fold", "copy") if p["dtype"] == "float16" else ("torch", "tritonscale", "torch-fused", "fold", "copy")
         )
         assert all(p[v]["median_ms"] > 0 and p[v]["bytes"] > 0 for v in variants)
+        if p["dtype"] != "float16":  # the speed-ups' spreads over the interleaved rounds (the raw samples kept)
+            assert p["ratio_tritonscale_spread"]["rounds"] == len(p["torch"]["samples_ms"]) > 1
+            assert p["ratio_fold_spread"]["q20"] <= p["ratio_fold_spread"]["q80"]
+    assert sweep["sizes"]["max_size"] == 4096 and sweep["layouts"]["200"] == "200 tensors"
 
     kernels = json.loads((tmp_path / "kernel_report.json").read_text())
     assert kernels and all(row["ok"] and row["spills"] == 0 for row in kernels)
@@ -79,6 +89,12 @@ def test_run_all_quick_writes_every_result(tmp_path):
         assert set(result["phases"]) == {"forward", "backward", "scaler", "step", "update", "zero_grad"}
         assert all(len(samples) == 3 for samples in steps["raw_ms"][name].values()), name  # 3 recorded steps
         assert result["step"]["median_ms"] > 0 and 0 <= result["scaler_share"] < 1
+        if name != "no-scaling":
+            assert result["vs_no_scaling_spread"]["rounds"] == 3
+    record = json.loads((tmp_path / "run_all.json").read_text())
+    assert record["plan"] is None and not record["failed"]  # --quick: tiny sizes, no budget
+    assert list(record["stage_seconds"]) == ["experiments", "sweep", "kernel_report", "collectives", "train_step"]
+    assert "$ python bench/sweep.py" in (tmp_path / "sweep.log").read_text()  # each log says what ran
 
 
 def test_experiments_with_the_triton_kernels_follow_torch(tmp_path):
@@ -122,7 +138,7 @@ def test_bars_prints_every_ratio(tmp_path, capsys):
     ratios = data["ratios"]
     # bar 1: ideal/ours and torch/ours for two layouts; bar 2: torch/ours and the 3 knobs; bar 3: torch/ours
     assert [r["bar"] for r in ratios] == ["1"] * 4 + ["2"] * 4 + ["3"]
-    assert all(r["value"] > 0 for r in ratios)
+    assert all(r["value"] > 0 and r["spread"]["rounds"] >= 2 for r in ratios)
     assert all(max(r["max_rel_diff_vs_torch"].values()) < 1e-5 for r in ratios[:4])  # ideal, ours, torch alike
     printed = capsys.readouterr().out
     lines = printed.splitlines()
@@ -139,3 +155,97 @@ def test_cpu_norms_writes_every_candidate(tmp_path):
     assert all(r["median_ms"] > 0 for r in results)
     normal = {r["norm"]: r["error"] for r in results if r["data"] == "normal"}
     assert normal["rows of 4096"] < 1e-5 and normal["mul_"] is None  # a norm close to float64's
+
+
+def test_ratio_spread_is_the_p20_p80_of_the_per_round_ratios():
+    import statistics
+
+    timing = load("timing")
+    a = [1.0, 1.2, 0.9, 1.1, 1.3, 1.0, 0.95]
+    b = [1.0, 1.0, 1.0, 1.0, 1.0, 1.25, 1.0]
+    per_round = [x / y for x, y in zip(a, b)]  # by hand: round r's ratio is a[r] / b[r]
+    q = statistics.quantiles(per_round, n=5)
+    spread = timing.ratio_spread(a, b)
+    assert spread["q20"] == q[0] and spread["q80"] == q[3] and spread["rounds"] == 7
+    assert spread["ratio"] == statistics.median(a) / statistics.median(b)
+    assert spread["within_noise"] is (q[0] <= 1.0 <= q[3]) is True
+    assert timing.format_ratio(spread).endswith(" within noise")
+
+    faster = timing.ratio_spread([2.0, 2.1, 1.9, 2.2, 2.05], [1.0, 1.0, 1.05, 0.98, 1.0])
+    assert faster["q20"] > 1.0 and faster["within_noise"] is False
+    assert "within noise" not in timing.format_ratio(faster)
+    single = timing.ratio_spread([2.0], [1.0])
+    assert single["q20"] == single["q80"] == 2.0 and single["within_noise"] is None
+    with pytest.raises(ValueError):
+        timing.ratio_spread([1.0, 2.0], [1.0])
+
+
+def machine_measurement(fp16_step_ms: float) -> dict:
+    """A made-up measurement (budget.measure's shape): bfloat16 steps of 30 ms, float16 of ``fp16_step_ms``."""
+    return {
+        "matmul_time_vs_float32": {"float16": fp16_step_ms / 30.0, "bfloat16": 1.0},
+        "lm_step_ms": {"float16@64": fp16_step_ms, "float16@32": fp16_step_ms / 3, "bfloat16@64": 30.0},
+        "mlp_float16_step_ms": fp16_step_ms / 10,
+        "sweep": {"round_overhead_ms": 5.0, "ms_per_mb": 0.025, "setup_ms_per_melement": 50.0},
+        "train_step": {"forward_backward_ms": 50.0, "adamw_step_ms": 3.0},
+        "seconds": 1.0,
+    }
+
+
+def test_budget_plan_sizes_the_float16_experiments_down_where_float16_is_slow():
+    budget = load("budget")
+    fast = budget.plan(machine_measurement(fp16_step_ms=30.0), budget_s=240)
+    slow = budget.plan(machine_measurement(fp16_step_ms=900.0), budget_s=240)  # the issue's 2-core machine
+    assert fast["sizes"]["experiments"] == {"steps": 150, "fp16_d_model": 64} and not fast["over_budget"]
+    assert fast["estimate_s"] <= 240 and slow["estimate_s"] <= 240 and not slow["over_budget"]
+    e = slow["sizes"]["experiments"]
+    assert e["fp16_d_model"] == 32 and budget.MIN_STEPS <= e["steps"] < 150
+    assert slow["stage_estimate_s"]["experiments"] < budget.experiments_estimate_s(machine_measurement(900.0), 150, 64)
+    hopeless = budget.plan(machine_measurement(fp16_step_ms=900.0), budget_s=10)
+    assert hopeless["over_budget"] and hopeless["sizes"]["experiments"]["steps"] == budget.MIN_STEPS
+    assert hopeless["sizes"]["sweep"] == {"max_size": 2**22, "repeats": 5}
+    args = budget.stage_arguments(slow["sizes"])
+    assert args["experiments"] == ["--steps", str(e["steps"]), "--fp16-d-model", "32"]
+
+
+def test_progress_bar_prints_on_a_time_interval_in_a_log():
+    import io
+
+    progress = load("progress")
+    stream = io.StringIO()
+    bar = progress.ProgressBar({"a": 0.5, "b": 0.5}, stream=stream, interval_s=0.0, estimates_s={"a": 1e-9, "b": 10})
+    bar.update("a", 0, 4)  # the estimate is long past: the bar guesses 90% of the stage
+    bar.redraw(timer=True)
+    bar.update("b", 1, 4)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3 and "~ 45%" in lines[0] and "b 1/4" in lines[2]
+
+
+BENCH_SCRIPTS = ("bars", "bench_clip_cpu", "collectives", "cpu_norms", "experiments", "kernel_report", "run_all",
+                 "sweep", "train_step")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BENCH_SCRIPTS)
+def test_help_shows_the_whole_first_paragraph(name, capsys):
+    module = load(name)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    shown = "".join(capsys.readouterr().out.split())  # argparse rewraps, breaking lines after hyphens too
+    assert "".join(module.__doc__.split("\n\n")[0].split()) in shown
+
+
+def test_bench_readme_commands_parse():
+    # Every `python bench/<script>.py ...` line of bench/README.md names a script whose parser takes its flags.
+    import shlex
+
+    commands = [line.strip() for line in (BENCH / "README.md").read_text().splitlines()
+                if line.strip().startswith("python bench/")]  # fmt: skip
+    assert len(commands) >= 9
+    for command in commands:
+        words = shlex.split(command.split("  #")[0])
+        script = Path(words[1])
+        assert script.parent.name == "bench" and (BENCH / script.name).exists(), command
+        module = load(script.stem)
+        if "--help" not in words:
+            module.parse_args(words[2:])

@@ -1,0 +1,92 @@
+"""The experiments' figure: one row per experiment, torch's run and tritonscale's told apart.
+
+Columns: the loss; the loss difference tritonscale - torch (the two curves coincide when the runs
+agree, so the difference is what shows whether they do); the loss scale; the gradient norm before
+clipping; the skipped steps so far. torch is drawn as a thick light line and tritonscale as a thin
+dark dashed line on top of it, so both stay visible where they coincide. One legend, below the
+panels, off the data.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import figures
+
+STYLES = {
+    "torch": dict(color="#9ecae1", lw=4.0, zorder=1),
+    "tritonscale": dict(color="#a63603", lw=1.1, ls="--", zorder=3),
+}
+OTHER = dict(color="tab:green", lw=1.0, ls=":", zorder=2)  # the overflow experiment's policy run
+WHAT = {
+    "lm-fp16": "transformer LM, float16 autocast",
+    "lm-bf16": "transformer LM, bfloat16 autocast, no loss scaling",
+    "mlp-fp16": "MLP regression, float16 autocast",
+    "overflow": "LM, float16, init scale 2^24, lr spike at 40-45%",
+}
+COLUMNS = (
+    ("loss", "loss", "linear"),
+    ("loss difference, tritonscale - torch", "difference of the losses", "linear"),
+    ("loss scale", "scale (log2)", "log2"),
+    ("gradient norm before clipping", "norm (log)", "log"),
+    ("skipped steps so far", "steps skipped", "linear"),
+)
+
+
+def cumulative(flags: list[bool]) -> list[int]:
+    out, total = [], 0
+    for flag in flags:
+        total += flag
+        out.append(total)
+    return out
+
+
+def draw_row(row, result: dict) -> None:
+    """One experiment's five panels."""
+    runs = result["runs"]
+    for run_name, s in runs.items():
+        style = STYLES.get(run_name, OTHER)
+        steps = range(len(s["loss"]))
+        row[0].plot(steps, s["loss"], label=run_name, **style)
+        row[2].plot(steps, s["scale"], label=run_name, **style)
+        finite = [(i, n) for i, n in enumerate(s["grad_norm"]) if math.isfinite(n) and n > 0]
+        row[3].plot([i for i, _ in finite], [n for _, n in finite], label=run_name, **style)
+        row[4].plot(steps, cumulative(s["skipped"]), label=run_name, **style)
+    diff = [b - a for a, b in zip(runs["torch"]["loss"], runs["tritonscale"]["loss"])]
+    row[1].plot(range(len(diff)), diff, color=STYLES["tritonscale"]["color"], lw=1.0)
+    row[1].axhline(0.0, color="black", lw=0.6)
+    if not any(diff):
+        row[1].text(0.5, 0.5, "identical at every step", ha="center", va="center", transform=row[1].transAxes)
+    name = result["experiment"]
+    width = f", d_model {result['d_model']}" if result.get("d_model") else ""
+    for ax, (title, ylabel, scale) in zip(row, COLUMNS):
+        ax.set_title(f"{name}: {title}", fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        if scale == "log2":
+            ax.set_yscale("log", base=2)
+        elif scale == "log":
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    row[0].set_title(f"{name}: {WHAT.get(name, '')}{width}\nloss (max |diff| from torch {result['max_loss_diff']:.2g})",
+                     fontsize=9)  # fmt: skip
+
+
+def plot(results: list[dict], path: Path, title: str) -> Path:
+    """The figure at ``path`` (PNG)."""
+    plt = figures.pyplot()
+    fig, axes = plt.subplots(len(results), len(COLUMNS), figsize=(22, 3.3 * len(results) + 1.0), squeeze=False)
+    for row, result in zip(axes, results):
+        draw_row(row, result)
+    handles, labels = {}, []
+    for ax in axes[:, 0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = handle
+                labels.append(label)
+    fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=len(labels), fontsize=9,
+               bbox_to_anchor=(0.5, 0.0), frameon=False)  # fmt: skip
+    note = "torch: thick light line; tritonscale: thin dashed line drawn on top (they coincide where the runs agree)"
+    height = fig.get_figheight()
+    return figures.save(fig, path, f"{title}\n{note}", rect=(0, 0.45 / height, 1, 1.0 - 0.2 / height))
