@@ -67,3 +67,11 @@ def test_ci_runs_the_readme_test_command():
     assert "bench/run_all.py" in main_job and tests.endswith("pytest")
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in [line.strip() for line in ci]
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and docs/ names a file that exists."""
+    for page in [ROOT / "README.md", *DOCS, ROOT / "CHANGELOG.md"]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")):
+                assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to missing {target}"
