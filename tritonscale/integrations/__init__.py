@@ -8,5 +8,5 @@ here), so ``import tritonscale`` needs none of them:
 * ``tritonscale.integrations.timm``       -- a drop-in for timm's ``NativeScaler``;
 * ``tritonscale.integrations.mmengine``   -- an ``AmpOptimWrapper`` registered under its own name.
 
-``pip install "tritonscale[integrations]"`` installs the frameworks the tests run against.
+``pip install ".[integrations]"`` (from a clone) installs the frameworks the tests run against.
 """

@@ -98,7 +98,7 @@ class ScaleHistory:
     def plot(self, path: str | Path, title: str = "loss scale, gradient norm and skipped steps") -> Path:
         """Save a figure of scale, gradient norm (log axes) and skipped steps to ``path`` (PNG).
 
-        Needs matplotlib (``pip install tritonscale[plot]``).
+        Needs matplotlib (``pip install ".[plot]"`` from a clone, or ``pip install matplotlib``).
         """
         try:
             import matplotlib
