@@ -18,7 +18,7 @@ optimizers ignore ``found_inf`` (and fused SGD ``grad_scale``), so the hand-over
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,6 +29,14 @@ from ..grads.grad_sharding import any_marked, is_dtensor
 runs_eagerly = torch.compiler.disable(
     recursive=True, reason="tritonscale runs the scaler's calls eagerly, as torch.amp.GradScaler's"
 )
+
+
+@runs_eagerly
+def call_eagerly(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``method(*args, **kwargs)`` run eagerly from inside a compiled caller: the eager twin of a
+    call that may be traced but cannot be this time (``*_stays_eager``). Example:
+    ``call_eagerly(scaler.update, new_scale)``."""
+    return method(*args, **kwargs)
 
 
 def update_stays_eager(

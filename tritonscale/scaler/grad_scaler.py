@@ -28,7 +28,7 @@ from ..passes.rank_checks import RankChecks
 from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
-from .compile_boundary import clip_stays_eager, runs_eagerly, update_stays_eager
+from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
 from .diagnostics import device_stats
 from .optimizer_record import OptimizerRecord, OptState
 from .scale_outputs import scale_outputs
@@ -180,7 +180,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         kernels = kernels_compute(norm_type)
         optimizer = unwrap_optimizer(optimizer)
         if clip_stays_eager(process_group or self._process_group, optimizer):
-            return self._clip_eagerly(optimizer, max_norm, norm_type, process_group)
+            return call_eagerly(self.clip_grad_norm_, optimizer, max_norm, norm_type, process_group=process_group)
         if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
             group_of = functools.partial(self._group, process_group=process_group)
             norm, skip = clip_unscaled(optimizer, max_norm, norm_type, group_of, self._backend_name, self._ranks)
@@ -211,10 +211,6 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         # Only now: a clip that raised leaves the record (and its pending rank flag) as it was.
         record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
         return result.norm
-
-    @runs_eagerly
-    def _clip_eagerly(self, optimizer: Any, max_norm: float, norm_type: float, process_group: Any) -> torch.Tensor:
-        return self.clip_grad_norm_(optimizer, max_norm, norm_type, process_group=process_group)
 
     # ------------------------------------------------------------------ step
     @runs_eagerly
@@ -287,7 +283,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         """
         records = list(self._per_optimizer_states.values())
         if update_stays_eager(self._process_group, self._ranks, self._policy, records, new_scale):
-            return self._update_eagerly(new_scale, found_inf)
+            return call_eagerly(self.update, new_scale, found_inf=found_inf)
         if not self._enabled:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
@@ -306,10 +302,6 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
                 self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
         self._ranks.next_iteration()
-
-    @runs_eagerly
-    def _update_eagerly(self, new_scale: float | torch.Tensor | None, found_inf: bool | torch.Tensor | None) -> None:
-        self.update(new_scale, found_inf=found_inf)
 
     # ------------------------------------------------------------ diagnostics
     @runs_eagerly
