@@ -145,22 +145,27 @@ def test_an_overflow_on_one_rank_skips_every_rank(zero_run, backend, flow, bad):
         assert seen["skipped"], f"rank {rank} stepped"
         assert seen["scale"] == SCALE * 0.5, f"rank {rank} did not back off"
         assert seen["untouched"], f"rank {rank}'s parameters changed"
-        assert seen["collectives"] == 1, f"rank {rank}: {seen['collectives']} collectives in {flow}"
+        # One collective per call that passes over the gradients: unscale_ makes its flags the
+        # group's at once (no accessor communicates later), so unscale_ then clip_grad_norm_ is two.
+        expected = 2 if flow == "unscale+clip+step" else 1
+        assert seen["collectives"] == expected, f"rank {rank}: {seen['collectives']} collectives in {flow}"
 
 
 def explicit_stage_worker(rank: int, world: int) -> dict:
-    """After unscale_ with a process group: reading the record's flags communicates nothing; the
-    explicit cross-rank stage is the one collective, and step() then needs no other."""
+    """With a process group, unscale_ is the collective (its flags are the group's when it returns);
+    reading them -- the record, found_inf_for, overflowed, stats() -- communicates nothing, and
+    step() then needs no other collective."""
     counter = CollectiveCounter()
     params, optimizer, scaler = _setup(rank, world, "torch", fused=False, inject=float("inf"))
-    scaler.unscale_(optimizer)
     counter.take()
+    scaler.unscale_(optimizer)
+    out = {"unscale_": counter.take()}
     record = scaler._per_optimizer_states[id(optimizer)]
-    local = [float(f) for f in record.found_inf_per_device.values()]
-    out = {"read": counter.take(), "local": local}
-    record.combine_across_ranks()
-    out["stage"] = counter.take()
-    out["combined"] = [float(f) for f in record.found_inf_per_device.values()]
+    out["record"] = [float(f) for f in record.found_inf_per_device.values()]
+    out["found_inf_for"] = float(scaler.found_inf_for(optimizer))
+    out["overflowed"] = scaler.overflowed(optimizer)
+    scaler.stats()
+    out["read"] = counter.take()
     scaler.step(optimizer)
     scaler.update()
     out["after"] = counter.take()
@@ -168,17 +173,19 @@ def explicit_stage_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_the_cross_rank_stage_is_an_explicit_call_and_reading_never_communicates():
+def test_unscale_is_the_collective_and_reading_its_flags_never_communicates():
     ranks = run_ranks(explicit_stage_worker, 2)
     for rank, r in enumerate(ranks):
-        assert r["read"] == 0 and r["stage"] == 1 and r["after"] == 0, f"rank {rank}: {r}"
-        assert r["local"] == [1.0 if rank == 1 else 0.0]  # the inf is on the last rank only
-        assert r["combined"] == [1.0] and r["skipped"]  # every rank skips with the group
+        assert r["unscale_"] == 1 and r["read"] == 0 and r["after"] == 0, f"rank {rank}: {r}"
+        # The inf is on the last rank only; every rank's flag is the group's.
+        assert r["record"] == [1.0] and r["found_inf_for"] == 1.0 and r["overflowed"], f"rank {rank}: {r}"
+        assert r["skipped"], f"rank {rank} stepped"
 
 
 def test_the_updaters_all_reduce_plan_follows_a_model_cast_in_place():
     # The plan is cached per layout; a parameter cast in place (same object, new dtype) is a new
-    # layout, so its gradient is reduced in its own dtype's buffer, not promoted into the old one.
+    # layout: float16/bfloat16 gradients are summed in a float32 buffer (the buffer's size never
+    # depends on a rank's dtypes), float64 ones in float64 (nothing of theirs is rounded away).
     from tritonscale.passes.rank_combine import GradAllReduce
 
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
@@ -190,4 +197,9 @@ def test_the_updaters_all_reduce_plan_follows_a_model_cast_in_place():
     for p in params:
         p.data, p.grad = p.data.bfloat16(), p.grad.bfloat16()
     (after,), _ = reduce._plan_for(params)
-    assert after[1] is torch.bfloat16 and after[2] == params
+    assert after[1] is torch.float32 and after[2] == params and reduce._plan[1] != (2, 0)
+    layout = reduce._plan[1]
+    for p in params:
+        p.data, p.grad = p.data.double(), p.grad.double()
+    (wide,), _ = reduce._plan_for(params)
+    assert wide[1] is torch.float64 and reduce._plan[1] != layout

@@ -20,6 +20,7 @@ import torch
 from ..grads.grad_groups import Grads
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .device_copies import PerDevice
+from .rank_checks import Agreement
 from .rank_combine import combine_check
 
 
@@ -81,9 +82,7 @@ def clip_grads(
     unscale_on_overflow: bool = False,
     backend: str,
     group: Any = None,
-    prior_found_inf: torch.Tensor | None = None,
-    ranks: Any = None,
-    loss_scale: torch.Tensor | None = None,
+    agreement: Agreement | None = None,
 ) -> tuple[torch.device, CheckResult]:
     """Check pass -> finalize -> combine across ``group`` (-> apply pass, with ``apply``) on the one
     device holding this rank's gradients.
@@ -92,9 +91,8 @@ def clip_grads(
     (the step is skipped); with ``unscale_on_overflow`` (a policy whose overflowed steps go ahead)
     they are unscaled, not clipped -- what ``unscale_`` leaves -- and ``clip_coef`` reads 1, so a
     fold hands the optimizer the plain scale. ``group``: the process group whose ranks hold the
-    other parts of the gradients (rank_combine: one collective, carrying ``prior_found_inf`` too,
-    an earlier pass's rank-local flag, and the values the ranks must agree on: ``ranks``, the
-    scaler's RankChecks, and ``loss_scale``, None when disabled). Returns the device and its results.
+    other parts of the gradients (rank_combine: one collective, its row carrying ``agreement``, what
+    the ranks must agree on: rank_checks.py). Returns the device and its results.
     """
     replicas = grads.replicas
     devices = list(dict.fromkeys([*grads.devices, *(replicas.devices if replicas else [])]))
@@ -114,11 +112,9 @@ def clip_grads(
     if replicas is not None:  # checked for inf/NaN and clipped here, counted in the norm elsewhere
         replica_result = _check_on(runner, replicas, device, scale, norm_type, max_norm)
         result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
-    if prior_found_inf is not None:
-        result.found_inf = torch.maximum(result.found_inf, prior_found_inf.to(device, non_blocking=True))
     # A traced step proves the gradients' memory disjoint at run time, before anything below.
     result.found_inf, result.factor = grads.disjoint_at_run_time([result.found_inf, result.factor])
-    result = combine_check(result, scale, norm_type, max_norm, group, ranks, loss_scale)
+    result = combine_check(result, scale, norm_type, max_norm, group, agreement, holds_grads(grads))
     if unscale_on_overflow:
         overflow = result.found_inf > 0
         result.clip_coef = torch.where(overflow, torch.ones_like(result.clip_coef), result.clip_coef)
@@ -128,6 +124,13 @@ def clip_grads(
         if replicas is not None:
             _apply_on(runner, replicas, device, dataclasses.replace(result, plan=replica_result.plan))
     return device, result
+
+
+def holds_grads(grads: Grads) -> bool:
+    """Whether any gradient this rank counts in the norm holds an element (an empty ZeRO partition:
+    none)."""
+    groups = [g for device_groups in grads.kernel.values() for g in device_groups] + list(grads.other.values())
+    return any(t.numel() for group in groups for t in group)
 
 
 def _check_on(

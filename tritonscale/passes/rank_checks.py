@@ -1,22 +1,41 @@
 """What the ranks of a process group must agree on before a combined step goes ahead.
 
 A collective pairs the calls of the ranks by order alone: nothing in it says that the ranks divide
-by the same loss scale, that they are at the same call of the same iteration, or (for the
-``Updater``'s all-reduce) that they sum the same gradients. Each of these can differ without an
-error -- a scaler checkpoint loaded on one rank, a ``clip_grad_norm_`` called twice on one rank, a
-parameter unused on one rank -- and the replicas then drift apart, silently. So every collective
-the step already issues also carries, from every rank, the values that must agree (``CHECKED``:
-the scale's exact float32 value, the call's place in the sequence below, the gradient layout),
-and every rank compares all ranks' values. No second collective: the row of the one all-gather
-(``rank_combine.combine_check``) is wider, and the all-reduce carries a small header.
+by the same loss scale, that they are at the same call of the same iteration, that they clip the
+same optimizer by the same ``max_norm``, or (for the ``Updater``'s all-reduce) that they sum the
+same gradients. Each of these can differ without an error -- a scaler checkpoint loaded on one
+rank, a ``clip_grad_norm_`` called twice on one rank, two optimizers clipped in another order, a
+``max_norm`` schedule on one rank -- and the replicas then drift apart, silently.
+
+**The row.** So every combine gathers one row per rank (``rank_combine``), always of the same
+width, whatever the call: the rank's own results (``RESULTS``: norm, found_inf, how many gradient
+tensors it holds) and then ``AGREED``, everything that changes the combined result and must be
+the same on every rank, by construction rather than by a list of past bugs:
+
+* the **call**: the scaler's ``iteration`` and the combine's index in it (``call``), which entry
+  point issued it (``kind``: the flags of unscale_/step, a clip, the Updater's gradient sum) and
+  its arguments (``max_norm``, ``norm_type``);
+* the **optimizer**: a hash of what every rank's copy of it shares (its class and every
+  ``param_groups`` setting but the parameters themselves, which a ZeRO partition splits);
+* the **policy** (a hash of its knobs) and the **loss scale** (its exact float32 value);
+* for the Updater, which sums replicated gradients, the **gradients** and their **layout** (each
+  parameter's size, dtype and whether it has a gradient); a scaler's combine puts 0 there, since
+  partitions legitimately differ.
+
+Every rank compares all ranks' rows, so every rank that reaches a mismatched collective sees the
+mismatch, and the row's fixed width means a mismatched call can never make the collective itself
+fail in C++ (gloo aborts on buffers of different sizes).
 
 **The sequence** (``RankChecks``, one per scaler; the one place that counts): ``iteration`` is the
 number of iterations this scaler has ended -- its ``update()`` calls, and for a disabled scaler
 (a bf16 loop may never call ``update()``) its ``step()`` calls -- and ``call`` is the number of
-combines this scaler issued on that process group in the current iteration. Two ranks whose calls
-differ by an extra ``clip_grad_norm_`` pair it with the other rank's next iteration's first call:
-(iteration i, call 1) against (i + 1, call 0), a mismatch at the first mismatched call. Every rank
-gathers every rank's row, so every rank that reaches the mismatched collective sees it.
+combines this scaler issued on that process group in the current iteration.
+
+**What it cannot see.** Two optimizers identical in class and every setting, each partitioned over
+the ranks, called in a different order on each rank from the very first step, look the same to
+every rank: nothing that every rank computes tells them apart. Give each one's param groups a
+distinguishing key (``{"params": ..., "name": "decoder"}``; torch keeps extra keys) and the hash
+tells them apart.
 
 **Where the error is raised.** Deciding to raise is a host read. On the CPU reads cost nothing
 (``host_reads.py``): every rank raises :class:`RankMismatchError` right after the collective,
@@ -35,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,11 +64,16 @@ from .. import host_reads
 from ..errors import RankMismatchError
 
 _UNUSED = (
-    "the ranks hold gradients for different parameters (a parameter unused in some rank's loss), and "
-    "the all-reduce sums the same gradients on every rank: make each parameter take part in every "
-    "rank's loss (times 0 will do), or use DistributedDataParallel(find_unused_parameters=True)"
+    "the ranks hold gradients for different parameters (a parameter unused in some rank's loss, or "
+    "a model cast to another dtype on some ranks), and the all-reduce sums the same gradients on every "
+    "rank: make each parameter take part in every rank's loss (times 0 will do), keep one dtype on "
+    "every rank, or use DistributedDataParallel(find_unused_parameters=True)"
 )
-#: Each checked column: what it is, and what to do when the ranks disagree on it.
+_SAME_CALLS = (
+    "every rank must make the same scaler calls (unscale_/clip_grad_norm_/step) on the same optimizers, "
+    "in the same order, with the same arguments"
+)
+#: Each agreed column: what it is, and what to do when the ranks disagree on it.
 CHECKED = {
     "scale": (
         "the loss scale",
@@ -62,13 +87,80 @@ CHECKED = {
     "call": (
         "the combine's index in the iteration",
         "the ranks called unscale_/clip_grad_norm_/step on this process group a different number of "
-        "times in an iteration: every rank must make the same scaler calls",
+        "times in an iteration: " + _SAME_CALLS,
     ),
+    "kind": ("which call combined (0: unscale_/step's inf check, 1: clip_grad_norm_, 2: the Updater's gradient sum)",
+             _SAME_CALLS),  # fmt: skip
+    "max_norm": ("clip_grad_norm_'s max_norm", "every rank must clip by the same max_norm (a schedule on every rank)"),
+    "norm_type": ("clip_grad_norm_'s norm_type", "every rank must clip with the same norm_type"),
+    "optimizer": (
+        "the optimizer (a hash of its class and param_groups settings)",
+        _SAME_CALLS + "; the same optimizer must have the same settings on every rank",
+    ),
+    "policy": ("the loss-scale policy (a hash of its knobs)", "make every rank's GradScaler with the same arguments"),
     "gradients": ("the number of gradients", _UNUSED),
-    "layout": ("which parameters have a gradient (a hash)", _UNUSED),
+    "layout": ("the gradients' sizes, dtypes and which parameters have one (a hash)", _UNUSED),
 }
-#: The columns a scaler's all-gather row carries after [norm, found_inf].
-STAMP = ("scale", "iteration", "call")
+#: A rank's own results, first in its row; every rank may differ here.
+RESULTS = ("norm", "found_inf", "tensors")
+#: The columns of the row after ``RESULTS``: what every rank must agree on.
+AGREED = tuple(CHECKED)
+#: The values of the ``kind`` column.
+KINDS = {"flags": 0, "clip": 1, "gradient sum": 2}
+
+
+def digest(value: Any) -> int:
+    """A 32-bit hash of ``value``'s repr, the same in every process (exact in a float64 column)."""
+    return zlib.crc32(repr(value).encode())
+
+
+def optimizer_digest(optimizer: Any) -> int:
+    """What every rank's copy of ``optimizer`` shares, hashed: its class and each param group's
+    settings but ``params`` (a ZeRO partition holds other parameters on each rank). Tensors count
+    by dtype and shape (reading their values would be a host read). Example: ``optimizer_digest(opt)``."""
+    if optimizer is None:
+        return 0
+    groups = [
+        sorted((key, _settled(value)) for key, value in group.items() if key != "params")
+        for group in getattr(optimizer, "param_groups", ())
+    ]
+    return digest((type(optimizer).__module__, type(optimizer).__qualname__, groups))
+
+
+def _settled(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_settled(v) for v in value)
+    return type(value).__qualname__
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What one combine's row carries besides the rank's results, as every rank must make the call:
+    the scaler's sequence (``ranks``), its loss scale (None: disabled, read as 1), which entry point
+    (``kind``, a key of ``KINDS``), on which optimizer, under which policy (a ``LossScalePolicy``), with which
+    clip arguments, and for the Updater's sum the gradients' count and layout hash. The hashes are
+    taken only when a row is made (a process group is in use). Example:
+    ``Agreement(ranks, scale, "clip", optimizer, policy, max_norm=1.0, norm_type=2.0)``."""
+
+    ranks: RankChecks
+    loss_scale: torch.Tensor | None
+    kind: str = "flags"
+    optimizer: Any = None
+    policy: Any = None
+    max_norm: float = 0.0
+    norm_type: float = 0.0
+    gradients: int = 0
+    layout: int = 0
+
+    def columns(self) -> list[float]:
+        """The agreed columns after (scale, iteration, call), in ``AGREED`` order."""
+        policy = digest(sorted(self.policy.knobs().items())) if self.policy is not None else 0
+        return [KINDS[self.kind], self.max_norm, self.norm_type, optimizer_digest(self.optimizer), policy,
+                self.gradients, self.layout]  # fmt: skip
 
 
 class RankChecks:
@@ -86,12 +178,13 @@ class RankChecks:
         self.iteration += 1
         self._calls = {}
 
-    def stamp(self, group: Any, scale: torch.Tensor) -> torch.Tensor:
-        """This rank's ``STAMP`` columns for the next combine on ``group`` (float64; a float32
-        scale is exact in it), counting the combine."""
-        call = self._calls.get(group, 0)
-        self._calls[group] = call + 1
-        return torch.cat([scale.detach().reshape(1).double(), on_device([self.iteration, call], scale.device)])
+    def stamp(self, group: Any, scale: torch.Tensor, agreement: Agreement) -> torch.Tensor:
+        """This rank's ``AGREED`` columns for the next combine on ``group`` (float64: a float32 scale,
+        a 32-bit hash and a Python float are exact in it), counting the combine."""
+        index = self._calls.get(group, 0)
+        self._calls[group] = index + 1
+        host = [self.iteration, index, *agreement.columns()]
+        return torch.cat([scale.detach().reshape(1).double(), on_device(host, scale.device)])
 
     def judge(self, checked: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor | None:
         """``checked``: [world, len(names)], every rank's values in rank order (the same on every
@@ -157,7 +250,7 @@ class RankChecks:
         return {"iteration": self.iteration, "_calls": {}, "pending": None, "_seen": None}
 
 
-def on_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def on_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Host numbers as a tensor on ``device``, copied without waiting for the device's queue (a
     ``torch.tensor(..., device=cuda)`` copy waits for the stream)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -179,8 +272,8 @@ def describe(values: list[list[float]], names: tuple[str, ...]) -> str:
 
 
 def _shown(name: str, value: float) -> str:
-    if name == "scale":
+    if name in ("scale", "max_norm", "norm_type"):
         return repr(value)
-    if name == "layout":
+    if name in ("layout", "optimizer", "policy"):
         return f"{int(value):08x}"
     return str(int(value))

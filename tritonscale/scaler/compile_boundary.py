@@ -43,15 +43,13 @@ def update_stays_eager(
     process_group: Any, ranks: Any, policy: Any, records: Iterable[Any], new_scale: Any = None
 ) -> bool:
     """True while Dynamo traces an update() it may not take into the caller's graph. It may when
-    there is no process group on the scaler, no record whose flags still need the group's combine,
-    no rank mismatch pending, a policy that reads nothing on the host, and no ``new_scale`` given
+    there is no process group on the scaler, no rank mismatch pending, a policy that reads nothing on the host, and no ``new_scale`` given
     as a Python number (checked on the host, and a number Dynamo would specialise on; a tensor is
     traced). Example: ``update_stays_eager(None, RankChecks(), LossScalePolicy(), [])``."""
     return torch.compiler.is_compiling() and not (
         process_group is None
         and ranks.pending is None
         and not policy.needs_host_check()
-        and not any(record.has_pending_rank_flags() for record in records)
         and (new_scale is None or isinstance(new_scale, torch.Tensor))
     )
 

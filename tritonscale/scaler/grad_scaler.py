@@ -11,6 +11,7 @@ get_scale()/state_dict() and step() for an optimizer that cannot take found_inf.
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -24,8 +25,8 @@ from ..passes.backends import check_backend_name
 from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
 from ..passes.found_inf import read_found_inf
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
-from ..passes.rank_checks import RankChecks
-from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
+from ..passes.rank_checks import Agreement, RankChecks
+from ..passes.rank_combine import GradAllReduce, check_process_group, combine_rank_flags, gradient_group
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
@@ -152,8 +153,29 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         """unscale_'s work: the fused unscale + check of the optimizer's gradients, recorded."""
         grads = collect_grads(inner, allow_fp16=False)
         group = self._group(grads)
-        record.record_rank_flags(unscale_grads_(grads, scale, self._backend_name), group, scale, self._ranks)
+        if group is None or len(grads.devices) > 1:
+            flags = unscale_grads_(grads, scale, self._backend_name)
+            # The collective, with a process group: the flags made the group's, the row checked.
+            record.found_inf_per_device = combine_rank_flags(flags, group, self._agreement(inner), scale.device)
+        else:  # read, the collective (ranks that disagree raise before anything is written), write
+            device, result = clip_grads(
+                grads,
+                scale,
+                2.0,
+                math.inf,
+                apply=True,
+                unscale_on_overflow=not self._policy.skip_on_overflow,
+                backend=self._backend_name,
+                group=group,
+                agreement=self._agreement(inner),
+            )
+            record.found_inf_per_device = {device: result.found_inf}
         record.stage = OptState.UNSCALED
+
+    def _agreement(self, optimizer: Any, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0) -> Agreement:
+        """What this call's combine row says every rank agrees on (passes/rank_checks.py)."""
+        scale = self._tensors.scale if self._enabled and self._tensors is not None else None
+        return Agreement(self._ranks, scale, kind, optimizer, self._policy, max_norm, norm_type)
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0, *, process_group: Any = None
@@ -183,17 +205,18 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return call_eagerly(self.clip_grad_norm_, optimizer, max_norm, norm_type, process_group=process_group)
         if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
             group_of = functools.partial(self._group, process_group=process_group)
-            norm, skip = clip_unscaled(optimizer, max_norm, norm_type, group_of, self._backend_name, self._ranks)
+            agreement = self._agreement(optimizer, "clip", max_norm, norm_type)
+            norm, skip = clip_unscaled(optimizer, max_norm, norm_type, group_of, self._backend_name, agreement)
             self._per_optimizer_states[id(optimizer)].skip = skip
             return norm
         scale = self._state_for("clip_grad_norm_").scale
         record = self._per_optimizer_states[id(optimizer)].not_stepped("clip_grad_norm_")
-        pending, prior_found_inf = record.pending_factor(scale), record.pending_rank_flag()
+        pending = record.pending_factor(scale)
         folds = fold.clip_folds(optimizer, optimizer, self._fold)  # hand a fused optimizer scale / clip_coef
         grads = collect_grads(optimizer, allow_fp16=folds, kernels=kernels, allow_sparse=not folds, split_replicas=True)
         has_grads = bool(grads.devices or grads.replicas)
         group = self._group(grads, process_group)
-        # ``ranks`` and ``loss_scale``: what the ranks must agree on (rank_checks.py).
+        # With a process group, the collective: one row per rank, ``agreement`` checked (rank_checks.py).
         device, result = clip_grads(
             grads,
             pending,
@@ -203,12 +226,10 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             unscale_on_overflow=not self._policy.skip_on_overflow,
             backend=self._backend_name,
             group=group,
-            prior_found_inf=prior_found_inf,
-            ranks=self._ranks,
-            loss_scale=scale,
+            agreement=self._agreement(optimizer, "clip", max_norm, norm_type),
         )
         folded = fold.folded_grad_scale(pending, result.clip_coef) if folds else None
-        # Only now: a clip that raised leaves the record (and its pending rank flag) as it was.
+        # Only now: a clip that raised leaves the record as it was.
         record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
         return result.norm
 
@@ -257,7 +278,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         """The read-only inf/NaN check of still-scaled gradients, recorded for the optimizer."""
         grads = collect_grads(inner, allow_fp16=True, allow_sparse=allow_sparse)
         group = self._group(grads)
-        record.record_rank_flags(check_grads(grads, scale, self._backend_name), group, scale, self._ranks)
+        flags = check_grads(grads, scale, self._backend_name)
+        # The collective, with a process group: the flags made the group's, the row checked.
+        record.found_inf_per_device = combine_rank_flags(flags, group, self._agreement(inner), scale.device)
 
     def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
@@ -288,8 +311,6 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
         scale = self._state_for("update").scale
-        for record in records:  # the cross-rank stage, where it is still pending (optimizer_record.py)
-            record.combine_across_ranks()
         if found_inf is not None:
             record = OptimizerRecord.from_flag(found_inf, scale.device)
             self._skip_flag(record, scale.device)
@@ -334,7 +355,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         inf/NaN; the process group's, with one); None before its first check. No host read.
         Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later."""
         record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
-        return record.group_found_inf() if record is not None else None
+        return record.summed_found_inf() if record is not None else None
 
     def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
         """:meth:`found_inf_for` read on the host (one read); False before the first check.
@@ -381,11 +402,19 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         policy, host = (LossScalePolicy(**self._policy.knobs()), self._host_state()) if self._enabled else (None, None)
         return ScalerSnapshot(policy, host, self._last_found_inf, self._last_norm)
 
-    def all_reduce_grads_(self, params: list[torch.Tensor], process_group: Any, reducer: GradAllReduce) -> None:
+    def all_reduce_grads_(
+        self,
+        params: list[torch.Tensor],
+        process_group: Any,
+        reducer: GradAllReduce,
+        optimizer: Any = None,
+        max_norm: float = 0.0,
+        norm_type: float = 0.0,
+    ) -> None:
         """Sum ``params``' gradients over ``process_group`` in place (the Updater's data parallelism),
-        the collective carrying this scaler's scale and call sequence for the ranks to check."""
-        scale = self._tensors.scale if self._enabled and self._tensors is not None else None
-        reducer(params, process_group, scale, self._ranks)
+        after one collective that checks the ranks agree on this scaler's scale and call sequence,
+        the ``optimizer``, the clip that follows (``max_norm``, ``norm_type``) and the gradients."""
+        reducer(params, process_group, self._agreement(optimizer, "gradient sum", max_norm, norm_type))
 
     # -------------------------------------------------------- knobs and state
     def _host_state(self) -> HostState:

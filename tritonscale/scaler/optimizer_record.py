@@ -16,7 +16,6 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..passes.found_inf import combine_flags, summed_flag
-from ..passes.rank_combine import combine_found_inf
 
 
 @dataclass
@@ -30,12 +29,9 @@ class OptimizerRecord:
 
     stage: OptState = OptState.READY
     #: inf/NaN flags per gradient device: they drive the skip and the policy's backoff. With a
-    #: process group they are rank-local until ``combine_across_ranks`` (or a clip's collective).
+    #: process group they are already the group's: the pass that made them combined them, on a
+    #: line of unscale_/clip_grad_norm_/step, so reading them never communicates.
     found_inf_per_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    #: The process group the flags still have to be combined across (None: they are final).
-    _flags_group: Any = None
-    #: The loss scale and the scaler's RankChecks the combine stamps its row with (rank_checks.py).
-    _flags_stamp: tuple[torch.Tensor, Any] | None = None
     #: The step's skip flag on the scale's device: an overflow (unless the policy lets it
     #: through) or a norm spike.
     skip: torch.Tensor | None = None
@@ -45,24 +41,6 @@ class OptimizerRecord:
     grad_scale: torch.Tensor | None = None
 
     _TORCH_KEYS = ("stage", "found_inf_per_device")
-
-    def combine_across_ranks(self) -> None:
-        """The cross-rank stage of the step: make rank-local flags the process group's (one
-        collective), if a pass left them so; nothing otherwise. Deferred to here, rather than run at
-        the pass, so that a clip_grad_norm_ after unscale_ carries them in its own collective.
-        The controller calls it where the step needs the group's flags (the skip decision,
-        update(), the torch protocol's reads); every rank makes the same calls, so every rank
-        reaches the collective."""
-        if self._flags_group is None:
-            return
-        group, self._flags_group = self._flags_group, None
-        scale, ranks = self._flags_stamp
-        device = next(iter(self.found_inf_per_device), scale.device)
-        local = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
-        # A rank without gradients (an empty ZeRO partition) still takes part, or the others
-        # would wait, and keeps the group's flag: its step skips (or not) with the others'.
-        local = local if local is not None else torch.zeros((), device=device)
-        self.found_inf_per_device = {device: combine_found_inf(local, group, ranks, scale)}
 
     @classmethod
     def from_flag(cls, found_inf: bool | torch.Tensor, device: torch.device) -> OptimizerRecord:
@@ -86,33 +64,14 @@ class OptimizerRecord:
             raise RuntimeError(f"{funcname}() is being called after step().")
         return self
 
-    def record_rank_flags(
-        self, flags: dict[torch.device, torch.Tensor], group: Any, scale: torch.Tensor, ranks: Any
-    ) -> None:
-        """Keep this rank's flags, to be combined across ``group`` by ``combine_across_ranks`` or a
-        later clip's collective (None: they are final). ``scale``: the loss scale (on whose device a
-        rank without gradients makes its flag) and ``ranks``: the scaler's RankChecks, both for the
-        combine's checked row."""
-        self.found_inf_per_device, self._flags_group = flags, group
-        self._flags_stamp = (scale, ranks)
-
-    def pending_rank_flag(self) -> torch.Tensor | None:
-        """The rank-local flag still to be combined, for a caller whose collective carries it (which
-        then calls ``flags_combined``); None if there is none. Changes nothing."""
-        if self._flags_group is None:
-            return None
-        flags = list(self.found_inf_per_device.values())
-        return combine_flags([t.to(flags[0].device, non_blocking=True) for t in flags]) if flags else None
-
     def add_flag(self, device: torch.device, found_inf: torch.Tensor) -> None:
         """Raise the flag of ``device`` with ``found_inf`` (a pass's, already the group's)."""
         found = self.found_inf_per_device
         found[device] = torch.maximum(found[device], found_inf) if device in found else found_inf
 
     def found_inf_on(self, device: torch.device, required: bool = True) -> torch.Tensor:
-        """The group's flags (``combine_across_ranks`` first) as one 0-dim flag on ``device``. None
-        recorded (no gradients): torch's error if ``required``, else 0."""
-        self.combine_across_ranks()
+        """The flags as one 0-dim flag on ``device``. None recorded (no gradients): torch's error if
+        ``required``, else 0."""
         found_inf = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
         if found_inf is None:
             if required:
@@ -120,19 +79,10 @@ class OptimizerRecord:
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
         return found_inf
 
-    def group_found_inf(self) -> torch.Tensor | None:
-        """The flags made the group's (``combine_across_ranks``) and summed into one 0-dim flag on
-        the first one's device; None before the first check."""
-        self.combine_across_ranks()
+    def summed_found_inf(self) -> torch.Tensor | None:
+        """The flags summed into one 0-dim flag on the first one's device; None before the first
+        check. Reads and communicates nothing."""
         return summed_flag(self.found_inf_per_device.values())
-
-    def has_pending_rank_flags(self) -> bool:
-        """Whether the flags still wait for the group's combine (``combine_across_ranks``)."""
-        return self._flags_group is not None
-
-    def flags_combined(self) -> None:
-        """The caller's collective carried the pending flag: the flags need no combining any more."""
-        self._flags_group = None
 
     def pending_factor(self, scale: torch.Tensor) -> torch.Tensor:
         """What the gradients still have to be divided by: the scale before any pass, 1 after
@@ -153,7 +103,6 @@ class OptimizerRecord:
         check, and torch's step() then raises, as after unscale_; an empty partition of a process
         group does check, with the group's flag), its norm, the stage UNSCALED, and what a fused
         optimizer divides by when the clip folded into its step (None: the clip applied itself)."""
-        self.flags_combined()  # the clip's collective carried any pending flag
         if folded_grad_scale is not None:
             self.grad_scale = folded_grad_scale
         if checked:
@@ -162,20 +111,15 @@ class OptimizerRecord:
         self.stage = OptState.UNSCALED
 
     def __getitem__(self, key: str) -> Any:
-        """torch's dict protocol. ``["found_inf_per_device"]`` is how torch-protocol code (fused
-        optimizers' ``_maybe_opt_step``, frameworks) reads the flags that decide a step, so it gets
-        the group's: the lookup runs ``combine_across_ranks``, as torch's scaler has them final there."""
+        """torch's dict protocol: ``["found_inf_per_device"]`` is how torch-protocol code (fused
+        optimizers' ``_maybe_opt_step``, frameworks) reads the flags that decide a step."""
         if key not in self._TORCH_KEYS:
             raise KeyError(key)
-        if key == "found_inf_per_device":
-            self.combine_across_ranks()
         return getattr(self, key)
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in self._TORCH_KEYS:
             raise KeyError(key)
-        if key == "found_inf_per_device":  # set by hand: final, nothing left to combine
-            self._flags_group = None
         setattr(self, key, value)
 
     def __contains__(self, key: object) -> bool:

@@ -171,8 +171,7 @@ class TorchPrivateAPI:
         scale = self._state_for("_check_inf_per_device").scale
         inner = unwrap_optimizer(optimizer)
         record = self._per_optimizer_states[id(inner)]
-        self._check_pass(inner, record, scale, allow_sparse=True)
-        record.combine_across_ranks()  # the process group's, if there is one
+        self._check_pass(inner, record, scale, allow_sparse=True)  # the process group's, with one
         return record.found_inf_per_device
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:

@@ -16,7 +16,7 @@ from ..grads.grad_groups import Grads, collect_grads
 from ..passes.clip_args import kernels_compute
 from ..passes.fold import step_unless
 from ..passes.grad_passes import clip_grads
-from ..passes.rank_checks import RankChecks
+from ..passes.rank_checks import Agreement, RankChecks
 
 
 def clip_unscaled(
@@ -25,15 +25,16 @@ def clip_unscaled(
     norm_type: float,
     group_of: Callable[[Grads], Any],
     backend: str,
-    ranks: RankChecks,
+    agreement: Agreement,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain clipping (float16 gradients included) with the inf/NaN check; returns the total norm
-    and the skip flag the next step() takes. ``group_of``: the process group for the gradients."""
+    and the skip flag the next step() takes. ``group_of``: the process group for the gradients;
+    ``agreement``: what the ranks' rows must agree on (rank_checks.py)."""
     grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True)
     _, result = clip_grads(
-        grads, None, norm_type, max_norm, apply=True, backend=backend, group=group_of(grads), ranks=ranks
+        grads, None, norm_type, max_norm, apply=True, backend=backend, group=group_of(grads), agreement=agreement
     )
-    return result.norm, ranks.skip(result.found_inf)
+    return result.norm, agreement.ranks.skip(result.found_inf)
 
 
 def step_unscaled(

@@ -269,7 +269,9 @@ class Updater:
         if self.process_group is not None:
             self._fire("comm_callback_on_start", i)
             with self._phase("comm"):
-                self.scaler.all_reduce_grads_(self._params(), self.process_group, self._all_reduce)
+                self.scaler.all_reduce_grads_(
+                    self._params(), self.process_group, self._all_reduce, self._inner, self.max_norm, self.norm_type
+                )
             self._fire("comm_callback_on_finish", i)
         with self._phase("unscale_clip"):
             norm = self.scaler.clip_grad_norm_(self.optimizer, self.max_norm, self.norm_type)
