@@ -93,3 +93,69 @@ def test_history_records_without_sync_and_plots(backend, tmp_path, forbid_host_r
     path = history.plot(tmp_path / "history.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert tritonscale.ScaleHistory is ScaleHistory
+
+
+def _torch_twin(pattern):
+    """torch.amp.GradScaler over the same steps: its scale and growth tracker after each update."""
+    model, opt, _ = make("torch")
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2)
+    seen = []
+    for bad in pattern:
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        if bad:
+            model[1].weight.grad[0, 0] = math.nan
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        seen.append((scaler.get_scale(), int(scaler._growth_tracker)))
+    return seen
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-sgd"])
+def test_stats_kept_and_read_steps_later_are_their_own_steps_values(backend, fused):
+    # An asynchronous logger keeps each step's dict and reads it later: every value must be the
+    # one of its step (they were live views of the state the next update() overwrites).
+    pattern = [False, True, False, False, True, False, False, False, False, False]
+    model, opt, _ = make(backend, fused)
+    scaler = GradScaler("cpu", init_scale=64.0, growth_interval=2, backend=backend)
+    kept, read_then = [], []
+    for bad in pattern:
+        run_steps(scaler, model, opt, [bad])
+        stats = scaler.stats()
+        kept.append(stats)
+        read_then.append({name: value.item() for name, value in stats.items()})
+    read_later = [{name: value.item() for name, value in stats.items()} for stats in kept]
+    assert repr(read_later) == repr(read_then)  # repr: an overflowed step's norm is NaN
+    assert [(s["scale"], int(s["growth_tracker"])) for s in read_later] == _torch_twin(pattern)
+    assert [s["skipped"] for s in read_later] == [float(bad) for bad in pattern]
+
+
+def test_stats_after_update_with_new_scale_on_an_overflowed_step_agree(backend):
+    model, opt, scaler = make(backend)
+    run_steps(scaler, model, opt, [False])
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    model[1].weight.grad[0, 0] = math.inf
+    norm = scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update(new_scale=8.0)
+    stats = scaler.stats()
+    assert stats["scale"].item() == 8.0
+    assert stats["skipped"].item() == 1 and stats["found_inf"].item() == 1  # the step it counted
+    assert torch.equal(stats["norm"], norm)  # that step's clip, not the one before
+
+
+def test_stats_of_a_disabled_scaler_says_it_is_disabled():
+    model, opt, _ = make("torch")
+    scaler = GradScaler("cpu", enabled=False)
+    loss = scaler.scale(model(torch.ones(2, 4)).sum())  # the script does use scale()
+    loss.backward()
+    scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    for call in (scaler.stats, lambda: ScaleHistory().record(scaler)):
+        with pytest.raises(RuntimeError, match="enabled=False") as caught:
+            call()
+        assert "scaler.scale" not in str(caught.value)

@@ -76,8 +76,7 @@ class PolicyRunner:
         found_inf, skipped = self._flags(policy, state, records)
         if found_inf is None:
             raise AssertionError("No inf checks were recorded prior to update.")
-        norms = [r.norm for r in records if r.norm is not None]
-        norm = norms[-1].to(device, non_blocking=True) if norms else None
+        norm = _last_norm(records, device)
         if policy.needs_host_check():
             # Opt-in checks that must stop or warn: one host read, before anything changes.
             flags = policy.host_check_flags(state.scale, state.counters, found_inf, skipped, form=self.form(device))
@@ -87,19 +86,26 @@ class PolicyRunner:
         )
         return found_inf, norm
 
-    def count_only_(self, policy: LossScalePolicy, state: DeviceState, records: Iterable[OptimizerRecord]) -> None:
+    def count_only_(
+        self, policy: LossScalePolicy, state: DeviceState, records: Iterable[OptimizerRecord]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``update(new_scale)``: the scale is set by hand, but the iteration's skip still counts
-        (stats(), last_step_skipped()). Nothing recorded (torch allows that here): nothing counted."""
-        found_inf, skipped = self._flags(policy, state, list(records))
-        if found_inf is not None:
-            form = self.form(state.counters.device)
-            policy.count_step_(state.counters, form.read(skipped) > 0, form)
+        (stats(), last_step_skipped()). Returns the found_inf and norm of the iteration, as
+        ``update_`` does, so stats() describes the step it counted. Nothing recorded (torch allows
+        that here): nothing counted, (None, None)."""
+        records = list(records)
+        found_inf, skipped = self._flags(policy, state, records)
+        if found_inf is None:
+            return None, None
+        form = self.form(state.counters.device)
+        policy.count_step_(state.counters, form.read(skipped) > 0, form)
+        return found_inf, _last_norm(records, state.scale.device)
 
     def _flags(
         self, policy: LossScalePolicy, state: DeviceState, records: list[OptimizerRecord]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The iteration's combined found_inf (None if nothing was recorded) and skip flag, from
-        records whose flags are already the process group's (GradScaler.update combines first)."""
+        records whose flags are already the process group's (the passes combined them)."""
         device = state.scale.device
         found_inf = combine_flags(
             [t.to(device, non_blocking=True) for r in records for t in r.found_inf_per_device.values()]
@@ -114,3 +120,9 @@ class PolicyRunner:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"compile_policy": self.compile_policy, "_rules": {}}  # rules (compiled ones too) are rebuilt on use
+
+
+def _last_norm(records: list[OptimizerRecord], device: torch.device) -> torch.Tensor | None:
+    """The iteration's last clip_grad_norm_'s norm on ``device``; None if it clipped nothing."""
+    norms = [r.norm for r in records if r.norm is not None]
+    return norms[-1].to(device, non_blocking=True) if norms else None

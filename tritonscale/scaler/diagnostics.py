@@ -1,7 +1,7 @@
 """Diagnostics: per-step statistics as device tensors, the names of non-finite gradients, a history.
 
-Nothing here runs in the step. ``GradScaler.stats()`` returns device tensors (reading them is the
-caller's sync, when it wants one); ``nonfinite_grads`` and ``ScaleHistory.to_lists``/``plot`` read
+Nothing here runs in the step. ``GradScaler.stats()`` returns device tensors, copies of that step's
+values (reading them is the caller's sync, when it wants one); ``nonfinite_grads`` and ``ScaleHistory.to_lists``/``plot`` read
 device values on purpose, on request.
 """
 
@@ -24,13 +24,16 @@ def device_stats(
     last_found_inf: torch.Tensor | None,
     last_norm: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
-    """``GradScaler.stats()``: views of the scaler's device state, nothing read on the host."""
+    """``GradScaler.stats()``: copies of the scaler's device state as it is now, nothing read on the
+    host. Copies, not views: the next update() writes the state in place, and a caller that keeps
+    the dict (an asynchronous logger) must still read this step's values."""
     nan = torch.full((), float("nan"), device=scale.device)
+    counters = counters.clone()
     return {
-        "scale": scale,
-        "growth_tracker": growth_tracker,
-        "norm": last_norm if last_norm is not None else nan,
-        "found_inf": last_found_inf if last_found_inf is not None else torch.zeros_like(scale),
+        "scale": scale.clone(),
+        "growth_tracker": growth_tracker.clone(),
+        "norm": last_norm.clone() if last_norm is not None else nan,
+        "found_inf": last_found_inf.clone() if last_found_inf is not None else torch.zeros_like(scale),
         "skipped": counters[LAST_SKIPPED],
         "skipped_steps": counters[SKIPPED_STEPS],
         "consecutive_skips": counters[CONSECUTIVE_SKIPS],

@@ -318,7 +318,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         with self._ranks.unchanged_if_mismatched(self._tensors):
             if new_scale is not None:
                 set_scale_(scale, new_scale)
-                self._rules.count_only_(self._policy, self._tensors, records)
+                self._last_found_inf, self._last_norm = self._rules.count_only_(self._policy, self._tensors, records)
             else:
                 self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
@@ -329,8 +329,15 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
     def stats(self) -> dict[str, torch.Tensor]:
         """Per-step statistics as 0-dim device tensors, no host sync: ``scale``, ``growth_tracker``,
         ``norm`` (the last clip_grad_norm_'s, NaN if none), ``found_inf`` (the last update's flag),
-        ``skipped`` (0/1), ``skipped_steps``, ``consecutive_skips``, ``hysteresis_left``. Example:
+        ``skipped`` (0/1), ``skipped_steps``, ``consecutive_skips``, ``hysteresis_left``. They are
+        this step's values (device copies), safe to keep and read steps later. Example:
         ``writer.add_scalar("loss_scale", scaler.stats()["scale"], step)`` (the logger syncs)."""
+        if not self._enabled:
+            raise RuntimeError(
+                "stats() reports the loss scale and its trackers, and this GradScaler was made with "
+                "enabled=False (no loss scale, as in a bf16 run): log clip_grad_norm_'s return value "
+                "and last_skip_flag() instead"
+            )
         state = self._state_for("stats")
         return device_stats(state.scale, state.growth_tracker, state.counters, self._last_found_inf, self._last_norm)
 
