@@ -82,15 +82,20 @@ def scenarios_worker(rank: int, world: int) -> dict:
         params, a, b = _two_optimizers(rank, named=case == "named groups", same_settings=case == "named groups")
         scaler = _scaler()
         first, second = (a, b) if rank == 0 else (b, a)
-        out["order", case] = _mismatch(
-            rank, lambda r: (scaler.clip_grad_norm_(first, 0.5), scaler.clip_grad_norm_(second, 0.5)), *params
-        )
+
+        def clip_both(r, scaler=scaler, first=first, second=second):
+            scaler.clip_grad_norm_(first, 0.5)
+            scaler.clip_grad_norm_(second, 0.5)
+
+        out["order", case] = _mismatch(rank, clip_both, *params)
     # One argument changed on rank 1.
     for name, change in (("max_norm", {"max_norm": 0.7}), ("norm_type", {"norm_type": 1.0})):
         params, a, _ = _two_optimizers(rank)
         scaler = _scaler()
         kwargs = {"max_norm": 0.5, "norm_type": 2.0, **(change if rank == 1 else {})}
-        out[name] = _mismatch(rank, lambda r: scaler.clip_grad_norm_(a, **kwargs), *params)
+        out[name] = _mismatch(
+            rank, lambda r, scaler=scaler, a=a, kwargs=kwargs: scaler.clip_grad_norm_(a, **kwargs), *params
+        )
     # One call changed on rank 1: it unscales where rank 0 clips (rows of one width: no C++ abort).
     params, a, _ = _two_optimizers(rank)
     scaler = _scaler()
@@ -183,7 +188,7 @@ def test_agreeing_ranks_norm_is_one_processs(ranks):
 @pytest.mark.parametrize("norm_type, shapes", [(0.0, SHAPES_A), (-math.inf, SHAPES_A[:1])], ids=["0", "-inf-empty"])
 def test_norm_orders_that_do_not_compose_are_one_processs(ranks, norm_type, shapes):
     expected = _one_process_norm(shapes, norm_type)
-    for rank, out in enumerate(ranks):
+    for out in ranks:
         torch.testing.assert_close(out["norm", norm_type], expected, rtol=NORM_RTOL[torch.float32], atol=0)
 
 

@@ -21,7 +21,7 @@ from ..grads.grad_groups import Grads
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .device_copies import PerDevice
 from .rank_checks import Agreement
-from .rank_combine import combine_check
+from .rank_combine import combine_check, combine_rank_flags
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -47,9 +47,34 @@ def _other_found_inf(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> to
     return torch.maximum(found_inf, (~torch.isfinite(peaks).all()).float())
 
 
-def unscale_grads_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
+def unscale_grads_(
+    grads: Grads,
+    scale: torch.Tensor,
+    backend: str,
+    group: Any = None,
+    agreement: Agreement | None = None,
+    skip_on_overflow: bool = True,
+) -> dict[torch.device, torch.Tensor]:
     """g <- g / scale in place, one fused read+check+write pass per group; found_inf per device.
-    Gradients with no entry (none at all) record nothing: torch's step() then raises."""
+    Gradients with no entry (none at all) record nothing: torch's step() then raises.
+
+    With a process ``group`` (one collective, its row carrying ``agreement``): found_inf is the
+    group's, and the gradients of one device are read, combined and only then written (check pass,
+    combine, apply pass, as the clip without clipping), so ranks that disagree raise before a
+    gradient is written. An overflow leaves them as they came, unless the policy lets overflowed
+    steps go ahead (not ``skip_on_overflow``)."""
+    if group is not None and len(grads.devices) <= 1:
+        unscale_on_overflow = not skip_on_overflow
+        device, result = clip_grads(grads, scale, 2.0, math.inf, apply=True, unscale_on_overflow=unscale_on_overflow,
+                                    backend=backend, group=group, agreement=agreement)  # fmt: skip
+        return {device: result.found_inf}
+    found_infs = _unscale_each_device_(grads, scale, backend)
+    if group is None:
+        return found_infs
+    return combine_rank_flags(found_infs, group, agreement, scale.device)  # gradients on several devices
+
+
+def _unscale_each_device_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
     found_infs = {d: torch.zeros((), dtype=torch.float32, device=d) for d in grads.devices}
     per_device_scale = PerDevice(scale)
     for device, device_groups in grads.kernel.items():
@@ -59,9 +84,12 @@ def unscale_grads_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torc
     return found_infs
 
 
-def check_grads(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
+def check_grads(
+    grads: Grads, scale: torch.Tensor, backend: str, group: Any = None, agreement: Agreement | None = None
+) -> dict[torch.device, torch.Tensor]:
     """Read-only inf/NaN check of the still-scaled gradients (a fused optimizer divides them
-    itself); found_inf per device. No cross-device reduction is needed for found_inf."""
+    itself); found_inf per device. No cross-device reduction is needed for found_inf. With a
+    process ``group``: the group's found_inf (one collective, its row carrying ``agreement``)."""
     found_infs = {}
     for device in grads.devices:
         found = torch.zeros((), dtype=torch.float32, device=device)
@@ -69,7 +97,7 @@ def check_grads(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.d
             device_scale = scale.to(device, non_blocking=True)
             found = resolve_backend(backend, device).check(grads.kernel[device], device_scale, 2.0, None).found_inf
         found_infs[device] = _other_found_inf(grads.other.get(device, []), found)
-    return found_infs
+    return combine_rank_flags(found_infs, group, agreement, scale.device) if group is not None else found_infs
 
 
 def clip_grads(

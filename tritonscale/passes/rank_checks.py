@@ -89,8 +89,10 @@ CHECKED = {
         "the ranks called unscale_/clip_grad_norm_/step on this process group a different number of "
         "times in an iteration: " + _SAME_CALLS,
     ),
-    "kind": ("which call combined (0: unscale_/step's inf check, 1: clip_grad_norm_, 2: the Updater's gradient sum)",
-             _SAME_CALLS),  # fmt: skip
+    "kind": (
+        "which call combined (0: unscale_/step's inf check, 1: clip_grad_norm_, 2: the Updater's gradient sum)",
+        _SAME_CALLS,
+    ),  # fmt: skip
     "max_norm": ("clip_grad_norm_'s max_norm", "every rank must clip by the same max_norm (a schedule on every rank)"),
     "norm_type": ("clip_grad_norm_'s norm_type", "every rank must clip with the same norm_type"),
     "optimizer": (

@@ -4,7 +4,8 @@ Where each rank holds a part of the gradients (FSDP2 shards, ZeRO partitions, pi
 the norm and the overflow flag of the step are those of all ranks' gradients together. Each rank
 contributes one row of a fixed width, ``[its norm, its found_inf, whether it holds gradients]`` in
 float64 followed by everything every rank must agree on (``rank_checks.py``), and a single
-all-gather (``all_gather_single``) gives every rank every row. Every rank then combines the rows itself, in rank order, with the same ops: the results
+all-gather (``all_gather_single``) gives every rank every row. Every rank then combines the rows
+itself, in rank order, with the same ops: the results
 are bitwise the same on every rank whatever order the transport reduced in (an ``all_reduce``
 promises no such thing), and the norm is what one process holding every gradient computes
 (``combined_norm``), in float64 so no number of ranks can overflow it. One collective per step, found_inf
@@ -26,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .found_inf import combine_flags
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
+from .found_inf import combine_flags
 from .rank_checks import AGREED, RESULTS, Agreement, RankChecks, digest
 
 #: A torch.distributed ProcessGroup, or None for "this rank's gradients are the whole".
@@ -165,14 +166,15 @@ class GradAllReduce:
     """Sum the gradients of the optimizer's parameters over a group, checking that the ranks agree.
 
     First every rank's row (``rank_checks``: the scale, the call, the Updater's clip arguments and
-    the gradient layout, each rank's in a fixed-width row) is gathered and checked, so ranks that
-    disagree raise before any gradient is summed (on the CPU; on a GPU path the step is skipped).
-    Then one float32 buffer per device (float64 where a gradient is float64) holds a slot for every
-    parameter that requires a gradient (zeros where this rank has none): its size depends only on
-    the parameters' sizes, never on which of them have a gradient or in which float dtype (buffers
-    of different sizes abort gloo in C++), and float16/bfloat16 gradients are summed in float32 and rounded
-    once to their dtype (for two ranks, exactly their own addition). The slot plan is made once per layout, keyed by everything it
-    is made from (which parameters, which have a gradient, their devices, dtypes and sizes)."""
+    the gradient layout, in a fixed-width row) is gathered and checked, so ranks that disagree raise
+    before any gradient is summed (on the CPU; on a GPU path the step is skipped). Then one float32
+    buffer per device (float64 where a gradient is float64) holds a slot for every parameter that
+    requires a gradient (zeros where this rank has none): its size depends only on the parameters'
+    sizes, never on which of them have a gradient or in which float dtype (buffers of different
+    sizes abort gloo in C++), and float16/bfloat16 gradients are summed in float32 and rounded once
+    to their dtype (for two ranks, exactly their own addition). The slot plan is made once per
+    layout, keyed by everything it is made from (which parameters, which have a gradient, their
+    devices, dtypes and sizes)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -205,15 +207,18 @@ class GradAllReduce:
         zero = torch.zeros((), dtype=torch.float64, device=plan[0][0])
         rows = _gather_rows(_row([zero, zero, zero], group, agreement), group)  # a collective: the check
         agreement.ranks.judge(rows[:, len(RESULTS) :], AGREED)
-        for device, dtype, members in plan:  # a collective per device: the sum
-            parts = [p.grad.reshape(-1).to(dtype) if p.grad is not None else p.new_zeros(p.numel(), dtype=dtype)
-                     for p in members]  # fmt: skip
-            flat = torch.cat(parts)
+        for _, dtype, members in plan:  # a collective per device: the sum
+            flat = torch.cat([_slot(p, dtype) for p in members])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             sizes = [p.numel() for p in members]
             for p, part in zip(members, flat.split(sizes)):
                 if p.grad is not None:
                     p.grad.copy_(part.view_as(p.grad))
+
+
+def _slot(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``p``'s gradient flattened in the buffer's ``dtype``; zeros where it has none."""
+    return p.grad.reshape(-1).to(dtype) if p.grad is not None else p.new_zeros(p.numel(), dtype=dtype)
 
 
 def _grad_dtype(p: torch.Tensor) -> torch.dtype:

@@ -18,7 +18,7 @@ optimizers ignore ``found_inf`` (and fused SGD ``grad_scale``), so the hand-over
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,13 +39,12 @@ def call_eagerly(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return method(*args, **kwargs)
 
 
-def update_stays_eager(
-    process_group: Any, ranks: Any, policy: Any, records: Iterable[Any], new_scale: Any = None
-) -> bool:
+def update_stays_eager(process_group: Any, ranks: Any, policy: Any, new_scale: Any = None) -> bool:
     """True while Dynamo traces an update() it may not take into the caller's graph. It may when
-    there is no process group on the scaler, no rank mismatch pending, a policy that reads nothing on the host, and no ``new_scale`` given
-    as a Python number (checked on the host, and a number Dynamo would specialise on; a tensor is
-    traced). Example: ``update_stays_eager(None, RankChecks(), LossScalePolicy(), [])``."""
+    there is no process group on the scaler, no rank mismatch pending, a policy that reads nothing
+    on the host, and no ``new_scale`` given as a Python number (checked on the host, and a number
+    Dynamo would specialise on; a tensor is traced). Example:
+    ``update_stays_eager(None, RankChecks(), LossScalePolicy())``."""
     return torch.compiler.is_compiling() and not (
         process_group is None
         and ranks.pending is None

@@ -1,8 +1,8 @@
 """Diagnostics: per-step statistics as device tensors, the names of non-finite gradients, a history.
 
 Nothing here runs in the step. ``GradScaler.stats()`` returns device tensors, copies of that step's
-values (reading them is the caller's sync, when it wants one); ``nonfinite_grads`` and ``ScaleHistory.to_lists``/``plot`` read
-device values on purpose, on request.
+values (reading them is the caller's sync, when it wants one); ``nonfinite_grads`` and
+``ScaleHistory.to_lists``/``plot`` read device values on purpose, on request.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ get_scale()/state_dict() and step() for an optimizer that cannot take found_inf.
 from __future__ import annotations
 
 import functools
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -26,7 +25,7 @@ from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
 from ..passes.found_inf import read_found_inf
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
 from ..passes.rank_checks import Agreement, RankChecks
-from ..passes.rank_combine import GradAllReduce, check_process_group, combine_rank_flags, gradient_group
+from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
@@ -153,26 +152,16 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         """unscale_'s work: the fused unscale + check of the optimizer's gradients, recorded."""
         grads = collect_grads(inner, allow_fp16=False)
         group = self._group(grads)
-        if group is None or len(grads.devices) > 1:
-            flags = unscale_grads_(grads, scale, self._backend_name)
-            # The collective, with a process group: the flags made the group's, the row checked.
-            record.found_inf_per_device = combine_rank_flags(flags, group, self._agreement(inner), scale.device)
-        else:  # read, the collective (ranks that disagree raise before anything is written), write
-            device, result = clip_grads(
-                grads,
-                scale,
-                2.0,
-                math.inf,
-                apply=True,
-                unscale_on_overflow=not self._policy.skip_on_overflow,
-                backend=self._backend_name,
-                group=group,
-                agreement=self._agreement(inner),
-            )
-            record.found_inf_per_device = {device: result.found_inf}
+        # With a process group, the collective (ranks that disagree raise before a gradient is written).
+        found_infs = unscale_grads_(
+            grads, scale, self._backend_name, group, self._agreement(inner), self._policy.skip_on_overflow
+        )
+        record.found_inf_per_device = found_infs
         record.stage = OptState.UNSCALED
 
-    def _agreement(self, optimizer: Any, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0) -> Agreement:
+    def _agreement(
+        self, optimizer: Any, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0
+    ) -> Agreement:
         """What this call's combine row says every rank agrees on (passes/rank_checks.py)."""
         scale = self._tensors.scale if self._enabled and self._tensors is not None else None
         return Agreement(self._ranks, scale, kind, optimizer, self._policy, max_norm, norm_type)
@@ -278,9 +267,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         """The read-only inf/NaN check of still-scaled gradients, recorded for the optimizer."""
         grads = collect_grads(inner, allow_fp16=True, allow_sparse=allow_sparse)
         group = self._group(grads)
-        flags = check_grads(grads, scale, self._backend_name)
-        # The collective, with a process group: the flags made the group's, the row checked.
-        record.found_inf_per_device = combine_rank_flags(flags, group, self._agreement(inner), scale.device)
+        # With a process group, the collective: the flags made the group's, the row checked.
+        record.found_inf_per_device = check_grads(grads, scale, self._backend_name, group, self._agreement(inner))
 
     def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
@@ -305,7 +293,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         Example: ``scaler.update()`` after the iteration's step()s.
         """
         records = list(self._per_optimizer_states.values())
-        if update_stays_eager(self._process_group, self._ranks, self._policy, records, new_scale):
+        if update_stays_eager(self._process_group, self._ranks, self._policy, new_scale):
             return call_eagerly(self.update, new_scale, found_inf=found_inf)
         if not self._enabled:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
