@@ -59,9 +59,7 @@ def _partitioned(rank: int, fused: bool, scale: float):
 
 def _state(params, optimizer, scaler=None) -> tuple:
     """Parameters, gradients, optimizer state and the scaler's state_dict (None: its device state,
-    read without state_dict, which raises a flagged mismatch), bit for bit. Unlike
-    scaler_twins.Snapshot it leaves the per-optimizer record alone: reading its found_inf would
-    issue the deferred collective."""
+    read without state_dict, which raises a flagged mismatch), bit for bit."""
     scaler_state = scaler.state_dict() if scaler is not None else None
     return (
         [bits(p) for p in params],
