@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import host_reads
 from ..grads.grad_groups import Grads
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .backends.torch_backend import wide_norms
@@ -170,10 +171,11 @@ def _with_others(
 
 
 def _torch_op_norms(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """float64 [T] norms of same-dtype torch-op gradients, still scaled: float64 gradients in
-    float64, the others in float32 as torch takes them, and in float64 where their float32 terms
-    overflowed or underflowed (``wide_norms``: at a loss scale of 2**-80 every square of an
-    ordinary gradient underflows float32, and the norm would read 0)."""
-    if tensors[0].dtype is torch.float64:
+    """float64 [T] norms of same-dtype torch-op gradients, still scaled. On the CPU the others in
+    float32 as torch takes them, and in float64 where their float32 terms overflowed or underflowed
+    (``wide_norms``: at a loss scale of 2**-80 every square of an ordinary gradient underflows
+    float32, and the norm would read 0); float64 gradients, and any off the CPU (where the
+    reduction is bandwidth-bound and a read-back would stall), in float64 in one pass."""
+    if tensors[0].dtype is torch.float64 or not host_reads.are_free(tensors[0].device):
         return torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float64))
     return wide_norms(tensors, norm_type, torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32)))
