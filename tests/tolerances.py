@@ -19,7 +19,13 @@ import torch
 # 1e-5 leaves a ~2.5x margin for every dtype; observed differences are ~1e-7. Multi-step runs over
 # up to ~1e6 elements in other summation orders stay within it too.
 NORM_RTOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}
+# float64 gradients go through torch ops in float64; only the reported norm is float32 (one rounding).
+NORM_RTOL[torch.float64] = 1e-5
 # The torch backend, where it differs: bfloat16 on CPU rounds each tensor's norm to bfloat16 once
 # (torch's own clip_grad_norm_ precision, <= 2**-9 relative; see backends/torch_backend.py), and
 # combining such norms keeps that relative bound. 2**-8: twice torch's own same-dtype error.
 TORCH_BACKEND_NORM_RTOL = {**NORM_RTOL, torch.bfloat16: 2.0**-8}
+# torch's own clip coefficient, against which a clipped gradient is compared: float32 as the norm;
+# for bfloat16 gradients torch computes it in bfloat16, where the per-tensor norms, their total,
+# norm + 1e-6 and max_norm / that each round once (2**-9 relative each).
+TORCH_CLIP_COEF_RTOL = {**NORM_RTOL, torch.bfloat16: 4 * 2.0**-9}

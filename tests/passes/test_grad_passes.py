@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from tolerances import NORM_RTOL
 
 from tritonscale import GradScaler
 
@@ -114,11 +115,13 @@ class _SparseAmpSGD(torch.optim.SGD):
     _step_supports_amp_scaling = True
 
     def step(self, closure=None):
-        self.handed = (self.grad_scale.clone(), self.found_inf.clone())
+        # grad_scale None: torch's GradScaler after unscale_ (the gradients are unscaled already).
+        scale = self.grad_scale if self.grad_scale is not None else torch.ones(())
+        self.handed = (scale.clone(), self.found_inf.clone())
         if self.found_inf.item() == 0:
             with torch.no_grad():
                 for p in self.param_groups[0]["params"]:
-                    p.add_((p.grad.float() / self.grad_scale).to(p.dtype), alpha=-self.param_groups[0]["lr"])
+                    p.add_((p.grad.float() / scale).to(p.dtype), alpha=-self.param_groups[0]["lr"])
 
 
 @pytest.mark.parametrize(
@@ -144,6 +147,43 @@ def test_sparse_fp16_gradient_with_an_amp_scaling_optimizer_steps_as_in_torch(ba
     for a, b in zip(theirs, ours):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), (theirs, ours)
     assert float(ours[1]) == (0.0 if values[0] == 16.0 and math.isfinite(values[1]) else 1.0)
+
+
+def _embedding_step(scaler, bad: float | None):
+    """One scaled step of an nn.Embedding(sparse=True) + Linear under _SparseAmpSGD, clipped to 0.5;
+    for torch's scaler, whose clip_grad_norm_ has no sparse kernel, the sparse gradient made dense
+    first. Returns the norm, the parameters and the next scale."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    optimizer = _SparseAmpSGD(model.parameters(), lr=0.5)
+    scaler.scale(model(torch.tensor([1, 3, 3, 7])).pow(2).sum()).backward()  # index 3 twice: uncoalesced
+    embedding = model[0].weight
+    if bad is not None:
+        embedding.grad._values()[1, 2] = bad
+    if isinstance(scaler, GradScaler):
+        norm = scaler.clip_grad_norm_(optimizer, 0.5)
+    else:
+        embedding.grad = embedding.grad.to_dense()
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    scaler.step(optimizer)
+    scaler.update()
+    return float(norm), [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+
+@pytest.mark.parametrize("bad", [None, math.inf], ids=["finite", "inf"])
+def test_sparse_gradients_clip_with_a_custom_amp_scaling_optimizer(backend, bad):
+    # Not one of torch's fused optimizers: the clip folds (hands it scale / clip_coef) and it
+    # steps its sparse gradient itself; the same as without the fold, and as torch.
+    folded = _embedding_step(GradScaler("cpu", init_scale=2.0**8, backend=backend), bad)
+    in_place = _embedding_step(GradScaler("cpu", init_scale=2.0**8, backend=backend, fold_into_optimizer=False), bad)
+    theirs = _embedding_step(torch.amp.GradScaler("cpu", init_scale=2.0**8), bad)
+    for ours in (folded, in_place):
+        assert ours[2] == theirs[2]  # the same skip and backoff
+        if bad is None:
+            assert ours[0] == pytest.approx(theirs[0], rel=NORM_RTOL[torch.float32])
+        for a, b in zip(ours[1], theirs[1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_gradient_overlapping_itself_is_refused_before_anything_changes(backend):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from scale_references import (
@@ -220,10 +221,39 @@ def test_torch_state_dict_loads_with_configured_knobs():
     assert sd["policy"]["hysteresis"] == 2 and sd["counters"]["hysteresis_left"] == 2
 
 
+def test_numpy_policy_knobs_are_their_python_values(backend):
+    # Every numeric knob beyond torch's, as numpy scalars: the same policy (and state_dict, of plain
+    # Python numbers) and the same scale trajectory as with numpy's own .item() of each.
+    numbers = {
+        "hysteresis": np.int64(2),
+        "min_scale": np.float32(2.0),
+        "max_scale": np.float64(2.0**12),
+        "max_consecutive_skips": np.int32(99),
+        "skip_norm_above": np.float16(6e4),
+        "skip_norm_factor": np.float32(8.0),
+        "norm_average_decay": np.float32(0.5),
+        "norm_warmup_steps": np.int64(3),
+    }
+    plain = {name: value.item() for name, value in numbers.items()}
+    ours = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend=backend, **numbers)
+    twin = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend=backend, **plain)
+    assert ours.state_dict() == twin.state_dict()
+    assert {k: type(v) for k, v in ours.state_dict()["policy"].items()} == {
+        k: type(v) for k, v in twin.state_dict()["policy"].items()
+    }
+    loops = Loop(ours, backend), Loop(twin, backend)
+    for overflow in overflow_pattern(3, steps=12, p=0.5):
+        for loop in loops:
+            loop.step(overflow)
+        assert ours.get_scale() == twin.get_scale()
+
+
 @pytest.mark.parametrize(
     "knobs, match",
     [
         ({"hysteresis": 0}, "hysteresis"),
+        ({"hysteresis": np.bool_(True)}, "hysteresis"),
+        ({"min_scale": np.bool_(True)}, "min_scale"),
         ({"min_scale": -1.0}, "min_scale"),
         ({"min_scale": 8.0, "max_scale": 4.0}, "above max_scale"),
         ({"on_min_scale": "ignore"}, "on_min_scale"),

@@ -58,6 +58,25 @@ def test_nonfinite_grads_names_the_culprits():
     assert nonfinite_grads(list(model.parameters())) == ["1", "2"]
 
 
+@pytest.mark.parametrize(
+    "values",
+    [[1.0, 2.0, 3.0], [3e38, 3e38, 1.0], [math.inf, -math.inf, 1.0], [1.0, 2.0, math.nan], [1.0, 2.0, -math.inf]],
+    ids=["finite", "sum-overflows", "inf-minus-inf", "nan", "-inf"],
+)
+@pytest.mark.parametrize("layout", ["coo-uncoalesced", "coo", "csr"])
+def test_nonfinite_grads_reads_a_sparse_gradient_as_its_dense_form(values, layout):
+    # Oracle: torch.isfinite on the dense form (the first two values share an index, summed there).
+    grad = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2], [1, 1, 0]]), torch.tensor(values), (3, 2))
+    grad = {"coo-uncoalesced": grad, "coo": grad.coalesce(), "csr": grad.to_dense().to_sparse_csr()}[layout]
+    param = torch.nn.Parameter(torch.zeros(3, 2).to_sparse_csr() if layout == "csr" else torch.zeros(3, 2))
+    param.grad = grad
+    plain = torch.nn.Parameter(torch.zeros(2))
+    plain.grad = torch.zeros(2)
+    expected = ["1"] if not torch.isfinite(grad.to_dense()).all() else []
+    assert nonfinite_grads([plain, param]) == expected
+    assert param.grad is grad and (layout == "csr" or grad.is_coalesced() == (layout == "coo"))  # left as it was
+
+
 def test_skipped_clip_step_keeps_the_culprits_visible(backend):
     model, opt, scaler = make(backend)
     run_steps(scaler, model, opt, [False])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -144,6 +146,49 @@ def test_pytorchs_tracker_7_with_growth_interval_1_loads(backend):
     theirs = torch.amp.GradScaler("cpu")
     theirs.load_state_dict(saved)
     assert _drive(ours, PATTERN) == _drive(theirs, PATTERN)
+
+
+# Each of torch's knobs, with a value every numpy type below holds exactly; integer types only where
+# the value is an integer, float types not for growth_interval (torch's update() refuses one, and a
+# Python 3.0 is refused here too).
+NUMPY_KNOBS = {"init_scale": 8.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 3}
+NUMPY_TYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+NUMPY_CASES = [
+    (knob, kind)
+    for knob, value in NUMPY_KNOBS.items()
+    for kind in NUMPY_TYPES
+    if (float(value).is_integer() if np.issubdtype(kind, np.integer) else knob != "growth_interval")
+]
+# The types torch's state_dict has for its entries given plain Python numbers (scale once started).
+TORCH_ENTRY_TYPES = {"scale": float, "growth_factor": float, "backoff_factor": float, "growth_interval": int,
+                     "_growth_tracker": int}  # fmt: skip
+
+
+@pytest.mark.parametrize("knob, kind", NUMPY_CASES, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_numpy_knobs_give_torchs_state(knob, kind):
+    value = kind(NUMPY_KNOBS[knob])
+    ours = tritonscale.GradScaler("cpu", backend="torch", **{knob: value})
+    theirs = torch.amp.GradScaler("cpu", **{knob: value})
+    for _ in range(2):  # before the first step, then after PATTERN
+        saved, expected = ours.state_dict(), theirs.state_dict()
+        assert {k: saved[k] for k in STATE_KEYS} == expected
+        assert {k: type(saved[k]) for k in STATE_KEYS} == TORCH_ENTRY_TYPES  # plain numbers: see below
+        assert _drive(ours, PATTERN) == _drive(theirs, PATTERN)
+    # torch keeps the numpy scalar, which torch.load (weights_only, its default) refuses; ours loads.
+    buffer = io.BytesIO()
+    torch.save(ours.state_dict(), buffer)
+    assert torch.load(io.BytesIO(buffer.getvalue())) == ours.state_dict()
+    # torch's checkpoint, numpy values and all, loads here and continues as torch.
+    loaded = tritonscale.GradScaler("cpu", backend="torch")
+    loaded.load_state_dict(theirs.state_dict())
+    assert _drive(loaded, PATTERN) == _drive(theirs, PATTERN)
+
+
+@pytest.mark.parametrize("bad", [np.bool_(True), True, "4", np.str_("4")], ids=repr)
+@pytest.mark.parametrize("knob", list(NUMPY_KNOBS))
+def test_bools_and_non_numbers_are_still_refused_naming_the_knob(knob, bad):
+    with pytest.raises(tritonscale.ScalerConfigError, match=knob.replace("_", "[ _]")):
+        tritonscale.GradScaler("cpu", backend="torch", **{knob: bad})
 
 
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])

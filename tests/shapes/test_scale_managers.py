@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from scale_references import MindSporeRef, TensorFlowExponentialRef, f32, overflow_pattern
@@ -506,6 +507,7 @@ def test_device_placement():
         (lambda: FixedLossScaleManager(0.5), ScalerConfigError, "loss_scale must be a finite number >= 1, got 0.5"),
         (lambda: FixedLossScaleManager("big"), TypeError, "loss_scale must be a number"),
         (lambda: FixedLossScaleManager(True), TypeError, "loss_scale must be a number"),
+        (lambda: FixedLossScaleManager(np.bool_(True)), TypeError, "loss_scale must be a number"),
         (lambda: FixedLossScaleManager(float("nan")), ScalerConfigError, "loss_scale"),
         (lambda: FixedLossScaleManager(2**200), ScalerConfigError, "past float32's range"),
         (lambda: FixedLossScaleManager(128.0, "no"), TypeError, "drop_overflow_update must be a bool"),
@@ -515,6 +517,8 @@ def test_device_placement():
         (lambda: DynamicLossScaleManager(scale_window=0), ScalerConfigError, "scale_window must be a positive int"),
         (lambda: DynamicLossScaleManager(scale_window=2.0), TypeError, "scale_window must be an int"),
         (lambda: DynamicLossScaleManager(scale_window=True), TypeError, "scale_window must be an int"),
+        (lambda: DynamicLossScaleManager(scale_window=np.float64(2.0)), TypeError, "scale_window must be an int"),
+        (lambda: DynamicLossScaleManager(scale_factor=np.bool_(True)), TypeError, "scale_factor must be a number"),
         (lambda: DynamicLossScaleManager(scale_factor=0), ScalerConfigError, "scale_factor must be > 0"),
         (lambda: DynamicLossScaleManager(scale_factor=-2), ScalerConfigError, "scale_factor must be > 0"),
         (lambda: DynamicLossScaleManager(scale_factor=0.5), ScalerConfigError, "scale_factor must be >= 1"),
@@ -536,6 +540,37 @@ def test_device_placement():
 def test_bad_constructor_arguments_raise_naming_them(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+NUMPY_TYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+
+
+@pytest.mark.parametrize("kind", NUMPY_TYPES, ids=lambda kind: kind.__name__)
+def test_managers_take_numpy_numbers_as_their_python_values(kind):
+    # Scales and growth factors (integer values: every type holds them), counts as integer types,
+    # the TF1 backoff ratio as float types. Oracle: the originals' rules on the Python numbers, and
+    # the same manager built from them (numpy's own .item(): its GradScaler's state_dict, its repr).
+    count = kind if np.issubdtype(kind, np.integer) else np.int32
+    ratio = np.float32 if np.issubdtype(kind, np.integer) else kind
+    cases = [
+        (DynamicLossScaleManager, (2**12, 2, 3), (kind, kind, count), MindSporeRef),
+        (ExponentialUpdateLossScaleManager, (2**10, 3, 2, 2, 0.5), (kind, count, count, kind, ratio),
+         TensorFlowExponentialRef),
+        (FixedLossScaleManager, (1024,), (kind,), None),
+    ]  # fmt: skip
+    for cls, values, kinds, reference in cases:
+        numbers = [k(v) for k, v in zip(kinds, values)]
+        plain = [n.item() for n in numbers]
+        manager, twin = cls(*numbers), cls(*plain)
+        assert repr(manager) == repr(twin)
+        for i, overflow in enumerate(overflow_pattern(0, steps=20, p=0.4)):
+            for m in (manager, twin):
+                m.update_loss_scale(overflow if cls is not ExponentialUpdateLossScaleManager else not overflow)
+            if reference is not None:
+                reference = reference(*plain) if isinstance(reference, type) else reference
+                reference.update(overflow)
+                assert manager.get_loss_scale() == reference.scale, f"{cls.__name__} step {i}"
+            assert manager.grad_scaler.state_dict() == twin.grad_scaler.state_dict(), f"{cls.__name__} step {i}"
 
 
 BAD_FLAGS = [

@@ -3,9 +3,9 @@
 ``collect_grads`` (grad_groups.py) hands over the gradients sorted into the kernels' groups and the
 rest (float64, non-dense, sparse values: ``Grads.other``); these functions run check pass ->
 finalize (-> apply pass) on each device, the rest with torch ops in the same step, and return the
-device-side results (found_inf, norm, clip coefficient) combined on the device. Nothing here reads
-a device value on the host, and nothing knows about optimizers or stages: that is the
-controller's (grad_scaler.py).
+device-side results (found_inf, norm, clip coefficient) combined on the device. Off the CPU
+nothing here reads a device value on the host (host_reads.py), and nothing knows about optimizers
+or stages: that is the controller's (grad_scaler.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from .. import host_reads
 from ..grads.grad_groups import Grads
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
+from .backends.torch_backend import wide_norms
 from .device_copies import PerDevice
 from .rank_checks import Agreement
 from .rank_combine import combine_check, combine_rank_flags
@@ -190,11 +192,21 @@ def _with_others(
     inv_scale = inv_scale32.double()
     norms = [kernel.norm.double().reshape(1)] if kernel.plan else []  # no kernel gradients: nothing
     for same_dtype in _by_dtype([t for t in others if t.numel()]):
-        wide = torch.float64 if same_dtype[0].dtype is torch.float64 else torch.float32
-        norms.append(torch.stack(torch._foreach_norm(same_dtype, norm_type, dtype=wide)).double() * inv_scale)
+        norms.append(_torch_op_norms(same_dtype, norm_type) * inv_scale)
     total = torch.linalg.vector_norm(torch.cat(norms), norm_type) if norms else torch.zeros((), dtype=torch.float64)
     found_inf = _other_found_inf(others, kernel.found_inf)
     norm = total.float().reshape(())
     clip_coef = clip_coefficient(norm, max_norm)
     factor = gradient_factor(found_inf, inv_scale32, clip_coef)
     return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=kernel.plan)
+
+
+def _torch_op_norms(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """float64 [T] norms of same-dtype torch-op gradients, still scaled. On the CPU the others in
+    float32 as torch takes them, and in float64 where their float32 terms overflowed or underflowed
+    (``wide_norms``: at a loss scale of 2**-80 every square of an ordinary gradient underflows
+    float32, and the norm would read 0); float64 gradients, and any off the CPU (where the
+    reduction is bandwidth-bound and a read-back would stall), in float64 in one pass."""
+    if tensors[0].dtype is torch.float64 or not host_reads.are_free(tensors[0].device):
+        return torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float64))
+    return wide_norms(tensors, norm_type, torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32)))

@@ -1,16 +1,20 @@
 """Checks of the numbers a user passes for the loss scale and its rule, in one place.
 
-What counts as a number (not a bool), a finite one (an int past the float range is not), an int
-that fits the int32 device counters, and a value float32 (where the scale lives) still holds: the
+What counts as a number (any real number torch takes: Python's and numpy's ints and floats, not a
+bool), a finite one (an int past the float range is not), an int that fits the int32 device
+counters, and a value float32 (where the scale lives) still holds: the
 policy's knobs and setters (``loss_scale_policy.py``, ``torch_private_api.py``), the state's loader
 (``scaler_state.py``) and the scale managers' arguments (``loss_scale_manager.py``) all check
 with these. The policy's messages are torch's wording; a manager's name the class and the argument
-as the original framework spells it.
+as the original framework spells it. What they return is a plain Python float or int, whatever
+real number came in: torch keeps a numpy knob as given, and its state_dict then holds numpy
+scalars, which ``torch.load`` (``weights_only=True``, its default) refuses to read back.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from ..errors import ScalerConfigError
@@ -21,13 +25,22 @@ INT32_LIMIT = 2**31
 
 
 def is_number(value: object) -> bool:
-    """An int or a float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number, not a bool: ``4``, ``4.0``, ``np.float32(4.0)``, ``np.int64(4)`` (numpy
+    registers its scalars as ``numbers.Real``; ``np.bool_`` is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def is_int(value: object) -> bool:
-    """An int, not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, not a bool: ``4`` or ``np.int32(4)``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def plain_number(value: Any) -> Any:
+    """A number as the Python int or float it holds (``np.float32(0.5)`` -> ``0.5``, ``np.int64(2)``
+    -> ``2``); anything else as it is. For arguments a manager echoes back as given."""
+    if is_number(value) and type(value) not in (int, float):
+        return int(value) if is_int(value) else float(value)
+    return value
 
 
 def is_finite(value: object) -> bool:
@@ -54,7 +67,7 @@ def check_counter(name: str, value: int, limit: int = INT32_LIMIT) -> int:
     """A tracker kept in an int32 device counter: an int in [0, limit)."""
     if not (is_int(value) and 0 <= value < limit):
         raise ScalerConfigError(f"{name} must be an int in [0, {limit}), got {value!r}")
-    return value
+    return int(value)
 
 
 def check_growth_factor(value: float) -> float:
@@ -72,19 +85,19 @@ def check_backoff_factor(value: float) -> float:
 def check_growth_interval(value: int) -> int:
     if not (is_int(value) and value >= 1):
         raise ScalerConfigError(f"The growth interval must be an int >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
-def check_positive_int(name: str, value: int | None, allow_none: bool = False) -> None:
+def check_positive_int(name: str, value: int | None, allow_none: bool = False) -> int | None:
     if value is None and allow_none:
-        return
+        return None
     if not (is_int(value) and value >= 1):
         raise ScalerConfigError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)
 
 
-def check_optional_scale(name: str, value: float | None) -> None:
-    if value is not None:
-        check_scale_value(name, value)
+def check_optional_scale(name: str, value: float | None) -> float | None:
+    return None if value is None else check_scale_value(name, value)
 
 
 # ------------------------------------------------------------------ the scale managers' arguments
@@ -105,7 +118,7 @@ def check_count(owner: str, name: str, value: Any) -> int:
         raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} {value!r}")
     if not 1 <= value < INT32_LIMIT:
         raise ScalerConfigError(f"{owner}: {name} must be a positive int below 2**31, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_factor(owner: str, name: str, value: Any, *, above_one: bool) -> float:

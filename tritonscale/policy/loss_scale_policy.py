@@ -146,20 +146,22 @@ class LossScalePolicy:
         self.growth_factor = check_growth_factor(self.growth_factor)
         self.backoff_factor = check_backoff_factor(self.backoff_factor)
         self.growth_interval = check_growth_interval(self.growth_interval)
-        check_positive_int("hysteresis", self.hysteresis)
-        check_optional_scale("min_scale", self.min_scale)
-        check_optional_scale("max_scale", self.max_scale)
+        self.hysteresis = check_positive_int("hysteresis", self.hysteresis)
+        self.min_scale = check_optional_scale("min_scale", self.min_scale)
+        self.max_scale = check_optional_scale("max_scale", self.max_scale)
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ScalerConfigError(f"min_scale {self.min_scale} is above max_scale {self.max_scale}")
         if self.on_min_scale not in ON_MIN_SCALE:
             raise ScalerConfigError(f"on_min_scale must be one of {ON_MIN_SCALE}, got {self.on_min_scale!r}")
-        check_positive_int("max_consecutive_skips", self.max_consecutive_skips, allow_none=True)
-        check_optional_scale("skip_norm_above", self.skip_norm_above)
+        self.max_consecutive_skips = check_positive_int("max_consecutive_skips", self.max_consecutive_skips, True)
+        self.skip_norm_above = check_optional_scale("skip_norm_above", self.skip_norm_above)
         if self.skip_norm_factor is not None and not (is_number(self.skip_norm_factor) and self.skip_norm_factor > 1):
             raise ScalerConfigError(f"skip_norm_factor must be a float > 1 or None, got {self.skip_norm_factor!r}")
         if not (is_number(self.norm_average_decay) and 0 < self.norm_average_decay < 1):
             raise ScalerConfigError(f"norm_average_decay must be in (0, 1), got {self.norm_average_decay!r}")
-        check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
+        self.skip_norm_factor = None if self.skip_norm_factor is None else float(self.skip_norm_factor)
+        self.norm_average_decay = float(self.norm_average_decay)
+        self.norm_warmup_steps = check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
         for flag in ("dynamic", "skip_on_overflow", "consecutive_hysteresis", "hysteresis_refill_on_backoff"):
             if not isinstance(getattr(self, flag), bool):
                 raise ScalerConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")

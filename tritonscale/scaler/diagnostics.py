@@ -47,6 +47,7 @@ def nonfinite_grads(params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]
     Accepts a module (names from ``named_parameters``), ``(name, param)`` pairs, or plain
     parameters (named by position). Useful right after a skipped step: with ``clip_grad_norm_``
     the gradients of an overflowed step are left as they came, so the culprits are still visible.
+    A sparse gradient counts as its dense form would (``_stored_values``), without making it.
 
     Example::
 
@@ -62,8 +63,20 @@ def nonfinite_grads(params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]
     if not with_grads:
         return []
     # One flag per tensor, gathered into one tensor: a single host read for any number of params.
-    flags = torch.stack([(~torch.isfinite(g)).any().to("cpu", non_blocking=True) for _, g in with_grads])
-    return [name for (name, _), bad in zip(with_grads, flags.tolist()) if bad]
+    flags = [(~torch.isfinite(_stored_values(g))).any().to("cpu", non_blocking=True) for _, g in with_grads]
+    return [name for (name, _), bad in zip(with_grads, torch.stack(flags).tolist()) if bad]
+
+
+def _stored_values(grad: torch.Tensor) -> torch.Tensor:
+    """The values whose inf/NaN the dense form of ``grad`` holds: a sparse COO gradient's values
+    once coalesced (duplicates summed, as the dense form sums them: two finite halves can overflow
+    to inf, inf and -inf make NaN; ``coalesce`` returns a new tensor and leaves ``grad`` as it is),
+    a compressed one's values, a strided one itself. Its implicit zeros are finite."""
+    if grad.layout is torch.sparse_coo:
+        return grad.coalesce().values()
+    if grad.layout is not torch.strided:  # sparse CSR / CSC / BSR / BSC
+        return grad.values()
+    return grad
 
 
 class ScaleHistory:

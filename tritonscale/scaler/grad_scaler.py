@@ -202,7 +202,8 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         record = self._per_optimizer_states[id(optimizer)].not_stepped("clip_grad_norm_")
         pending = record.pending_factor(scale)
         folds = fold.clip_folds(optimizer, optimizer, self._fold)  # hand a fused optimizer scale / clip_coef
-        grads = collect_grads(optimizer, allow_fp16=folds, kernels=kernels, allow_sparse=not folds, split_replicas=True)
+        sparse_ok = not (folds and fold.is_torch_fused(optimizer))  # torch's fused steps take dense gradients only
+        grads = collect_grads(optimizer, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True)
         has_grads = bool(grads.devices or grads.replicas)
         group = self._group(grads, process_group)
         # With a process group, the collective: one row per rank, ``agreement`` checked (rank_checks.py).

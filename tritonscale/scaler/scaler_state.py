@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ScalerConfigError
-from ..policy.knob_checks import INT32_LIMIT, check_counter, check_scale_value
+from ..policy.knob_checks import INT32_LIMIT, check_counter, check_scale_value, is_int, is_number
 from ..policy.loss_scale_policy import (
     CONSECUTIVE_SKIPS,
     COUNTER_NAMES,
@@ -325,18 +325,20 @@ def _section(state_dict: abc.Mapping, key: str) -> abc.Mapping:
 
 
 def _as_number(value: Any, name: str) -> float:
+    """A saved number as a Python float: torch's state_dict holds numpy knobs as they were given."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise ScalerConfigError(f"state_dict[{name!r}] must be a number, got {value!r}")
     return float(value)
 
 
 def _as_int(value: Any, name: str) -> int:
+    """A saved count as a Python int (a float with an integer value is one too)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, float) and value.is_integer():
+    if is_number(value) and not is_int(value) and float(value).is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ScalerConfigError(f"state_dict[{name!r}] must be an int, got {value!r}")
-    return value
+    return int(value)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import ScalerConfigError
-from ..policy.knob_checks import check_count, check_factor, check_loss_scale, is_number
+from ..policy.knob_checks import check_count, check_factor, check_loss_scale, is_number, plain_number
 from ..policy.loss_scale_policy import ConsecutiveSkipLimit, LossScalePolicy, as_float32
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
@@ -95,7 +95,7 @@ class DynamicLossScaleManager(LossScaleManager):
                 min_scale=1.0,
             )
         checked_device = check_device(device)
-        self._scale_factor, self._scale_window = scale_factor, window
+        self._scale_factor, self._scale_window = plain_number(scale_factor), window
         scaler = _BadStepLimitGradScaler(
             scaler_device_name(checked_device),
             init_scale=init_scale,

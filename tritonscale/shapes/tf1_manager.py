@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..policy.knob_checks import check_count, check_factor, check_loss_scale
+from ..policy.knob_checks import check_count, check_factor, check_loss_scale, plain_number
 from ..policy.loss_scale_policy import LossScalePolicy
 from ..scaler.grad_scaler import GradScaler
 from .loss_scale_manager import Flag, LossScaleManager, check_device, check_flag, scaler_device_name
@@ -61,8 +61,8 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
             "init_loss_scale": init_scale,
             "incr_every_n_steps": incr_n,
             "decr_every_n_nan_or_inf": decr_n,
-            "incr_ratio": incr_ratio,
-            "decr_ratio": decr_ratio,
+            "incr_ratio": plain_number(incr_ratio),
+            "decr_ratio": plain_number(decr_ratio),
         }
         super().__init__(scaler, checked_device)
 

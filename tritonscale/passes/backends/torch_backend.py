@@ -7,9 +7,12 @@ is one read plus one read+write of gradient memory, against torch's unscale_ (re
 per run (``kernels/flat_runs.py``).
 
 Each tensor's norm accumulates in float32, as torch's does, and the per-tensor norms are combined
-as torch combines them (float32). Where a float32 result overflows while the gradients are finite
-(a scaled |g| above ~1.8e19 for the 2-norm, or many such tensors), float64 stands in, so found_inf
-means "a gradient is inf/NaN", never "the norm overflowed" (``_wide_per_tensor_norms``). For
+as torch combines them (float32). The gradients are still scaled, so at the ends of the scale's
+range float32 is not enough: where a float32 result overflows while the gradients are finite (a
+scaled |g| above ~1.8e19 for the 2-norm, or many such tensors), or is so small that its squares
+fell below float32's normal range (a loss scale of 2**-70 on ordinary gradients), float64 stands in
+(``wide_norms``). So found_inf means "a gradient is inf/NaN", never "the norm overflowed", and the
+norm is right at every scale from the floor (2**-126) to float32's max. For
 bfloat16 gradients on CPU each tensor's norm is rounded to bfloat16, as torch's clip_grad_norm_
 does (see ``_rounds_norm_to_bf16``); the Triton kernels keep it in float32. Off the CPU nothing
 here reads a device value on the host; on the CPU, where such a read waits for nothing, one read
@@ -92,33 +95,44 @@ def _one_norm(grad: torch.Tensor, ord: float) -> torch.Tensor:
     return torch._foreach_norm([grad], ord, dtype=torch.float32)[0]
 
 
-def _wide_per_tensor_norms(groups: list[list[torch.Tensor]], ord: float, per_tensor: torch.Tensor) -> torch.Tensor:
-    """float64 [T] norms: ``per_tensor`` where it is finite, float64 recomputed where it is +inf.
+def underflow_floor(ord: float) -> float:
+    """The smallest float32 ``ord``-norm that underflow cannot have made inexact.
 
-    A +inf float32 norm is either an inf gradient or finite squares past 3.4e38; float64 (to
-    ~1.8e308) tells them apart. On the CPU only the tensors that need it are recomputed, so a
-    normal step pays one ``isposinf().any()`` read; a float64 pass over everything would cost
-    a multiple of the float32 one. On a GPU the reduction is bandwidth-bound, so every tensor's
-    squares accumulate in float64 at the same bytes and nothing is read back.
+    A float32 norm sums ``|g|**ord``; a term below float32's normal range (2**-126) rounds to a
+    subnormal, off by up to 2**-150. A sum of at least 2**-80 (a norm of at least 2**(-80/ord))
+    loses at most n * 2**-150 of it, under 2**-30 relative for 2**40 elements. For ord < 1 and inf
+    no term is below |g| itself (exact), but a negative order overflows on tiny terms and comes out
+    0: 2**-80 catches that. ``underflow_floor(2.0) == 2.0**-40``."""
+    return 2.0 ** (-80.0 / ord) if 1.0 <= ord < math.inf else 2.0**-80
 
-    A float16 tensor's float32 norm cannot overflow on finite values (65504**2 times any
-    possible element count stays below 3.4e38), so there +inf always means an inf element and
-    nothing is recomputed: an overflowed float16 step stays as cheap as before (no float64 pass
-    over its elements).
+
+def wide_norms(tensors: list[torch.Tensor], ord: float, norms32: torch.Tensor) -> torch.Tensor:
+    """float64 [T] ``ord``-norms of ``tensors``: their float32 norms ``norms32`` where those can be
+    trusted, float64 recomputed where not: +inf (an inf element, or finite terms past 3.4e38) or
+    below ``underflow_floor`` (terms lost to underflow). float64 holds every power a float32 value
+    has for the usual orders (up to 2**256 squared, down to 2**-298).
+
+    On the CPU only the tensors that need it are recomputed, so a step pays one ``any()`` read (a
+    float64 pass over everything would cost a multiple of the float32 one). float16 values (2**-24
+    to 65504) give terms in float32's normal range for the norm types the kernels take (1, 2, inf),
+    so there +inf always means an inf element and nothing is recomputed: an overflowed float16 step
+    stays as cheap as before. On a GPU the reduction is bandwidth-bound, so every tensor's terms
+    accumulate in float64 at the same bytes and nothing is read back.
+
+    Example: at a loss scale of 2**-80 a float32 gradient of ones has float32 2-norm 0 (each
+    square, 2**-160, underflows); ``wide_norms([g], 2.0, norms32)`` gives ``sqrt(g.numel()) * 2**-80``.
     """
-    wide = per_tensor.double()
-    grads = [g for group in groups for g in group]
-    if not host_reads.are_free(per_tensor.device):
-        return torch.where(
-            torch.isposinf(per_tensor), torch.stack(torch._foreach_norm(grads, ord, dtype=torch.float64)), wide
-        )
-    overflowed = torch.isposinf(per_tensor)
-    if not bool(overflowed.any()):
+    wide = norms32.double()
+    suspect = torch.isposinf(norms32) | (norms32 < underflow_floor(ord))
+    if not host_reads.are_free(norms32.device):
+        return torch.where(suspect, torch.stack(torch._foreach_norm(tensors, ord, dtype=torch.float64)), wide)
+    if not bool(suspect.any()):
         return wide
-    index = [i for i in overflowed.nonzero().flatten().tolist() if grads[i].dtype is not torch.float16]
+    fp16_exact = ord in (1.0, 2.0, math.inf)
+    index = [i for i in suspect.nonzero().flatten().tolist() if not fp16_exact or tensors[i].dtype != torch.float16]
     if not index:
         return wide
-    recomputed = torch._foreach_norm([grads[i] for i in index], ord, dtype=torch.float64)
+    recomputed = torch._foreach_norm([tensors[i] for i in index], ord, dtype=torch.float64)
     return wide.index_put((torch.tensor(index),), torch.stack(recomputed))
 
 
@@ -149,11 +163,12 @@ def _mean_numel(grads: list[torch.Tensor]) -> float:
 
 
 def _finalize_on_host(raw: float, inv_scale: torch.Tensor, max_norm: float | None, plan: list) -> CheckResult:
-    """The finalize of a step whose float32 norm came out finite (so nothing is inf/NaN and nothing
-    overflowed: the float64 path would give these same values), on Python numbers: the same
-    float32 operations (policy_forms.py), then one new tensor per result. Four tensors made
-    instead of ~10 small ops, each a dispatch: with 1/scale on the host too (base.inverse_scale),
-    this is most of what a small step's clip_grad_norm_ saves on the CPU."""
+    """The finalize of a step whose float32 norm came out finite and at least ``underflow_floor``
+    (so nothing is inf/NaN, nothing overflowed or underflowed: the float64 path would give these
+    same values), on Python numbers: the same float32 operations (policy_forms.py), then one new
+    tensor per result. Four tensors made instead of ~10 small ops, each a dispatch: with 1/scale on
+    the host too (base.inverse_scale), this is most of what a small step's clip_grad_norm_ saves
+    on the CPU."""
     inverse = inv_scale.item()
     norm = as_float32(raw * inverse)
     clip_coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm, ON_HOST)
@@ -182,16 +197,19 @@ class TorchBackend:
         )
         # torch's own combination, in float32: bit for bit torch's clip_grad_norm_ when the scale is 1
         # (a bf16 run). Where it overflows on finite gradients (one tensor's squares, or the sum of
-        # many tensors' norms), the float64 one stands in.
+        # many tensors' norms) or falls below the underflow floor, the float64 one stands in.
         raw32 = torch.linalg.vector_norm(per_tensor, ord)
+        floor = underflow_floor(ord)
         if host_reads.are_free(per_tensor.device):
             raw = raw32.item()
-            if math.isfinite(raw):  # the common case on the CPU, decided by one free read
+            if floor <= raw < math.inf:  # the common case on the CPU, decided by one free read
                 return _finalize_on_host(raw, inv_scale, max_norm, nonempty)
-        wide = _wide_per_tensor_norms(nonempty, ord, per_tensor) if nonempty else per_tensor.double()
+        grads = [g for runs in nonempty for g in runs]
+        wide = wide_norms(grads, ord, per_tensor) if nonempty else per_tensor.double()
         raw64 = torch.linalg.vector_norm(wide, ord)
         found_inf = (~torch.isfinite(raw64)).float()
-        norm = torch.where(torch.isfinite(raw32), raw32 * inv_scale, (raw64 * inv_scale.double()).float())
+        trusted = torch.isfinite(raw32) & (raw32 >= floor)
+        norm = torch.where(trusted, raw32 * inv_scale, (raw64 * inv_scale.double()).float())
         norm = norm.reshape(())
         clip_coef = None if max_norm is None else clip_coefficient(norm, max_norm)
         factor = gradient_factor(found_inf, inv_scale, clip_coef)
