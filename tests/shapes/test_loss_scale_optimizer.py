@@ -237,6 +237,42 @@ def test_copy_mid_training_continues_bitwise_as_the_original(backend, fused, how
     )
 
 
+def _scheduled_run(fused: bool, how: str | None = None) -> dict:
+    """8 steps with a StepLR scheduler attached (which patches ``optimizer.step`` on the instance),
+    overflows at 1 and 5. With ``how``, copied at step 3 (model, optimizer and scheduler together;
+    copy.copy: the optimizer alone, which then shares the model, inner optimizer and scaler): from
+    there the copy goes on, and a deep copy's original goes on too, interleaved with it (both
+    backward, then both step). Returns each one's norms, scales, learning rates and parameters."""
+    model, optimizer = make(fused, "torch", max_norm=0.5, policy=LossScalePolicy(growth_interval=2), init_scale=2.0**8)
+    runs = {"original": (model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))}
+    logs = {"original": []}
+    for step in range(8):
+        if step == 3 and how is not None:
+            m, o, sched = runs["original"]
+            runs["copy"] = (m, copy.copy(o), sched) if how == "copy.copy" else COPIES[how]((m, o, sched))
+            logs["copy"] = list(logs["original"])
+            if how == "copy.copy":
+                del runs["original"], logs["original"]
+        for m, o, _ in runs.values():
+            o.scaled_backward(loss_of(m, step, poison=step in (1, 5)))
+        for name, (m, o, sched) in runs.items():
+            norm = o.step()
+            sched.step()
+            o.zero_grad()
+            logs[name].append((bits(norm), o.loss_scale, o.param_groups[0]["lr"]))
+    return {name: (logs[name], [bits(p) for p in m.parameters()]) for name, (m, _, _) in runs.items()}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+@pytest.mark.parametrize("how", ["copy.copy", *COPIES])
+def test_copy_with_an_lr_scheduler_steps_itself_as_the_original_would(fused, how):
+    # The scheduler wraps step() on the instance; a copy that kept the wrapper stepped the original.
+    oracle = _scheduled_run(fused)["original"]  # the original, continued uncopied
+    runs = _scheduled_run(fused, how)
+    for name, run in runs.items():
+        assert same_bits(run, oracle), name
+
+
 # ------------------------------------------------------------- bad input
 def snapshot(model, optimizer):
     return (

@@ -6,11 +6,16 @@ divide each gradient by it, in the same pass that updates the parameter) and ``f
 skip the whole update on the device when it is nonzero). The scaler sets both for one ``step``
 call and removes them after, as torch.amp.GradScaler does; with ``grad_scale = scale / clip_coef``
 the clip rides along and the gradients are never written by the scaler.
+
+So after a folded clip the gradients still hold the loss scale until ``scaler.step(optimizer)``
+hands the optimizer its divisor; an ``optimizer.step()`` called directly would apply them about
+``scale`` times too large. :class:`DirectStepGuard` makes that a clear error.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +39,61 @@ def is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:
     defaults = getattr(optimizer, "defaults", None)
     fused = isinstance(defaults, dict) and bool(defaults.get("fused"))
     return fused and type(optimizer).__module__.startswith("torch.optim.")
+
+
+#: The first half of the key under which a scaler's guard sits in an optimizer's step pre-hooks.
+GUARD_KEY = "tritonscale.fold.DirectStepGuard"
+
+
+class DirectStepGuard:
+    """A step pre-hook on a fused optimizer: ``optimizer.step()`` raises, changing nothing, while a
+    clip of ``scaler`` folded into it is pending and the step is handed no divisor (``grad_scale``,
+    which ``scaler.step(optimizer)`` sets for its call; the scaler is not asked then). Once
+    ``scaler.step`` has handed it over, or after ``update()`` or ``abandon_iteration()``, nothing
+    is pending and the hook lets every step through.
+
+    The scaler is held weakly and a copy or a pickle of the hook is inert (``__reduce__``): an
+    optimizer copied with its hooks does not drag the scaler along. Example::
+
+        scaler.clip_grad_norm_(optimizer, 1.0)   # fused: installs the guard, writes no gradient
+        optimizer.step()                         # RuntimeError naming scaler.step(optimizer)
+    """
+
+    __slots__ = ("_scaler",)
+
+    def __init__(self, scaler: Any = None) -> None:
+        self._scaler = weakref.ref(scaler) if scaler is not None else None
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        scaler = self._scaler() if self._scaler is not None else None
+        if getattr(optimizer, "grad_scale", None) is not None or scaler is None:
+            return
+        if scaler.folded_grad_scale(optimizer) is not None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() called directly after scaler.clip_grad_norm_() folded the "
+                "unscale and the clip into this fused optimizer's step: its gradients still hold the loss "
+                "scale and would be applied that many times too large. Step it with scaler.step(optimizer), "
+                "then scaler.update(); p.grad / scaler.folded_grad_scale(optimizer) reads the unscaled, "
+                "clipped gradients, and GradScaler(..., fold_into_optimizer=False) makes the clip write "
+                "them. Nothing was changed."
+            )
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (DirectStepGuard, ())
+
+
+@torch.compiler.assume_constant_result
+def guard_direct_step(optimizer: Any, scaler: Any) -> bool:
+    """Install ``scaler``'s :class:`DirectStepGuard` on ``optimizer`` (a torch.optim.Optimizer;
+    others have no step hooks): its key is the scaler's, so each clip sets the same entry.
+
+    A compiled clip runs this once, while Dynamo traces it (``assume_constant_result``; the graph
+    is specialised to this optimizer and scaler already): traced as a dict write instead, the hooks'
+    first change would recompile the clip. Returns whether the guard is on."""
+    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    if isinstance(hooks, dict):
+        hooks[(GUARD_KEY, id(scaler))] = DirectStepGuard(scaler)
+    return isinstance(hooks, dict)
 
 
 def takes_grad_scaler_argument(optimizer: Any) -> bool:
@@ -80,9 +140,12 @@ def step_with_grad_scaler_argument(optimizer: Any, scaler: Any, args: tuple, kwa
     return optimizer.step(*args, **{**kwargs, "grad_scaler": scaler})
 
 
-def folded_grad_scale(scale: torch.Tensor, clip_coef: torch.Tensor) -> torch.Tensor:
-    """What clip_grad_norm_ hands a fused optimizer: dividing by ``scale / clip_coef`` unscales and
-    clips in the optimizer's own pass (about 1 ulp from torch's unscale-then-clip)."""
+def fold_clip(scale: torch.Tensor, clip_coef: torch.Tensor, optimizer: Any, scaler: Any) -> torch.Tensor:
+    """The fold of a clip: returns what ``scaler.step`` hands the fused ``optimizer``, whose dividing
+    by ``scale / clip_coef`` unscales and clips in its own pass (about 1 ulp from torch's
+    unscale-then-clip). The gradients stay scaled until then, so ``scaler``'s guard goes on
+    ``optimizer`` (:func:`guard_direct_step`)."""
+    guard_direct_step(optimizer, scaler)
     return scale / clip_coef.to(scale.device, non_blocking=True)
 
 

@@ -218,7 +218,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             group=group,
             agreement=self._agreement(optimizer, "clip", max_norm, norm_type),
         )
-        folded = fold.folded_grad_scale(pending, result.clip_coef) if folds else None
+        folded = fold.fold_clip(pending, result.clip_coef, optimizer, self) if folds else None
         # Only now: a clip that raised leaves the record as it was.
         record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
         return result.norm
@@ -352,6 +352,12 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later."""
         record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
         return record.summed_found_inf() if record is not None else None
+
+    def folded_grad_scale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The divisor (``scale / clip_coef``) a clip folded into ``optimizer``'s fused step, until step()
+        hands it over; else None. Example: ``p.grad / scaler.folded_grad_scale(opt)``: unscaled, clipped."""
+        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        return record.grad_scale if record is not None and record.stage is OptState.UNSCALED else None
 
     def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
         """:meth:`found_inf_for` read on the host (one read); False before the first check.

@@ -27,6 +27,10 @@ SCALER_KEY = "loss_scaler"
 _HOOK_DICTS = tuple(
     f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict", "load_state_dict") for when in ("pre", "post")
 )
+#: What an LR scheduler sets on the instance: ``step``, a wrapper that calls this very object
+#: (through a weak reference), and its ``_opt_called`` flag. A copy keeping them would step the
+#: original; torch.optim.Optimizer's own pickling leaves them out too.
+_SCHEDULER_PATCHES = ("step", "_opt_called")
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -85,9 +89,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """The wrapper whole: the inner optimizer, the scaler (which pickles between iterations, as
         torch's does) and the settings. torch.optim.Optimizer's would save ``param_groups``,
         ``state`` and ``defaults`` only, which here are properties of the inner optimizer, and its
-        __setstate__ would then read them before ``optimizer`` exists. Hooks are left out, as
-        torch.optim.Optimizer leaves its own out."""
-        return {name: value for name, value in self.__dict__.items() if name not in _HOOK_DICTS}
+        __setstate__ would then read them before ``optimizer`` exists. Hooks and an LR scheduler's
+        patches of this instance (which call the original) are left out, as torch.optim.Optimizer
+        leaves its own out: the copy steps itself. Example: ``copy.deepcopy((model, optimizer,
+        scheduler))`` continues exactly as the original would."""
+        left_out = (*_HOOK_DICTS, *_SCHEDULER_PATCHES)
+        return {name: value for name, value in self.__dict__.items() if name not in left_out}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
