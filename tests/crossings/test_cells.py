@@ -12,7 +12,11 @@ from .entry_points import ENTRY_POINTS
 from .harness import Cell, applies, run_cell
 from .stopwatch import stopwatch
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning"),
+    # torch's schedulers warn when an overflow skipped the first optimizer step (both sides alike).
+    pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning"),
+]
 
 CELLS = [
     Cell(row, grads, scale, backend)
