@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from compiled_placements import placed
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler, flatten_grads_
@@ -218,3 +219,129 @@ def test_a_disabled_scalers_clip_compiles_whole():
     (seen, params), (expected, expected_params) = run(True), run(False)
     assert seen == expected and expected.count(True) == 1
     assert all(torch.equal(ours, reference) for ours, reference in zip(params, expected_params))
+
+
+# ------------------------------------------------ a clip schedule: max_norm changes on every call
+#: An LR-style clip schedule, one max_norm per call, and where a step overflows.
+SCHEDULE = (0.5, 0.25, 0.125, 0.4, 0.3)
+SCHEDULE_OVERFLOW = 3
+WARM_CALLS = 2  # a float argument turns dynamic at its second value (automatic dynamic)
+
+
+def schedule_run(
+    backend: str,
+    compiled: bool,
+    where: str = "closure",
+    dynamic: bool | None = None,
+    tensor: bool = False,
+    norm_types: tuple = (),
+) -> dict:
+    """clip_grad_norm_ compiled with fullgraph=True (or eager) and called with a new max_norm each
+    step (a 0-dim tensor with ``tensor``), and ``norm_types`` in turn; the scaler held as ``where``
+    says. Once warm, only a norm type not seen before may compile (``error_on_recompile``)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend=backend)
+    clip = placed(where, scaler, lambda s, max_norm, norm_type: s.clip_grad_norm_(optimizer, max_norm, norm_type))
+    counter = CompileCounterWithBackend("aot_eager")
+    clip = torch.compile(clip, backend=counter, dynamic=dynamic, fullgraph=True) if compiled else clip
+    norm_types = norm_types or (2.0,) * len(SCHEDULE)
+    g = torch.Generator().manual_seed(1)
+    run = {"norm bits": [], "grads": [], "graphs": [], "skipped": []}
+    for i, (max_norm, norm_type) in enumerate(zip(SCHEDULE, norm_types)):
+        optimizer.zero_grad()
+        x = torch.randn(4, 6, generator=g)
+        x[0, 0] = math.inf if i == SCHEDULE_OVERFLOW else x[0, 0]
+        scaler.scale(torch.nn.functional.mse_loss(model(x), torch.zeros(4, 3))).backward()
+        warm = compiled and i >= WARM_CALLS and norm_type in norm_types[:i]
+        with torch._dynamo.config.patch(error_on_recompile=warm and dynamic is not False):
+            norm = clip(torch.tensor(max_norm) if tensor else max_norm, norm_type)
+        run["norm bits"].append(norm.view(torch.int32).item())
+        run["grads"].append([p.grad.clone() for p in model.parameters()])
+        run["graphs"].append(counter.frame_count)
+        scaler.step(optimizer)
+        scaler.update()
+        run["skipped"].append(scaler.last_step_skipped())
+    run["params"] = [p.detach().clone() for p in model.parameters()]
+    return run
+
+
+def torch_clip_graphs(dynamic: bool | None, tensor: bool, norm_types=()) -> list[int]:
+    """The oracle for recompilation: the graphs torch's own clip_grad_norm_, compiled with
+    fullgraph=True and called after torch's unscale_, has made after each call of the schedule."""
+    torch._dynamo.reset()
+    model = torch.nn.Linear(6, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    counter = CompileCounterWithBackend("aot_eager")
+    clip = torch.compile(torch.nn.utils.clip_grad_norm_, backend=counter, dynamic=dynamic, fullgraph=True)
+    graphs = []
+    for max_norm, norm_type in zip(SCHEDULE, norm_types or (2.0,) * len(SCHEDULE)):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(2, 6)).sum()).backward()
+        scaler.unscale_(optimizer)
+        clip(list(model.parameters()), torch.tensor(max_norm) if tensor else max_norm, norm_type)
+        graphs.append(counter.frame_count)
+        scaler.step(optimizer)
+        scaler.update()
+    return graphs
+
+
+@pytest.mark.parametrize(
+    "backend_name, where, dynamic, tensor, norm_types",
+    [
+        ("torch", "global", None, False, ()),
+        ("triton", "attribute", True, False, ()),
+        ("torch", "closure", True, False, (2.0, 1.0, math.inf, 2.0, 1.0)),
+        ("torch", "closure", False, False, ()),
+        ("triton", "global", False, True, ()),
+    ],
+    ids=["global", "attribute-dynamic-triton", "closure-dynamic-norm-types", "static-floats", "tensor-triton"],
+)
+def test_a_clip_schedule_compiles_as_torchs_own_clip(backend_name, where, dynamic, tensor, norm_types):
+    """A max_norm that changes on every call (an LR-style clip schedule), wherever the scaler
+    lives: fullgraph=True holds, the run is eager's bit for bit, and the graphs come as torch's own
+    compiled clip makes them -- a float turns dynamic at its second value (never again compiled),
+    dynamic=True compiles once, a norm type compiles once (it picks the code), and dynamic=False
+    compiles each new float (Dynamo specialises floats there). A tensor never recompiles."""
+    compiled = schedule_run(backend_name, True, where, dynamic, tensor, norm_types)
+    eager = schedule_run(backend_name, False, tensor=tensor, norm_types=norm_types)
+    assert eager["skipped"] == [i == SCHEDULE_OVERFLOW for i in range(len(SCHEDULE))]
+    assert compiled["norm bits"] == eager["norm bits"] and compiled["skipped"] == eager["skipped"]
+    for ours, reference in zip(compiled["grads"] + [compiled["params"]], eager["grads"] + [eager["params"]]):
+        assert all(torch.equal(o.view(torch.int32), r.view(torch.int32)) for o, r in zip(ours, reference))
+    assert compiled["graphs"] == torch_clip_graphs(dynamic, tensor, norm_types)
+
+
+def test_tensor_max_norm_is_torchs_float_of_it_and_bad_ones_change_nothing(backend):
+    """torch's clip_grad_norm_ takes a one-element tensor max_norm and reads it with float() (a
+    host read): the scaler reads it on the device, with the same bits as torch. A negative one,
+    or one of several elements, raises and changes nothing, as a bad float does."""
+    results = []
+    for max_norm in (0.3, torch.tensor(0.3), torch.tensor([0.3], dtype=torch.float64)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = GradScaler("cpu", init_scale=2.0**10, backend=backend)
+        scaler.scale(model(torch.randn(3, 6)).sum()).backward()
+        results.append((scaler.clip_grad_norm_(optimizer, max_norm), [p.grad.clone() for p in model.parameters()]))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    reference.scale(model(torch.randn(3, 6)).sum()).backward()
+    reference.unscale_(optimizer)
+    reference_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), torch.tensor(0.3))
+    results.append((reference_norm, [p.grad for p in model.parameters()]))
+    for norm, grads in results[1:]:
+        assert torch.equal(norm, results[0][0]) and all(torch.equal(g, r) for g, r in zip(grads, results[0][1]))
+    scaler = GradScaler("cpu", backend=backend)
+    scaler.scale(model(torch.randn(3, 6)).sum()).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    for bad, match in ((torch.tensor(-1.0), "max_norm must be >= 0"), (torch.ones(2), "one-element real tensor")):
+        with pytest.raises(ValueError, match=match):
+            scaler.clip_grad_norm_(optimizer, bad)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    assert scaler.optimizer_stage(optimizer) is None

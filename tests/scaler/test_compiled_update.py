@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from compiled_placements import placed
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler
@@ -21,7 +22,17 @@ OVERFLOWS = (4, 8)
 WARM = 3  # updates before which a recompilation is allowed
 
 
-def training_run(optimizer_kind: str, compiled: bool, fullgraph: bool = True, **knobs) -> dict:
+def training_run(
+    optimizer_kind: str,
+    compiled: bool,
+    fullgraph: bool = True,
+    where: str = "closure",
+    dynamic: bool | None = None,
+    **knobs,
+) -> dict:
+    """STEPS scaled steps whose update() is compiled (or eager), with the scaler held as ``where``
+    says (compiled_placements.py); ``iterations``: the count of ended iterations the scaler keeps
+    for the rank checks (rank_checks.RankChecks.iteration)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
@@ -31,7 +42,8 @@ def training_run(optimizer_kind: str, compiled: bool, fullgraph: bool = True, **
         optimizer = torch.optim.SGD(params, lr=0.01)
     scaler = GradScaler("cpu", backend="torch", growth_interval=2, **knobs)
     counter = CompileCounterWithBackend("aot_eager")
-    update = torch.compile(scaler.update, backend=counter, fullgraph=fullgraph) if compiled else scaler.update
+    update = placed(where, scaler, lambda s: s.update())
+    update = torch.compile(update, backend=counter, fullgraph=fullgraph, dynamic=dynamic) if compiled else update
     stats = []
     for i in range(STEPS):
         scaler.scale(sum((p * p).sum() for p in params)).backward()
@@ -43,7 +55,8 @@ def training_run(optimizer_kind: str, compiled: bool, fullgraph: bool = True, **
             update()
         stats.append({name: value.clone() for name, value in scaler.stats().items()})
         optimizer.zero_grad()
-    return {"stats": stats, "params": [p.detach().clone() for p in params], "graphs": counter.frame_count}
+    params = [p.detach().clone() for p in params]
+    return {"stats": stats, "params": params, "graphs": counter.frame_count, "iterations": int(scaler._ranks.iteration)}
 
 
 def assert_same_run(compiled: dict, eager: dict) -> None:
@@ -57,6 +70,7 @@ def assert_same_run(compiled: dict, eager: dict) -> None:
             torch.testing.assert_close(ours[name], reference[name], rtol=0, atol=0, equal_nan=True, msg=name)
     for ours, reference in zip(compiled["params"], eager["params"]):
         assert torch.equal(ours, reference)
+    assert compiled["iterations"] == eager["iterations"] == STEPS  # the rank checks' count still counts
 
 
 @pytest.mark.parametrize("optimizer_kind", ["fused", "plain"])
@@ -68,6 +82,27 @@ def test_update_compiles_whole_without_recompiling(request, optimizer_kind, path
     assert_same_run(compiled, training_run(optimizer_kind, compiled=False))
     # fullgraph=True held (a break raises); at most one recompilation, before WARM.
     assert 1 <= compiled["graphs"] <= 2
+
+
+#: Knobs whose rule rounds float knobs to float32 in the graph, at values that never skip here.
+NORM_KNOBS = {"skip_norm_above": 1e30, "skip_norm_factor": 1e6}
+
+
+@pytest.mark.parametrize(
+    "where, dynamic, knobs",
+    [("global", None, {}), ("attribute", True, NORM_KNOBS)],
+    ids=["global", "attribute-dynamic"],
+)
+def test_update_does_not_recompile_wherever_the_scaler_lives(forbid_host_reads, where, dynamic, knobs):
+    """A scaler that is a module global or a module's attribute (the closure is above): once
+    warm, no recompilation (error_on_recompile) while the scale grows, backs off and skips, and
+    the iteration count of the rank checks advances in the graph. A Python int counter there was
+    a guarded constant: a recompilation per update(), FailOnRecompileLimitHit at the 8th. With
+    dynamic=True the policy's float knobs are symbolic floats, which the rule must not round on
+    the host (policy_forms.as_float32)."""
+    compiled = training_run("fused", compiled=True, where=where, dynamic=dynamic, **knobs)
+    assert_same_run(compiled, training_run("fused", compiled=False, **knobs))
+    assert 1 <= compiled["graphs"] <= 2 + (dynamic is True)
 
 
 def test_a_policy_that_reads_the_host_runs_eagerly_inside_a_compiled_caller():

@@ -4,20 +4,27 @@
 the same two arguments torch.nn.utils.clip_grad_norm_ takes; each is checked here, so a rule and
 its error message are written once. Which norm types the kernels compute is the kernels' own
 table (``kernels/supported.py``); ``kernels_compute`` routes the others to torch ops.
+
+Both checks trace under ``torch.compile``, where a Python float argument can be a symbolic float
+(``dynamic=True``, or one that changed between calls): they compare, and call nothing on the value
+that Dynamo cannot trace (``math.isnan``). A comparison becomes a guard, so a compiled clip checks
+a new ``max_norm`` without recompiling, and recompiles (then raises) only for a bad one.
 """
 
 from __future__ import annotations
 
-import math
+import torch
 
+from .. import host_reads
 from ..kernels.supported import NORM_CODES
 
 
 def check_norm_type(norm_type: float) -> float:
     """``norm_type`` as a float: any number torch.nn.utils.clip_grad_norm_ takes (not NaN). The
-    kernels compute 1, 2 and inf (``norm_code``); the others go through torch ops."""
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or math.isnan(norm_type):
-        raise ValueError(f"norm_type must be a number (1, 2 and inf run in the kernels), got {norm_type!r}")
+    kernels compute 1, 2 and inf (``norm_code``); the others go through torch ops. Example:
+    ``check_norm_type(2) == 2.0``."""
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or norm_type != norm_type:  # NaN
+        raise ValueError(f"norm_type must be a number (1, 2 and inf run in the kernels){_got(norm_type)}")
     return float(norm_type)
 
 
@@ -26,9 +33,14 @@ def kernels_compute(norm_type: float) -> bool:
     return norm_type in NORM_CODES
 
 
-def check_max_norm(max_norm: float) -> float:
+def check_max_norm(max_norm: float | torch.Tensor) -> float | torch.Tensor:
     """``max_norm`` as a float: any number torch.nn.utils.clip_grad_norm_ clips sensibly by, from 0
-    (every gradient zeroed) to inf (the norm alone, nothing clipped); negative and NaN refused."""
+    (every gradient zeroed) to inf (the norm alone, nothing clipped); negative and NaN refused. A
+    one-element real tensor, which torch's clip takes too (it reads it with ``float()``, a host
+    read), stays a tensor, detached: the clip reads it on the device, and a compiled clip at run
+    time (no recompilation when it changes). Example: ``check_max_norm(1) == 1.0``."""
+    if isinstance(max_norm, torch.Tensor):
+        return _check_max_norm_tensor(max_norm)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise ValueError(f"max_norm must be a float >= 0 (inf: only measure), got {max_norm!r}")
     try:
@@ -36,5 +48,26 @@ def check_max_norm(max_norm: float) -> float:
     except OverflowError:  # an int beyond the float range, such as 10**400 (torch: a raw OverflowError)
         raise ValueError(f"max_norm must be a float >= 0, got an int of {max_norm.bit_length()} bits") from None
     if not value >= 0:  # negative would flip every gradient's sign; NaN would poison it
-        raise ValueError(f"max_norm must be a float >= 0 (inf: only measure), got {max_norm!r}")
+        raise ValueError(f"max_norm must be a float >= 0 (inf: only measure){_got(max_norm)}")
     return value
+
+
+def _got(value: object) -> str:
+    """The message's ", got <value>"; none while Dynamo traces, where the value may be symbolic
+    (a string cannot be made of it; fullgraph=True then shows the message as it is)."""
+    return "" if torch.compiler.is_compiling() else f", got {value!r}"
+
+
+def _check_max_norm_tensor(max_norm: torch.Tensor) -> torch.Tensor:
+    """A tensor ``max_norm``: one element, real. Its value is checked where reading it costs
+    nothing (a CPU tensor, eager). A GPU tensor, or one a compiled clip reads, is not read on the
+    host (that would stall the stream, or break the graph): there it is used as given, as torch's
+    clip uses the float it reads."""
+    if max_norm.numel() != 1 or max_norm.dtype.is_complex or max_norm.dtype is torch.bool:
+        raise ValueError(
+            f"max_norm must be a float >= 0 or a one-element real tensor, got a {max_norm.dtype} tensor of "
+            f"shape {tuple(max_norm.shape)}"
+        )
+    if host_reads.are_free(max_norm.device) and not max_norm.item() >= 0:
+        raise ValueError(f"max_norm must be >= 0 (inf: only measure), got {max_norm!r}")
+    return max_norm.detach()

@@ -20,6 +20,7 @@ import torch
 from .. import host_reads
 from ..grads.grad_groups import Grads
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
+from .backends.base import with_clip
 from .backends.torch_backend import wide_norms
 from .device_copies import PerDevice
 from .rank_checks import Agreement
@@ -164,12 +165,15 @@ def holds_grads(grads: Grads) -> bool:
 
 
 def _check_on(
-    runner: Any, grads: Grads, device: torch.device, scale: torch.Tensor, norm_type: float, max_norm: float
+    runner: Any, grads: Grads, device: torch.device, scale: torch.Tensor, norm_type: float, max_norm: Any
 ) -> CheckResult:
     """Check pass + finalize over the kernels' gradients, the torch-op ones folded in."""
     kernel_groups = grads.kernel.get(device, [])
     if kernel_groups:
-        result = runner.check(kernel_groups, scale, norm_type, max_norm)
+        # A tensor max_norm, or any while Dynamo traces, is clipped by with_clip (base.py).
+        on_device = max_norm is not None and (isinstance(max_norm, torch.Tensor) or torch.compiler.is_compiling())
+        result = runner.check(kernel_groups, scale, norm_type, None if on_device else max_norm)
+        result = with_clip(result, scale, max_norm) if on_device else result
     else:  # nothing for the kernels (none at all, or a norm type only torch computes)
         zero = torch.zeros((), dtype=torch.float32, device=device)
         result = CheckResult(zero, zero, torch.ones_like(zero), inverse_scale(scale).reshape(()), plan=[])

@@ -169,24 +169,31 @@ class RankChecks:
     """One scaler's call sequence on its process groups, and a mismatch not raised yet (GPU)."""
 
     def __init__(self) -> None:
-        self.iteration = 0
+        #: 0-dim int64 tensor, on the device of the scale once an update() ran there: a device
+        #: value, so that a compiled update() counts without a guard on it (a Python int would be
+        #: a constant of the graph, recompiled at every iteration) and without a host read.
+        self.iteration = torch.zeros((), dtype=torch.int64)
         self._calls: dict[Any, int] = {}  # process group -> combines issued on it this iteration
         #: 0-dim float32 device flag, 1 once a combine saw a mismatch not raised yet (GPU paths).
         self.pending: torch.Tensor | None = None
         self._seen: tuple[torch.Tensor, tuple[str, ...]] | None = None  # what the first one showed
 
-    def next_iteration(self) -> None:
-        """The scaler ended an iteration (update(); a disabled scaler's step())."""
-        self.iteration += 1
+    def next_iteration(self, device: torch.device | None = None) -> None:
+        """The scaler ended an iteration (update(); a disabled scaler's step()). ``device``: where
+        the count is to live from now on (the scale's); None keeps it where it is."""
+        if device is not None and self.iteration.device != device:
+            self.iteration = self.iteration.to(device)
+        self.iteration.add_(1)
         self._calls = {}
 
     def stamp(self, group: Any, scale: torch.Tensor, agreement: Agreement) -> torch.Tensor:
         """This rank's ``AGREED`` columns for the next combine on ``group`` (float64: a float32 scale,
-        a 32-bit hash and a Python float are exact in it), counting the combine."""
+        the iteration count, a 32-bit hash and a Python float are exact in it), counting the combine."""
         index = self._calls.get(group, 0)
         self._calls[group] = index + 1
-        host = [self.iteration, index, *agreement.columns()]
-        return torch.cat([scale.detach().reshape(1).double(), on_device(host, scale.device)])
+        iteration = self.iteration.to(scale.device, torch.float64, non_blocking=True).reshape(1)
+        host = on_device([index, *agreement.columns()], scale.device)
+        return torch.cat([scale.detach().reshape(1).double(), iteration, host])
 
     def judge(self, checked: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor | None:
         """``checked``: [world, len(names)], every rank's values in rank order (the same on every
@@ -248,8 +255,8 @@ class RankChecks:
                 tensor.copy_(torch.where(keep.to(tensor.device), old, tensor))
 
     def __getstate__(self) -> dict[str, Any]:
-        # Process groups and device flags do not travel; the count does.
-        return {"iteration": self.iteration, "_calls": {}, "pending": None, "_seen": None}
+        # Process groups and device flags do not travel; the count does (on the CPU).
+        return {"iteration": self.iteration.cpu(), "_calls": {}, "pending": None, "_seen": None}
 
 
 def on_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -28,7 +28,16 @@ import torch
 
 
 def as_float32(value: float) -> float:
-    """``value`` rounded to float32 (inf past the float32 range), as the device state stores it."""
+    """``value`` rounded to float32 (inf past the float32 range), as the device state stores it.
+    Example: ``as_float32(0.1) == 0.10000000149011612``.
+
+    While Dynamo traces, ``value`` is returned as it is: it may be a symbolic float (a knob of the
+    policy under ``dynamic=True``, a ``max_norm`` that changes), which has no bytes to round. There
+    every value this returns meets a float32 tensor op, which rounds a Python number to float32
+    first, so the bits are the same (the host form, which computes on Python numbers, is never
+    traced: ``host_reads.are_free``)."""
+    if torch.compiler.is_compiling():
+        return value
     try:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:

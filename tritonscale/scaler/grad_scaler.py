@@ -311,7 +311,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             else:
                 self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
-        self._ranks.next_iteration()
+        self._ranks.next_iteration(scale.device)
 
     # ------------------------------------------------------------ diagnostics
     @runs_eagerly

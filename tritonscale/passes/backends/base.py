@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,12 +30,30 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
-def clip_coefficient(norm: Any, max_norm: float, form: RuleForm = ON_DEVICE) -> Any:
+def clip_coefficient(norm: Any, max_norm: float | torch.Tensor, form: RuleForm = ON_DEVICE) -> Any:
     """torch.nn.utils.clip_grad_norm_'s coefficient, op for op: min(max_norm / (norm + 1e-6), 1)
     (torch's ``max_norm / x`` is ``x.reciprocal() * max_norm``). ``form`` ON_HOST: ``norm`` is a
-    float32 value as a Python float, and so is the result (policy_forms.py)."""
+    float32 value as a Python float, and so is the result (policy_forms.py). ``max_norm`` may be a
+    symbolic float of a compiled caller (only ``form.f32`` touches it: ON_DEVICE leaves the
+    rounding to float32 to the multiply), or, ON_DEVICE, a one-element tensor, multiplied as
+    float32: torch's clip reads it with ``float()`` and multiplies by that, rounded to float32, so
+    the bits are those of the same number passed as a float, and nothing is read on the host.
+    Example: ``clip_coefficient(torch.tensor(4.0), 1.0)`` is about 0.25."""
     shifted = form.f32(norm + as_float32(1e-6))
-    return form.at_most(form.f32(form.reciprocal(shifted) * as_float32(max_norm)), 1.0)
+    if isinstance(max_norm, torch.Tensor):
+        max_norm = max_norm.to(shifted.device, torch.float32).reshape(())
+    return form.at_most(form.f32(form.reciprocal(shifted) * form.f32(max_norm)), 1.0)
+
+
+def with_clip(result: CheckResult, scale: torch.Tensor, max_norm: float | torch.Tensor) -> CheckResult:
+    """``result``, of a check made without clipping, clipped by ``max_norm``: its coefficient and
+    factor made from its norm with torch ops, the bits the kernels' finalize gives. For a tensor
+    ``max_norm``, and for any while Dynamo traces: the backends take a Python number, which the
+    Triton ops would make a constant of the graph. Example: ``with_clip(backend.check(groups,
+    scale, 2.0, None), scale, torch.tensor(1.0))``."""
+    clip_coef = clip_coefficient(result.norm, max_norm)
+    factor = gradient_factor(result.found_inf, inverse_scale(scale), clip_coef)
+    return dataclasses.replace(result, clip_coef=clip_coef, factor=factor)
 
 
 def gradient_factor(
