@@ -59,7 +59,6 @@ def build_cases(targets: list[str], dtypes: list[str]) -> list[dict]:
     from tritonscale.kernels.launch_config import CHUNK, FINALIZE_NUM_WARPS, streaming_configs
 
     default = streaming_configs()[0]
-    check_fn = getattr(check_pass_kernel, "fn", check_pass_kernel)
     cases = []
     for target in targets:
         for dtype in dtypes:
@@ -69,7 +68,7 @@ def build_cases(targets: list[str], dtypes: list[str]) -> list[dict]:
                 check = {**common, "NORM": 2, "BLOCK": default.kwargs["BLOCK"]}
                 apply = {**common, "INVERT": False, "CHECK": False, "BLOCK": default.kwargs["BLOCK"]}
                 for kernel, fn, constexprs, warps in (
-                    ("check_pass", check_fn, check, default.num_warps),
+                    ("check_pass", check_pass_kernel, check, default.num_warps),
                     ("apply_pass", apply_kernel, apply, default.num_warps),
                 ):
                     cases.append({

@@ -75,8 +75,11 @@ def apply_kernel(
         tl.store(found_inf_ptr, 1.0, mask=bad)
 
 
-# Autotuning runs the kernel repeatedly, so it is only safe where restore_value can see every byte
-# the kernel writes: the FLAT layout. TABLE launches use the default config.
+# Timing may pick the config because none changes a bit: each element is multiplied by the same
+# factor and rounded once, and found_inf only ever receives 1.0 where an element is inf/NaN (the
+# benchmark's reruns store that same 1.0). Autotuning runs the kernel repeatedly, so it is only
+# safe where restore_value can see every byte the kernel writes: the FLAT layout. TABLE launches
+# use the default config.
 apply_kernel_flat_autotuned = triton.autotune(
     configs=streaming_configs(),
     key=["size_key", "CHECK"],

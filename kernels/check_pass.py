@@ -16,6 +16,10 @@ Non-finite detection is exact: ``g - g != 0`` holds for +-inf and NaN only. Summ
 magnitudes in one float32 vector (instead of two flag vectors) keeps inf-vs-NaN -- the norm torch
 reports -- and saves a register per element (measured: the fp16 table variant spilled on sm_90 with
 two int1 flag vectors).
+
+The bits of the partials depend on BLOCK and num_warps (which elements each lane folds, and the
+tree that sums a block), so the launch configuration is ``launch_config.check_config``, a pure
+function of the device and the size: never autotuned, never timed.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .jit_helpers import chunk_span, pow2_inverse, to_f32
-from .launch_config import CHUNK, PRUNE, size_class, streaming_configs
+from .launch_config import CHUNK, check_config
 from .supported import NORM_CODES
 from .tensor_table import GradLayout
 
@@ -56,7 +60,6 @@ def _fold_block(
     return b_acc, new_max, b_bad
 
 
-@triton.autotune(configs=streaming_configs(), key=["size_key", "FLAT", "ALIGNED", "NORM"], prune_configs_by=PRUNE)
 @triton.jit
 def check_pass_kernel(
     grad_ptr,  # FLAT: the gradient buffer; TABLE: any gradient (gives the element type)
@@ -65,7 +68,6 @@ def check_pass_kernel(
     num_items,  # FLAT: elements; TABLE: chunk rows
     partials_ptr,  # fp32 [3, stride]: this group's first column
     partials_stride,  # row stride of the partials buffer, in elements
-    size_key,  # autotune key only: log2 bucket of the element count
     NORM: tl.constexpr,  # 1, 2, or 0 for the inf-norm
     FLAT: tl.constexpr,
     ALIGNED: tl.constexpr,  # TABLE only: addresses 16-byte aligned, sizes multiples of 16
@@ -114,6 +116,7 @@ def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> Non
         raise ValueError(
             f"norm code must be one of {sorted(NORM_CODES.values())} (see supported.norm_code), got {norm}"
         )
+    config = check_config(layout.device, layout.numel)
     check_pass_kernel[(layout.programs,)](
         layout.first,
         layout.tensors,
@@ -121,9 +124,10 @@ def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> Non
         layout.num_items,
         partials,
         partials.stride(0),
-        size_class(layout.numel),
         NORM=norm,
         FLAT=layout.flat,
         ALIGNED=layout.aligned,
         CHUNK_SIZE=CHUNK,
+        BLOCK=config.kwargs["BLOCK"],
+        num_warps=config.num_warps,
     )

@@ -60,7 +60,6 @@ _CHECK_ARGS = (
     "num_items",
     "partials_ptr",
     "partials_stride",
-    "size_key",
 )
 _APPLY_ARGS = (
     "grad_ptr",
@@ -209,11 +208,11 @@ def _build_cases() -> list[dict]:
         cases.append(apply_case(target, "fp16", True, padded=False))
     # Buffers over 2**31 elements get an i64 num_items.
     cases.append(check_case("sm90", "fp16", True, num_items="i64"))
-    # Every autotune candidate of the FLAT passes (compiled on a real GPU at first use); fp32 holds
-    # the most bytes in registers per element, so it is where spills would show first.
+    # Every autotune candidate of the FLAT apply pass (compiled on a real GPU at first use); fp32
+    # holds the most bytes in registers per element, so it is where spills would show first. The
+    # check pass is never autotuned (launch_config.check_config): the default cases above are it.
     for config in streaming_configs()[1:]:
         block, warps = config.kwargs["BLOCK"], config.num_warps
-        cases.append(check_case("sm90", "fp32", True, block=block, num_warps=warps))
         cases.append(apply_case("sm90", "fp32", True, block=block, num_warps=warps))
     # The largest finalize block (finalize() caps BLOCK_P there).
     cases.append(finalize_case("sm90", 2, block_p=FINALIZE_MAX_BLOCK))

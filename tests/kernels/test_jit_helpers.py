@@ -16,7 +16,7 @@ KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
 
 def test_interpreter_switch_matches_every_kernel():
-    for kernel in (apply_pass.apply_kernel, check_pass.check_pass_kernel.fn, finalize.finalize_kernel):
+    for kernel in (apply_pass.apply_kernel, check_pass.check_pass_kernel, finalize.finalize_kernel):
         built_for_interpreter = type(kernel).__module__ == "triton.runtime.interpreter"
         assert built_for_interpreter is jit_helpers.INTERPRETING
     assert jit_helpers.INTERPRETING  # conftest.py sets TRITON_INTERPRET=1 before triton is imported

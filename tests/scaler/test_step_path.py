@@ -11,11 +11,15 @@ with none before it runs do the same).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import tritonscale
 from tritonscale import GradScaler
 
 #: The returns the design makes, per call (see the module docstring).
@@ -28,9 +32,28 @@ EXPECTED_RETURNS = {
 }
 
 
+#: Where the package's modules live, and the name each root gives them: found from the imported
+#: packages, not from folder names (a clone is itself a folder named ``tritonscale``, and in the
+#: source tree ``tritonscale.kernels`` is the top-level ``kernels/``). The kernels come first: in
+#: an installed wheel their folder lies inside the other.
+_ROOTS = (
+    (Path(importlib.import_module("tritonscale.kernels").__file__).resolve().parent, "kernels/"),
+    (Path(tritonscale.__file__).resolve().parent, ""),
+)
+
+
+@functools.cache
+def _module_of_file(filename: str) -> str | None:
+    path = Path(filename).resolve()
+    for root, prefix in _ROOTS:
+        if path.is_relative_to(root):
+            return prefix + path.relative_to(root).as_posix()
+    return None
+
+
 def _module(code) -> str | None:
-    name = code.co_filename.replace("\\", "/")
-    return name.split("/tritonscale/")[-1] if "/tritonscale/" in name else None
+    """The tritonscale module a code object belongs to, as a path inside the package, or None."""
+    return _module_of_file(code.co_filename)
 
 
 def controller_visits(call) -> list[str]:
