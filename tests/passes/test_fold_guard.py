@@ -18,7 +18,6 @@ import weakref
 import pytest
 import torch
 from scaler_twins import Snapshot, bits, same_bits, torch_clip
-
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler

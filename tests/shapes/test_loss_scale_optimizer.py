@@ -255,7 +255,7 @@ def _scheduled_run(fused: bool, how: str | None = None) -> dict:
                 del runs["original"], logs["original"]
         for m, o, _ in runs.values():
             o.scaled_backward(loss_of(m, step, poison=step in (1, 5)))
-        for name, (m, o, sched) in runs.items():
+        for name, (_, o, sched) in runs.items():
             norm = o.step()
             sched.step()
             o.zero_grad()

@@ -101,6 +101,7 @@ def collect_grads(
     kernels: bool = True,
     allow_sparse: bool = True,
     split_replicas: bool = False,
+    takes_norm: bool = False,
 ) -> Grads:
     """Every parameter's gradient (the rank-local part of a DTensor), validated and sorted for the
     kernels or for torch ops.
@@ -110,7 +111,10 @@ def collect_grads(
     ``kernels=False`` sends everything to torch ops (a norm type the kernels do not compute);
     ``allow_sparse=False`` refuses sparse gradients (a fused optimizer cannot step with them).
     ``split_replicas``: gradients another rank counts in the norm go to ``Grads.replicas``
-    (grad_sharding.py). Runs once per step over every parameter, so the common case is the first
+    (grad_sharding.py). ``takes_norm``: the caller takes a norm, so a sparse gradient's duplicate
+    entries are summed first (coalesced); a check or an unscale coalesces only float16 ones, as
+    torch's unscale_ does (their scaled sums may overflow; a float32 one's stored values are what
+    torch checks). Runs once per step over every parameter, so the common case is the first
     test. Gradients that share memory (one tensor as two parameters' gradient, overlapping views)
     are refused: the norm would count the shared elements once and the in-place passes scale them
     twice.
@@ -157,9 +161,10 @@ def collect_grads(
                     dense_where[device].append(_where(g_index, p_index))
                 continue
             where = _where(g_index, p_index)
-            if _sort_for_torch_ops(
+            uncoalesced = _sort_for_torch_ops(
                 optimizer, grad, into, dense, where, allow_sparse=allow_sparse, dense_where=dense_where
-            ):
+            )
+            if uncoalesced and (takes_norm or grad.dtype is torch.float16):
                 to_coalesce.append((param, into))
     for device, grads in dense.items():
         if device.type != "meta" and by_address:  # meta tensors have no memory
@@ -197,7 +202,7 @@ def _sort_for_torch_ops(
                 f"{where} has a sparse gradient, and {type(optimizer).__name__} steps fused, which takes dense "
                 "gradients only"
             )
-        uncoalesced = not grad.is_coalesced()  # duplicates must be summed before a norm or a check
+        uncoalesced = not grad.is_coalesced()  # duplicates: summed before a norm (collect_grads)
     elif grad.layout is torch.strided and _overlaps_itself(grad):
         # An in-place pass over it would write one element several times (torch's unscale_
         # fails there too, halfway through); refused before anything runs.

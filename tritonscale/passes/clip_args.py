@@ -17,12 +17,14 @@ import torch
 
 from .. import host_reads
 from ..kernels.supported import NORM_CODES
+from ..policy.knob_checks import plain_number
 
 
 def check_norm_type(norm_type: float) -> float:
     """``norm_type`` as a float: any number torch.nn.utils.clip_grad_norm_ takes (not NaN). The
     kernels compute 1, 2 and inf (``norm_code``); the others go through torch ops. Example:
     ``check_norm_type(2) == 2.0``."""
+    norm_type = plain_number(norm_type)  # numpy scalars, as torch takes them
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or norm_type != norm_type:  # NaN
         raise ValueError(f"norm_type must be a number (1, 2 and inf run in the kernels){_got(norm_type)}")
     return float(norm_type)
@@ -41,6 +43,7 @@ def check_max_norm(max_norm: float | torch.Tensor) -> float | torch.Tensor:
     time (no recompilation when it changes). Example: ``check_max_norm(1) == 1.0``."""
     if isinstance(max_norm, torch.Tensor):
         return _check_max_norm_tensor(max_norm)
+    max_norm = plain_number(max_norm)  # numpy scalars, as torch takes them
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise ValueError(f"max_norm must be a float >= 0 (inf: only measure), got {max_norm!r}")
     try:

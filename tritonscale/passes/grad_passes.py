@@ -110,6 +110,7 @@ def clip_grads(
     max_norm: float,
     *,
     apply: bool,
+    fold: bool = False,
     unscale_on_overflow: bool = False,
     backend: str,
     group: Any = None,
@@ -121,7 +122,9 @@ def clip_grads(
     ``scale`` None: nothing to unscale, clip only. On inf/NaN the gradients are left as they came
     (the step is skipped); with ``unscale_on_overflow`` (a policy whose overflowed steps go ahead)
     they are unscaled, not clipped -- what ``unscale_`` leaves -- and ``clip_coef`` reads 1, so a
-    fold hands the optimizer the plain scale. ``group``: the process group whose ranks hold the
+    fold hands the optimizer the plain scale. With ``fold`` (instead of ``apply``) the result's
+    ``grad_scale`` is what a fused optimizer divides by (``_fold_divisor``). ``group``: the
+    process group whose ranks hold the
     other parts of the gradients (rank_combine: one collective, its row carrying ``agreement``, what
     the ranks must agree on: rank_checks.py). Returns the device and its results.
     """
@@ -154,7 +157,32 @@ def clip_grads(
         _apply_on(runner, grads, device, result)
         if replicas is not None:
             _apply_on(runner, replicas, device, dataclasses.replace(result, plan=replica_result.plan))
+    elif fold:
+        result.grad_scale = _fold_divisor(result, scale)
+        if result.grad_scale is scale:  # the clip could not fold: applied here (see _fold_divisor)
+            clipped = dataclasses.replace(result, factor=result.clip_coef)
+            _apply_on(runner, grads, device, clipped)
+            if replicas is not None:
+                _apply_on(runner, replicas, device, dataclasses.replace(clipped, plan=replica_result.plan))
     return device, result
+
+
+def _fold_divisor(result: CheckResult, scale: torch.Tensor) -> torch.Tensor:
+    """What a fused optimizer divides the gradients by when the clip folds into its step:
+    ``scale / clip_coef``. That overflows float32 only near the top of its range (the scaled
+    gradients' norm above float32's max times max_norm), and an optimizer dividing by inf would
+    apply nothing. Where host reads are free that case is seen on the host: ``scale`` itself is
+    returned and the caller applies the clip to the gradients (one pass, that step only), so the
+    step is torch's. Elsewhere (a GPU, a compiled step) nothing is read and no pass is added: the
+    step counts as an overflow instead (``found_inf`` raised: skipped, the scale backed off),
+    never a silent step of zeros. Example: ``_fold_divisor(result, scale)``."""
+    divisor = scale / result.clip_coef.to(scale.device, non_blocking=True)
+    if host_reads.are_free(divisor.device):
+        fits = math.isfinite(divisor.item()) or result.found_inf.item() > 0
+        return divisor if fits else scale
+    unfit = (~torch.isfinite(divisor)).to(result.found_inf.dtype).reshape(())
+    result.found_inf = torch.maximum(result.found_inf, unfit.to(result.found_inf.device, non_blocking=True))
+    return divisor
 
 
 def holds_grads(grads: Grads) -> bool:

@@ -203,7 +203,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         pending = record.pending_factor(scale)
         folds = fold.clip_folds(optimizer, optimizer, self._fold)  # hand a fused optimizer scale / clip_coef
         sparse_ok = not (folds and fold.is_torch_fused(optimizer))  # torch's fused steps take dense gradients only
-        grads = collect_grads(optimizer, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True)
+        grads = collect_grads(
+            optimizer, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True, takes_norm=True
+        )
         has_grads = bool(grads.devices or grads.replicas)
         group = self._group(grads, process_group)
         # With a process group, the collective: one row per rank, ``agreement`` checked (rank_checks.py).
@@ -213,12 +215,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             norm_type,
             max_norm,
             apply=not folds,
+            fold=folds,
             unscale_on_overflow=not self._policy.skip_on_overflow,
             backend=self._backend_name,
             group=group,
             agreement=self._agreement(optimizer, "clip", max_norm, norm_type),
         )
-        folded = fold.fold_clip(pending, result.clip_coef, optimizer, self) if folds else None
+        folded = fold.fold_clip(result.grad_scale, optimizer, self) if folds else None
         # Only now: a clip that raised leaves the record as it was.
         record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
         return result.norm

@@ -30,7 +30,9 @@ def clip_unscaled(
     """Plain clipping (float16 gradients included) with the inf/NaN check; returns the total norm
     and the skip flag the next step() takes. ``group_of``: the process group for the gradients;
     ``agreement``: what the ranks' rows must agree on (rank_checks.py)."""
-    grads = collect_grads(optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True)
+    grads = collect_grads(
+        optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True, takes_norm=True
+    )
     _, result = clip_grads(
         grads, None, norm_type, max_norm, apply=True, backend=backend, group=group_of(grads), agreement=agreement
     )

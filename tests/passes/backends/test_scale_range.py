@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
+from host_reads import HostReadGuard
 from hypothesis import example, given
 from hypothesis import strategies as st
-from host_reads import HostReadGuard
 from kernel_cases import SETTINGS, f32
 from tolerances import NORM_RTOL, TORCH_BACKEND_NORM_RTOL, TORCH_CLIP_COEF_RTOL
 
@@ -126,9 +126,7 @@ def assert_same(ours, theirs, truth: float, rtol: float, dtype: torch.dtype, wha
 @example(-126, 1.0, "strided", 2.0, 0, 0.25, None, True, 1)  # the floor, torch-op gradients
 @example(127, 1.5, "float32", 2.0, -8, 0.25, None, False, 2)  # squares past float32's max
 @example(100, 1.0, "strided", 2.0, 0, 0.25, None, False, 3)  # torch-op gradients: the norm read inf
-def test_every_scale_matches_torch(
-    power, mantissa, kind, norm_type, magnitude, clip_ratio, inject, device_path, seed
-):
+def test_every_scale_matches_torch(power, mantissa, kind, norm_type, magnitude, clip_ratio, inject, device_path, seed):
     scale = f32(mantissa * 2.0**power)
     magnitude = min(magnitude, 124 - power)  # keep the scaled gradients finite (|randn| < 8)
     twins = make_params(kind, scale, magnitude, seed, inject)

@@ -77,6 +77,7 @@ class CheckResult:
     clip_coef: torch.Tensor  # min(max_norm / (norm + 1e-6), 1), or 1 without clipping
     factor: torch.Tensor  # inv_scale * clip_coef (1 on overflow): what apply_ multiplies by
     plan: Any  # backend-private description of the gradients, reused by apply_
+    grad_scale: Any = None  # a folded clip: what the fused optimizer divides by (grad_passes.clip_grads)
 
 
 class Backend(Protocol):
