@@ -321,7 +321,10 @@ def direct_step_ours(side: Side, step: int) -> Observations:
 def direct_step_oracle(side: Side, step: int) -> Observations:
     backward(side, step)
     norm = torch_clip(side, *step_args(step))
-    torch_step_update(side, norm, step=None if step in OVERFLOWS else side.optimizer.step)
+    # An overflow (injected, or the scaled backward's own near float32's max) goes through
+    # scaler.step on both sides: torch's direct step would apply the inf/NaN.
+    overflowed = step in OVERFLOWS or (side.scaler.is_enabled() and torch_found_inf(side.scaler, side.optimizer))
+    torch_step_update(side, norm, step=None if overflowed else side.optimizer.step)
     return {"norm": norm}
 
 

@@ -94,3 +94,52 @@ def test_fp16_gradients_go_through_the_fold(backend):
     ref_opt.step()
     for p, r in zip(params, ref):
         torch.testing.assert_close(p.float(), r, rtol=2e-3, atol=2e-3)
+
+
+def _near_max_step(backend: str, ours: bool, init_scale: float = 2.0**126):
+    """One step at a scale near float32's max whose clip coefficient is small: scale / clip_coef
+    (what the fold hands the optimizer) overflows float32."""
+    model, data = model_and_data()
+    optimizer = FUSED["adamw"](model.parameters())
+    x, y = data[0]
+    scaler = (
+        GradScaler("cpu", init_scale=init_scale, backend=backend)
+        if ours
+        else torch.amp.GradScaler("cpu", init_scale=init_scale)
+    )
+    optimizer.zero_grad()
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y) * 1e-1).backward()
+    if ours:
+        norm = scaler.clip_grad_norm_(optimizer, 1e-3)
+    else:
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    scaler.step(optimizer)
+    scaler.update()
+    return model, norm, scaler.get_scale()
+
+
+def test_a_fold_past_float32s_max_steps_as_torch_where_host_reads_are_free(backend):
+    ours, norm, scale = _near_max_step(backend, ours=True)
+    theirs, ref_norm, ref_scale = _near_max_step(backend, ours=False)
+    assert 2.0**126 / (1e-3 / float(ref_norm)) > torch.finfo(torch.float32).max  # the case at hand
+    assert float(norm) == pytest.approx(float(ref_norm), rel=1e-5) and scale == ref_scale
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_fold_past_float32s_max_skips_on_the_gpu_paths_never_steps_zeros(backend, forbid_host_reads):
+    # No host read there to see it: the step counts as an overflow (skipped, the scale backed off)
+    # where the optimizer would have divided by inf (AdamW's weight decay alone would then move it).
+    model, data = model_and_data()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = FUSED["adamw"](model.parameters())
+    scaler = GradScaler("cpu", init_scale=2.0**126, backend=backend)
+    x, y = data[0]
+    with forbid_host_reads.armed():
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y) * 1e-1).backward()
+        scaler.clip_grad_norm_(optimizer, 1e-3)
+        scaler.step(optimizer)
+        scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert scaler.get_scale() == 2.0**125

@@ -57,6 +57,13 @@ class Grads:
     #: Collected while Dynamo traced: the dense gradients whose memory the compiled graph checks
     #: for overlaps at run time (``disjoint_at_run_time``), with their parameters' names.
     unchecked: tuple[list[torch.Tensor], list[str]] | None = None
+    #: For a norm: an uncoalesced sparse gradient's values (by ``id`` of the tensor in ``other``)
+    #: stand in as its coalesced values in float64; the passes check and scale the stored values.
+    norm_stand_ins: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def for_norm(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (of ``other``) as the norm reads them (``norm_stand_ins``)."""
+        return [self.norm_stand_ins.get(id(t), t) for t in tensors] if self.norm_stand_ins else tensors
 
     def disjoint_at_run_time(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """``values`` (tensors the in-place passes depend on), passed through the overlap check of
@@ -89,9 +96,18 @@ class _Sorter:
     def __bool__(self) -> bool:
         return bool(self.per_device or self.other)
 
-    def grads(self) -> Grads:
-        other_values = {d: [g._values() if g.is_sparse else g for g in grads] for d, grads in self.other.items()}
-        return Grads(kernel={d: list(by_dtype.values()) for d, by_dtype in self.per_device.items()}, other=other_values)
+    def grads(self, takes_norm: bool = False) -> Grads:
+        """The sorted gradients; sparse ones as their values (the passes update them in place)."""
+        other_values, stand_ins = {}, {}
+        for device, grads in self.other.items():
+            other_values[device] = [g._values() if g.is_sparse else g for g in grads]
+            for g, values in zip(grads, other_values[device]):
+                if takes_norm and g.is_sparse and not g.is_coalesced():
+                    # Its duplicates are summed for the norm only, in float64: scaled near float32's
+                    # max their float32 sum may overflow where torch (unscale_ first) sums finite values.
+                    stand_ins[id(values)] = g.detach().double().coalesce()._values()
+        kernel = {d: list(by_dtype.values()) for d, by_dtype in self.per_device.items()}
+        return Grads(kernel=kernel, other=other_values, norm_stand_ins=stand_ins)
 
 
 def collect_grads(
@@ -111,10 +127,10 @@ def collect_grads(
     ``kernels=False`` sends everything to torch ops (a norm type the kernels do not compute);
     ``allow_sparse=False`` refuses sparse gradients (a fused optimizer cannot step with them).
     ``split_replicas``: gradients another rank counts in the norm go to ``Grads.replicas``
-    (grad_sharding.py). ``takes_norm``: the caller takes a norm, so a sparse gradient's duplicate
-    entries are summed first (coalesced); a check or an unscale coalesces only float16 ones, as
-    torch's unscale_ does (their scaled sums may overflow; a float32 one's stored values are what
-    torch checks). Runs once per step over every parameter, so the common case is the first
+    (grad_sharding.py). ``takes_norm``: the caller takes a norm, which counts a sparse gradient's
+    duplicate entries summed (``Grads.norm_stand_ins``). Only float16 sparse gradients are coalesced
+    in place, as torch's unscale_ does (their scaled sums may overflow); the stored values of the
+    others are what torch checks and unscales. Runs once per step over every parameter, so the common case is the first
     test. Gradients that share memory (one tensor as two parameters' gradient, overlapping views)
     are refused: the norm would count the shared elements once and the in-place passes scale them
     twice.
@@ -164,17 +180,17 @@ def collect_grads(
             uncoalesced = _sort_for_torch_ops(
                 optimizer, grad, into, dense, where, allow_sparse=allow_sparse, dense_where=dense_where
             )
-            if uncoalesced and (takes_norm or grad.dtype is torch.float16):
+            if uncoalesced and grad.dtype is torch.float16:
                 to_coalesce.append((param, into))
     for device, grads in dense.items():
         if device.type != "meta" and by_address:  # meta tensors have no memory
             _check_no_overlap(optimizer, grads)
     _coalesce(to_coalesce)
-    result = counted.grads()
+    result = counted.grads(takes_norm)
     if dense_where is not None:
         result.unchecked = ([g for grads in dense.values() for g in grads], [w for d in dense for w in dense_where[d]])
     result.mesh, result.marked_replicas = layouts.mesh(), layouts.marked
-    result.replicas = replicas.grads() if replicas else None
+    result.replicas = replicas.grads(takes_norm) if replicas else None
     if kernels and by_address:
         _remember_if_one_run(optimizer, result)
     return result

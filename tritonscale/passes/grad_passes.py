@@ -206,7 +206,7 @@ def _check_on(
         zero = torch.zeros((), dtype=torch.float32, device=device)
         result = CheckResult(zero, zero, torch.ones_like(zero), inverse_scale(scale).reshape(()), plan=[])
     others = grads.other.get(device, [])
-    return _with_others(result, others, scale, norm_type, max_norm) if others else result
+    return _with_others(result, others, grads.for_norm(others), scale, norm_type, max_norm) if others else result
 
 
 def _apply_on(runner: Any, grads: Grads, device: torch.device, result: CheckResult) -> None:
@@ -216,14 +216,20 @@ def _apply_on(runner: Any, grads: Grads, device: torch.device, result: CheckResu
 
 
 def _with_others(
-    kernel: CheckResult, others: list[torch.Tensor], scale: torch.Tensor, norm_type: float, max_norm: float
+    kernel: CheckResult,
+    others: list[torch.Tensor],
+    for_norm: list[torch.Tensor],
+    scale: torch.Tensor,
+    norm_type: float,
+    max_norm: float,
 ) -> CheckResult:
     """The kernels' result with the torch-op gradients folded in: one norm, one found_inf, one
-    factor for both. The total is torch's: the ``norm_type`` norm of the per-tensor norms."""
+    factor for both. The total is torch's: the ``norm_type`` norm of the per-tensor norms, taken
+    over ``for_norm`` (``others`` as the norm reads them: ``Grads.for_norm``)."""
     inv_scale32 = inverse_scale(scale)  # once: the per-tensor norms and the factor share it
     inv_scale = inv_scale32.double()
     norms = [kernel.norm.double().reshape(1)] if kernel.plan else []  # no kernel gradients: nothing
-    for same_dtype in _by_dtype([t for t in others if t.numel()]):
+    for same_dtype in _by_dtype([t for t in for_norm if t.numel()]):
         norms.append(_torch_op_norms(same_dtype, norm_type) * inv_scale)
     total = torch.linalg.vector_norm(torch.cat(norms), norm_type) if norms else torch.zeros((), dtype=torch.float64)
     found_inf = _other_found_inf(others, kernel.found_inf)

@@ -191,8 +191,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     @property
     def step_applied(self) -> torch.Tensor:
-        """1.0 if the last step was applied, 0.0 if it was skipped: a device tensor, no sync."""
-        return 1.0 - self.scaler.stats()["skipped"]
+        """1.0 if the last step was applied (or none was taken yet), 0.0 if it was skipped: a device
+        tensor, no sync; with a disabled scaler too (skipped where its clip found inf/NaN)."""
+        skipped = self.scaler.last_skip_flag()
+        return torch.ones(()) if skipped is None else (~skipped).to(torch.float32)
 
     def last_step_applied(self) -> bool:
         """Whether the last step was applied (a host read)."""
