@@ -328,6 +328,34 @@ def test_sum_reduction_and_weight_decay_match_the_loop_by_hand():
     assert same_bits(runs[0], runs[1])
 
 
+def test_numpy_numbers_run_as_the_python_numbers_they_hold():
+    # torch takes numpy scalars wherever it takes numbers; so does the Updater (its int and float
+    # arguments), with the run of the Python numbers they hold.
+    import numpy as np
+
+    runs = []
+    for accum, wd, max_norm, norm_type in (
+        (2, 0.01, 0.5, 2.0),
+        (np.int64(2), np.float32(0.01), np.float32(0.5), np.int32(2)),
+    ):
+        model = tiny_model()
+        scaler = GradScaler("cpu", init_scale=2.0**10, backend="torch", fold_into_optimizer=False)
+        updater = Updater(
+            model,
+            make_optimizer(model, "fused"),
+            iter(tiny_batches(4)),
+            loss_fn=F.mse_loss,
+            scaler=scaler,
+            accum_grad=accum,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            weight_decay=wd,
+        )
+        norms = [updater.update().norm for _ in range(2)]
+        runs.append(([bits(p) for p in model.parameters()], [bits(n) for n in norms]))
+    assert same_bits(runs[0], runs[1])
+
+
 def test_weight_decay_refuses_a_scaler_that_folds_into_a_fused_optimizer():
     model = tiny_model()
     optimizer = make_optimizer(model, "fused")

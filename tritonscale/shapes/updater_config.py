@@ -12,6 +12,7 @@ import torch
 
 from ..passes.fold import clip_folds
 from ..passes.rank_combine import check_process_group
+from ..policy.knob_checks import is_int, is_number, plain_number
 from ..scaler.grad_scaler import GradScaler
 
 #: nnabla's callback names, in the order their phases run.
@@ -33,9 +34,10 @@ Callback = Callable[[int], Any]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as a Python int (numpy ints too, as torch takes them) if it is one >= ``minimum``."""
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def callbacks_by_name(values: Sequence[Callback | Sequence[Callback] | None]) -> dict[str, tuple[Callback, ...]]:
@@ -66,11 +68,11 @@ def as_feed(data_feed: Any) -> Callable[[], Any]:
 def check_weight_decay(weight_decay: Any) -> float | None:
     if weight_decay is None:
         return None
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)):
+    if not is_number(weight_decay):
         raise ValueError(f"weight_decay must be a float >= 0 or None, got {weight_decay!r}")
     if not (math.isfinite(weight_decay) and weight_decay >= 0):
         raise ValueError(f"weight_decay must be a finite float >= 0 or None, got {weight_decay!r}")
-    return weight_decay
+    return plain_number(weight_decay)
 
 
 def retries_for(on_overflow: Any, max_retries: Any) -> int:
