@@ -86,7 +86,9 @@ class Twins:
         self._compare(params, twins, norm, want, lr=optimizer.defaults["lr"] if fits else None)
         assert self.scaler.get_scale() == self.theirs.get_scale(), "the scale after update() differs from torch's"
         for f, before in zip(foreign, untouched):
-            assert torch.equal(f, before), "memory that is not the optimizer's gradients was written"
+            torch.testing.assert_close(
+                f, before, rtol=0, atol=0, equal_nan=True, msg="memory that is not the optimizer's gradients was written"
+            )
 
     def _entry(self, optimizer, twin_opt, entry, max_norm, norm_type):
         """Ours and torch's unscale (and clip) before the step: the norm, and torch's with the

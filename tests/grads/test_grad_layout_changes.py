@@ -10,6 +10,7 @@ come out bitwise untouched.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -202,11 +203,11 @@ class Model:
         self.pool = bytearray(8192)
         self.optimizer = torch.optim.SGD(self.params[:-1], lr=0.1)
         self.rng = random.Random(seed)
-        self.holders: list[torch.Tensor] = []  # old buckets kept alive, as a framework might
+        self.holders: list[torch.Tensor] = []  # old buckets and buffers kept alive, as a framework might
         for p in self.params:
             p.grad = torch.zeros_like(p)
         if layout == "flatten_grads_":
-            tritonscale.flatten_grads_(self.params[:-1])
+            self.holders.extend(tritonscale.flatten_grads_(self.params[:-1]))
         else:
             self.holders.append(pooled_bucket(self.pool, self.params, self.dtype, 0))
 
@@ -244,7 +245,14 @@ class Model:
         for p in self.params:
             if p.grad is not None and not _fits(p):
                 p.grad = None  # flatten_grads_ gives it zeros of its parameter's shape
-        tritonscale.flatten_grads_(self.owned() or self.params[:-1])
+        self.holders.extend(tritonscale.flatten_grads_(self.owned() or self.params[:-1]))
+
+    def nan_around_the_gradients(self) -> None:
+        """``buf.fill_(nan)`` on every buffer and bucket, then ``zero_grad(set_to_none=False)``:
+        NaN stays wherever no owned gradient is (padding, gaps, memory the gradients left)."""
+        for holder in self.holders:
+            holder.fill_(math.nan)
+        self.optimizer.zero_grad(set_to_none=False)
 
     def rebucket(self) -> None:
         """Free the bucket and cut another from the same memory: another dtype if the model's

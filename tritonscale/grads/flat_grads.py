@@ -103,7 +103,7 @@ class OneRun:
         then zeroed), or the bucket's storage still reaching past the run's end. The storage offset
         and the shape add nothing: the address and contiguity already fix the bytes, and a pass reads
         a gradient's elements in any shape. Holding the proved tensors keeps their memory from
-        being freed and handed out again. A per-step cost of four reads per gradient, a fraction of
+        being freed and handed out again. A per-step cost of five reads per gradient, a fraction of
         the walk it saves (``collect_grads``)."""
         if len(grads) != len(self.grads) or not all(map(is_, grads, self.grads)):
             return None
@@ -160,7 +160,7 @@ def remember_run(optimizer: torch.optim.Optimizer, run: torch.Tensor) -> None:
     if getattr(run, FLAT_SLOTS_ATTR, None) is not None:
         buffer, first = weakref.ref(run), -1
     else:
-        starts = [i for i, g in enumerate(grads) if numels[i] and addresses[i] == run.data_ptr()]
+        starts = [i for i in range(len(grads)) if numels[i] and addresses[i] == run.data_ptr()]
         if not starts:
             return
         buffer, first = None, starts[0]
