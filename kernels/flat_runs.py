@@ -4,26 +4,39 @@ Flat buffers (``tritonscale.flatten_grads_``, DDP's ``gradient_as_bucket_view=Tr
 hold many gradients back to back in one storage. A pass over the views walks one tensor at a
 time; over the buffer it is one tensor. ``flat_runs`` returns 1-D tensors covering the same
 elements: maximal runs of gradients that sit back to back in memory inside one storage, and the
-whole of a ``flatten_grads_`` buffer (padding included: it holds zeros) when the group fills
-every one of its slots. Elements that belong to no gradient of the group (other parameters'
-gradients in a shared bucket, a slot whose gradient moved away) are never covered, so the norm
-stays exactly the group's.
+whole of a ``flatten_grads_`` buffer when the group fills every one of its slots. Elements that
+belong to no gradient of the group (other parameters' gradients in a shared bucket, a slot whose
+gradient moved away) are never covered, so the norm stays exactly the group's.
+
+**The padding of a flatten_grads_ buffer.** Its views start at multiples of 16 elements; the gaps
+between them belong to no gradient, yet a run over the whole buffer reads them. The user owns the
+buffer and may write it whole (noise added to it, ``buf.fill_(nan)`` then
+``zero_grad(set_to_none=False)``, which zeroes only the views), so the padding is zeroed every time
+the whole buffer is handed out as a run (``zero_padding_``): one ``index_fill_`` over at most 15
+elements per gradient, through an index ``flatten_grads_`` made once on the buffer's device (no
+host read; nothing at all when every size is a multiple of 16). Cheaper than the alternatives:
+runs that skip the padding are one per gradient, the walk over thousands of small tensors
+(a pointer table on Triton, a foreach on torch) that the buffer exists to avoid; a buffer
+without gaps loses each view's 16-element alignment (vector loads through a table, the aligned
+path of fused optimizers), and its tail would still be padding.
 
 **What proves a run, every call.** A run is memory: the bytes ``[start, start + numel * itemsize)``
 of a storage that is alive. It stands for the group's gradients when (1) the gradients, all of
 the run's dtype and dense (the caller validated both), occupy exactly those bytes between them,
-back to back, and (2) the storage the run is cut from extends over all of them. Both are read
-from the gradients as they are now -- their addresses and sizes, and the storage's extent -- never
-from history: ``Tensor._base`` names a candidate buffer only, because it keeps pointing at the old
-buffer after ``p.grad.data = ...`` or ``module.to(...)`` gave the gradient new memory. Live
-allocations never overlap, so a gradient whose bytes lie inside a live storage *is* that memory,
-whichever tensor object views it; an address the allocator reused for another dtype or another
-offset changes an address or a size, or fails (2), and the layout is found anew.
+back to back (a flatten_grads_ buffer: exactly its slots, the rest its padding), and (2) the
+storage the run is cut from extends over all of them. Both are read from the gradients as they
+are now -- their addresses and sizes, and the storage's extent -- never from history:
+``Tensor._base`` names a candidate buffer only, because it keeps pointing at the old buffer after
+``p.grad.data = ...`` or ``module.to(...)`` gave the gradient new memory. Live allocations never
+overlap, so a gradient whose bytes lie inside a live storage *is* that memory, whichever tensor
+object views it; an address the allocator reused for another dtype or another offset changes an
+address or a size, or fails (2), and the layout is found anew.
 
-Layouts are cached by what they are found from, (device, dtype, each gradient's address and size), and
-the rest of the proof is checked again on every call: a flatten_grads_ buffer is still alive at
-the address it had (held weakly), each run still inside the storage of its first gradient (one
-read per run). The runs themselves are made anew each time (a few ``as_strided`` views).
+Layouts are cached by what they are found from, (device, dtype, each gradient's address and size),
+and the rest of the proof is checked again on every call: a flatten_grads_ buffer is still alive
+at the address it had (held weakly), with the length it was made with, each run still inside the
+storage of its first gradient (one read per run). The runs themselves are made anew each time (a
+few ``as_strided`` views).
 """
 
 from __future__ import annotations
@@ -37,6 +50,9 @@ from .bounded_cache import BoundedCache
 #: Attribute set on a buffer made by tritonscale.flatten_grads_: its slots, as (element offset,
 #: numel) pairs, one per gradient view it was made with.
 FLAT_SLOTS_ATTR = "_tritonscale_flat_slots"
+#: Attribute set on a buffer made by tritonscale.flatten_grads_: (its length when made, an int64
+#: index on its device of the elements no slot holds, or None when there is no padding).
+FLAT_PADDING_ATTR = "_tritonscale_flat_padding"
 #: Attribute set on each run flat_runs makes (True): it spans several gradients.
 RUN_ATTR = "_tritonscale_run"
 
@@ -67,7 +83,7 @@ def flat_buffer(grads: list[torch.Tensor]) -> torch.Tensor | None:
     slots = getattr(base, FLAT_SLOTS_ATTR, None)
     if slots is None or (base.dtype, base.device) != (grads[0].dtype, grads[0].device):
         return None
-    if not _whole(base):
+    if not is_whole(base):
         return None
     start, size = base.data_ptr(), base.element_size()
     wanted = sorted((start + offset * size, numel) for offset, numel in slots if numel)
@@ -116,34 +132,59 @@ class _Layout:
         the storage of its first gradient."""
         if self.buffer is not None:
             # Same gradient addresses and sizes, and the buffer still alive where it was, with the
-            # same dtype and length: every slot is still one of them, the rest its zero padding.
+            # same dtype and length: every slot is still one of them, the rest its padding (zeroed).
             buffer = self.buffer()
-            if buffer is None or (buffer.data_ptr(), buffer.dtype) != (self.start, self.dtype) or not _whole(buffer):
+            if buffer is None or (buffer.data_ptr(), buffer.dtype) != (self.start, self.dtype):
                 return STALE
-            return [buffer]
+            if not is_whole(buffer):
+                return STALE
+            return [zero_padding_(buffer)]
         if self.spans is None:
             return None
         runs = []
         for i, numel in self.spans:
-            g = grads[i]
-            if numel < 0:
-                runs.append(g)
-                continue
-            if g.data_ptr() + numel * g.element_size() > _storage_end(g):
+            run = grads[i] if numel < 0 else cut_run(grads[i], numel)
+            if run is None:
                 return STALE
-            run = g.as_strided((numel,), (1,), g.storage_offset())
-            setattr(run, RUN_ATTR, True)
             runs.append(run)
         return runs
 
 
-def _whole(buffer: torch.Tensor) -> bool:
-    """The flatten_grads_ buffer still covers all of its slots: its storage was not swapped or shrunk."""
-    slots = getattr(buffer, FLAT_SLOTS_ATTR, ())
-    end = max((offset + numel for offset, numel in slots), default=0)
+def cut_run(first: torch.Tensor, numel: int) -> torch.Tensor | None:
+    """``numel`` elements of ``first``'s dtype from ``first``'s address on, as one 1-D run (marked
+    with RUN_ATTR), or None when the storage of ``first`` ends before them."""
+    if first.data_ptr() + numel * first.element_size() > _storage_end(first):
+        return None
+    run = first.as_strided((numel,), (1,), first.storage_offset())
+    setattr(run, RUN_ATTR, True)
+    return run
+
+
+def is_whole(buffer: torch.Tensor) -> bool:
+    """The flatten_grads_ buffer is as it was made: contiguous, its length then (so its slots and its
+    padding index fit it, and nothing past them is read), inside its storage (not swapped or shrunk)."""
+    made, _ = getattr(buffer, FLAT_PADDING_ATTR, (None, None))
     return (
-        buffer.is_contiguous() and buffer.numel() >= end and buffer.data_ptr() + buffer.nbytes <= _storage_end(buffer)
+        buffer.is_contiguous() and buffer.numel() == made and buffer.data_ptr() + buffer.nbytes <= _storage_end(buffer)
     )
+
+
+def zero_padding_(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` (a whole flatten_grads_ buffer, ``is_whole``) with its padding set to zero, in one
+    device op and no host read, so that a pass over the whole buffer reads only its gradients'
+    values whatever was written over it: nothing else is the norm, an inf/NaN, or scaled.
+
+    Example::
+
+        (buffer,) = tritonscale.flatten_grads_(params)  # sizes 5 and 17: 11 + 15 padding elements
+        buffer.fill_(float("nan"))
+        optimizer.zero_grad(set_to_none=False)  # the views are zero, the padding still NaN
+        zero_padding_(buffer)  # the padding is zero too
+    """
+    _, padding = getattr(buffer, FLAT_PADDING_ATTR)
+    if padding is not None:
+        buffer.index_fill_(0, padding, 0)
+    return buffer
 
 
 def spans_several(t: torch.Tensor) -> bool:

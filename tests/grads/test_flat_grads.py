@@ -1,8 +1,11 @@
 """flatten_grads_ (tritonscale/grads/flat_grads.py): gradients made views of one buffer run as one FLAT range."""
 
+import math
+
 import pytest
 import torch
-from hypothesis import given
+from grad_twins import ENTRIES, Twins
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import (
     DTYPES,
@@ -201,3 +204,95 @@ def test_a_long_run_is_normed_as_accurately_as_its_views(layout):
         norm = scaler.clip_grad_norm_(optimizer, 1e9).item()
         scaler._per_optimizer_states.clear()
         assert abs(norm - exact) / exact < 1e-6
+
+
+# ------------------------------------------------- the buffer written whole
+def _padding(buffer: torch.Tensor, params) -> torch.Tensor:
+    """Mask of the buffer's elements that are no parameter's gradient."""
+    mask = torch.ones(buffer.numel(), dtype=torch.bool)
+    for p in params:
+        mask[p.grad.storage_offset() : p.grad.storage_offset() + p.grad.numel()] = False
+    return mask
+
+
+def _nan_then_zero_grad(buffer, optimizer, params, g) -> None:
+    """``buf.fill_(nan)``, then ``zero_grad(set_to_none=False)`` and a backward into the views."""
+    values = [p.grad.clone() for p in params]
+    buffer.fill_(math.nan)
+    optimizer.zero_grad(set_to_none=False)
+    for p, v in zip(params, values):
+        p.grad.add_(v)
+
+
+#: What a user does to the buffer flatten_grads_ returned, after the gradients are in it.
+WHOLE_BUFFER_WRITES = {
+    "nothing": lambda buffer, optimizer, params, g: None,
+    # DP-SGD style: noise of the gradients' magnitude added to the whole buffer.
+    "noise": lambda buffer, optimizer, params, g: buffer.add_(
+        (torch.randn(buffer.shape, generator=g) * max(p.grad.abs().max().item() for p in params if p.numel())).to(
+            buffer.dtype
+        )
+    ),
+    "nan, then zero_grad": _nan_then_zero_grad,
+    "inf in the padding": lambda buffer, optimizer, params, g: buffer.masked_fill_(_padding(buffer, params), math.inf),
+    "nan in the padding": lambda buffer, optimizer, params, g: buffer.masked_fill_(_padding(buffer, params), math.nan),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=4).filter(lambda sizes: any(n % 16 for n in sizes)),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    writes=st.lists(st.sampled_from(list(WHOLE_BUFFER_WRITES)), min_size=2, max_size=4),
+    entry=st.sampled_from(ENTRIES),
+    seed=st.integers(0, 2**16),
+)
+def test_a_flat_buffer_written_whole_counts_only_the_gradients(backend, sizes, dtype, writes, entry, seed):
+    # Only the gradients' elements count, whatever the padding holds: the norm, found_inf, the
+    # gradients, the parameters after the step and the scale after update() are torch's on plain
+    # copies of the gradients. The first step walks the gradients; later ones prove the buffer again.
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in sizes]
+    (buffer,) = tritonscale.flatten_grads_(params)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    twins = Twins(backend)
+    g = torch.Generator().manual_seed(seed)
+    for name in writes:
+        write = WHOLE_BUFFER_WRITES[name]
+        twins.step(optimizer, entry=entry, write=lambda write=write: write(buffer, optimizer, params, g))
+
+
+@pytest.mark.parametrize("entry", ["clip", "unscale"])
+def test_nan_left_in_the_padding_reads_nothing_on_the_host(backend, forbid_host_reads, entry):
+    # buf.fill_(nan) once, then zero_grad(set_to_none=False) every step: the padding keeps NaN
+    # unless the step clears it, and it must, on the device: no step skipped, torch's scale.
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 17, 3)]
+    (buffer,) = tritonscale.flatten_grads_(params)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    buffer.fill_(math.nan)
+    twins = Twins(backend, armed=forbid_host_reads.armed)
+
+    def zero_grad_then_backward() -> None:
+        values = [p.grad.clone() for p in params]
+        optimizer.zero_grad(set_to_none=False)
+        for p, v in zip(params, values):
+            p.grad.add_(v)
+
+    for _ in range(3):
+        twins.step(optimizer, entry=entry, write=zero_grad_then_backward)
+
+
+def test_a_compiled_clip_counts_only_the_gradients_of_a_flat_buffer(backend):
+    # Traced, the Triton backend's custom ops lay the buffer out at run time (whole, as eager):
+    # NaN and noise left in the padding must not count there either.
+    torch._dynamo.reset()
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 17, 3)]
+    (buffer,) = tritonscale.flatten_grads_(params)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    twins = Twins(backend)
+    twins.clip = torch.compile(twins.scaler.clip_grad_norm_, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for name in ["nan in the padding", "noise", "nan, then zero_grad", "inf in the padding"]:
+        write = WHOLE_BUFFER_WRITES[name]
+        twins.step(optimizer, write=lambda write=write: write(buffer, optimizer, params, g))

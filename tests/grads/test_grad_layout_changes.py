@@ -3,69 +3,23 @@ kernels/flat_runs.py): the step must read and write exactly the optimizer's grad
 now, whatever happened to the memory since an earlier step.
 
 Oracle: torch's own ``GradScaler.unscale_`` + ``torch.nn.utils.clip_grad_norm_`` on twin parameters
-holding copies of the same gradient values as separate tensors. Memory around the optimizer's
-gradients that is not theirs (another parameter's gradient in the same bucket) must come out
-bitwise untouched.
+holding copies of the same gradient values as separate tensors (tests/grad_twins.py). Memory around
+the optimizer's gradients that is not theirs (another parameter's gradient in the same bucket) must
+come out bitwise untouched.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from grad_twins import SCALE, Twins, owned
 from hypothesis import strategies as st
-from tolerances import TORCH_BACKEND_NORM_RTOL
 
 import tritonscale
-from tritonscale import GradScaler
-
-SCALE = 2.0**10
-
-
-class Twins:
-    """Our scaler and optimizer next to torch's scaler and clip, one call at a time."""
-
-    def __init__(self, backend: str) -> None:
-        self.scaler = GradScaler("cpu", init_scale=SCALE, growth_interval=10**9, backend=backend)
-        self.scaler.scale(torch.ones(()))
-        self.step_index = 0
-
-    def step(self, optimizer, foreign: list[torch.Tensor] = (), max_norm=0.5, norm_type=2.0) -> None:
-        """Fill every gradient the optimizer holds (in place, in whatever memory it is now) with new
-        scaled values, then compare ours ``clip_grad_norm_`` with torch's on copies."""
-        g = torch.Generator().manual_seed(self.step_index)
-        self.step_index += 1
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        for p in params:
-            p.grad.copy_((torch.randn(p.shape, generator=g) * SCALE).to(p.grad.dtype))
-        twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        for t, p in zip(twins, params):
-            t.grad = p.grad.clone()
-        untouched = [f.clone() for f in foreign]
-        theirs = torch.amp.GradScaler("cpu", init_scale=SCALE)
-        theirs.scale(torch.ones(()))
-        theirs.unscale_(torch.optim.SGD(twins, lr=0.0))
-        exact = torch.linalg.vector_norm(torch.stack([t.grad.double().norm(norm_type) for t in twins]), norm_type)
-        want = torch.nn.utils.clip_grad_norm_(twins, max_norm, norm_type)
-        norm = self.scaler.clip_grad_norm_(optimizer, max_norm, norm_type)
-        self.scaler.update()
-        dtype = params[0].dtype if params else torch.float32
-        if dtype is torch.bfloat16:
-            # torch rounds each bfloat16 norm to bfloat16 (2**-9) and so may the torch backend:
-            # both against the float64 norm of the same unscaled values, the gradients within
-            # a few bfloat16 ulps of torch's.
-            torch.testing.assert_close(norm.double(), exact, rtol=2.0**-8, atol=0)
-            close = dict(rtol=2.0**-6, atol=0)
-        else:
-            torch.testing.assert_close(norm, want, rtol=TORCH_BACKEND_NORM_RTOL[dtype], atol=0)
-            close = dict(rtol=TORCH_BACKEND_NORM_RTOL[dtype], atol=1e-9)
-        for i, (p, t) in enumerate(zip(params, twins)):
-            torch.testing.assert_close(p.grad, t.grad, **close, msg=lambda m, i=i: f"gradient {i}: {m}")
-        for f, before in zip(foreign, untouched):
-            assert torch.equal(f, before), "memory that is not the optimizer's gradients was written"
-
 
 def conv_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -190,6 +144,52 @@ def test_norm_types_the_kernels_do_not_compute_after_recognition(backend, norm_t
         twins.step(optimizer, max_norm=1e-3, norm_type=norm_type)
 
 
+# ------------------------------------------- metadata rewritten in place, at the same address
+
+
+def _halved(shape: torch.Size) -> tuple[int, ...]:
+    return (max(1, shape[0] // 2), *shape[1:])
+
+
+def _retype(g: torch.Tensor) -> None:
+    """``.data =`` the same bytes in another dtype: float32 read as bfloat16 (twice the elements),
+    bfloat16 read as float32 where the layout allows it."""
+    if g.dtype is torch.float32 and g.stride()[-1] == 1:
+        g.data = g.data.view(torch.bfloat16)
+    elif g.dtype is torch.bfloat16 and g.is_contiguous() and g.shape[-1] % 2 == 0 and g.storage_offset() % 2 == 0:
+        g.data = g.data.view(torch.float32)
+
+
+#: Changes a gradient tensor keeps its identity and its address through: only its size, stride or
+#: dtype differ. Each stays inside the gradient's own bytes (no overlap with a neighbour).
+IN_PLACE = {
+    "as_strided_ smaller": lambda g: g.as_strided_(_halved(g.shape), torch.empty(_halved(g.shape)).stride()),
+    "as_strided_ every other element": lambda g: g.as_strided_(_halved(g.shape), tuple(2 * s for s in g.stride())),
+    "set_ smaller": lambda g: g.set_(g.untyped_storage(), g.storage_offset(), _halved(g.shape)),
+    ".data = another dtype": _retype,
+}
+
+
+@pytest.mark.parametrize("change", list(IN_PLACE))
+@pytest.mark.parametrize("layout", ["flatten_grads_", "bucket"])
+def test_a_gradient_resized_or_retyped_in_place_after_recognition(backend, layout, change):
+    # Recognised over two steps, then one gradient's metadata is rewritten over the same memory:
+    # the step must read it with its new extent, stride and dtype, as torch does.
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (6, 10, 4, 8)]
+    if layout == "flatten_grads_":
+        tritonscale.flatten_grads_(params)
+    else:
+        pooled_bucket(bytearray(1024), params, torch.float32, 0)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    twins = Twins(backend)
+    for _ in range(2):
+        twins.step(optimizer)
+    params[1].grad.fill_(SCALE)  # still scaled, as a skipped step leaves it: what it gives up must not count
+    IN_PLACE[change](params[1].grad)
+    for _ in range(2):
+        twins.step(optimizer)
+
+
 # ---------------------------------------------------- random changes of layout (property)
 
 
@@ -201,13 +201,13 @@ class Model:
         self.module = conv_model(seed)
         self.params = list(self.module.parameters())
         self.pool = bytearray(8192)
-        self.optimizer = torch.optim.SGD(self.params[:-1], lr=0.0)
+        self.optimizer = torch.optim.SGD(self.params[:-1], lr=0.1)
         self.rng = random.Random(seed)
-        self.holders: list[torch.Tensor] = []  # old buckets kept alive, as a framework might
+        self.holders: list[torch.Tensor] = []  # old buckets and buffers kept alive, as a framework might
         for p in self.params:
             p.grad = torch.zeros_like(p)
         if layout == "flatten_grads_":
-            tritonscale.flatten_grads_(self.params[:-1])
+            self.holders.extend(tritonscale.flatten_grads_(self.params[:-1]))
         else:
             self.holders.append(pooled_bucket(self.pool, self.params, self.dtype, 0))
 
@@ -216,7 +216,7 @@ class Model:
         return self.params[0].dtype
 
     def owned(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return owned(self.optimizer)
 
     def foreign(self) -> list[torch.Tensor]:
         return [self.params[-1].grad] if self.params[-1].grad is not None else []
@@ -233,8 +233,8 @@ class Model:
 
     def new_grad(self) -> None:
         p = self.rng.choice(self.owned() or self.params)
-        if p.grad is not None:
-            p.grad = p.grad.clone()
+        if p.grad is not None:  # what backward allocates for a gradient that no longer fits
+            p.grad = p.grad.clone() if _fits(p) else torch.zeros_like(p)
 
     def data_assignment(self) -> None:
         p = self.rng.choice(self.owned() or self.params)
@@ -242,7 +242,17 @@ class Model:
             p.grad.data = p.grad.data.clone()
 
     def reflatten(self) -> None:
-        tritonscale.flatten_grads_(self.owned() or self.params[:-1])
+        for p in self.params:
+            if p.grad is not None and not _fits(p):
+                p.grad = None  # flatten_grads_ gives it zeros of its parameter's shape
+        self.holders.extend(tritonscale.flatten_grads_(self.owned() or self.params[:-1]))
+
+    def nan_around_the_gradients(self) -> None:
+        """``buf.fill_(nan)`` on every buffer and bucket, then ``zero_grad(set_to_none=False)``:
+        NaN stays wherever no owned gradient is (padding, gaps, memory the gradients left)."""
+        for holder in self.holders:
+            holder.fill_(math.nan)
+        self.optimizer.zero_grad(set_to_none=False)
 
     def rebucket(self) -> None:
         """Free the bucket and cut another from the same memory: another dtype if the model's
@@ -267,11 +277,29 @@ class Model:
             p.requires_grad_(False)
             p.grad = None
 
+    def resize_in_place(self) -> None:
+        """as_strided_ or set_ on one gradient: a smaller or strided extent at the same address."""
+        owned = self.owned()
+        if owned:
+            change = self.rng.choice([name for name in IN_PLACE if name != ".data = another dtype"])
+            grad = self.rng.choice(owned).grad
+            grad.fill_(SCALE)  # still scaled, as a skipped step leaves it: what it gives up must not count
+            IN_PLACE[change](grad)
+
+    def retype_in_place(self) -> None:
+        owned = self.owned()
+        if owned:
+            _retype(self.rng.choice(owned).grad)
+
     def zero_grad_to_none(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params[:-1]:  # what the next backward does: new, separate gradients
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
+
+
+def _fits(p: torch.nn.Parameter) -> bool:
+    return p.grad.shape == p.shape and p.grad.dtype == p.dtype
 
 
 CHANGES = [name for name in vars(Model) if not name.startswith("_") and name not in ("dtype", "owned", "foreign")]

@@ -2,7 +2,9 @@
 
 With flat buffers each pass is a single launch over one contiguous range, with no pointer table,
 and Triton can use 16-byte vector loads: every view starts at a multiple of 16 elements and the
-buffer's length is a multiple of 16, which is what lets the compiler prove alignment.
+buffer's length is a multiple of 16, which is what lets the compiler prove alignment. The gaps
+between views (the padding) are no gradient's: a pass over the whole buffer zeroes them first
+(``kernels/flat_runs.py``, ``zero_padding_``), so whatever the user writes there never counts.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
 from operator import attrgetter, is_
 
 import torch
 
-from ..kernels.flat_runs import FLAT_SLOTS_ATTR, RUN_ATTR
+from ..kernels.flat_runs import FLAT_PADDING_ATTR, FLAT_SLOTS_ATTR, cut_run, is_whole, zero_padding_
 
 ALIGN_ELEMENTS = 16
 
@@ -28,7 +31,8 @@ def flatten_grads_(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Give each parameter's ``.grad`` storage inside one flat buffer per (device, dtype).
 
     Existing gradient values are copied in; parameters without a gradient get zeros. Returns the
-    buffers. Autograd accumulates into the views in place, so keep them with
+    buffers; writing one whole is fine (noise added to it, ``fill_``): only the views' elements are
+    ever read as gradients. Autograd accumulates into the views in place, so keep them with
     ``optimizer.zero_grad(set_to_none=False)`` (``set_to_none=True`` drops the views and the next
     backward allocates ordinary gradients again, which still work, through the pointer table).
 
@@ -51,15 +55,18 @@ def flatten_grads_(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
     for (device, dtype), members in groups.items():
         total = sum(_round_up(p.numel()) for p in members)
         buffer = torch.zeros(total, dtype=dtype, device=device)
-        offset, slots = 0, []
+        offset, slots, padding = 0, [], []
         for p in members:
             view = buffer[offset : offset + p.numel()].view(p.shape)
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
             slots.append((offset, p.numel()))
+            padding.extend(range(offset + p.numel(), offset + _round_up(p.numel())))
             offset += _round_up(p.numel())
         setattr(buffer, FLAT_SLOTS_ATTR, tuple(slots))
+        index = torch.tensor(padding, dtype=torch.int64, device=device) if padding else None
+        setattr(buffer, FLAT_PADDING_ATTR, (total, index))
         buffers.append(buffer)
     return buffers
 
@@ -75,50 +82,49 @@ def flatten_grads_(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
 @dataclass(frozen=True)
 class OneRun:
     """An optimizer's gradients, proved at some step to be exactly the memory of one run: the
-    whole of a flatten_grads_ buffer (``span`` None) or ``span`` = (storage offset, elements) of
-    the tensor whose storage holds a bucket. Kept per optimizer (weakly), until a proof fails."""
+    whole of a flatten_grads_ buffer (``buffer``), or ``numel`` elements from the gradient
+    ``grads[first]`` on (a bucket). Kept per optimizer (weakly), until a proof fails."""
 
     grads: list[torch.Tensor]  # the gradient tensors then, in parameter order (held: see run())
     addresses: list[int]  # their data_ptr then
-    holder: weakref.ref  # the buffer, or the bucket's base tensor
-    start: int  # the holder's data_ptr then
-    dtype: torch.dtype
-    numel: int  # the holder's elements then
-    span: tuple[int, int] | None
+    numels: list[int]  # their elements then
+    dtype: torch.dtype  # theirs then (one), and the run's
+    buffer: weakref.ref | None  # the flatten_grads_ buffer; None: a bucket run
+    start: int  # the run's data_ptr then
+    numel: int  # the run's elements
+    first: int  # a bucket run: the index of the gradient it starts at
 
     def run(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """The one tensor standing for ``grads`` (the optimizer's gradients now), or None if the
-        proof fails. It holds when each is the very tensor proved then, still at its address, and
-        the holder is alive with the same memory. Holding the proved tensors keeps their memory
-        from being freed and handed out again, so an address cannot be reused under them; a
-        gradient given new memory -- ``module.to``, ``p.grad.data = ...`` -- has another address,
-        and a new gradient tensor (``p.grad = ...``, a re-flatten, a backward after
-        ``zero_grad(set_to_none=True)``) is another object. What is not read again is a proved
-        tensor's size and dtype: changing those at the same address takes rewriting its
-        metadata in place over the same memory (``g.set_``, ``g.resize_``), which no optimizer,
-        autograd or ``Module`` method does."""
+        proof fails. It holds when each gradient is the very tensor proved then, with the same
+        address, elements and dtype, still contiguous -- so its elements are the same bytes read
+        the same way, whatever ``g.set_``, ``g.as_strided_`` or ``g.data = ...`` did to its metadata
+        -- and the run's memory is still there: the buffer alive where it was, as made (its padding
+        then zeroed), or the bucket's storage still reaching past the run's end. The storage offset
+        and the shape add nothing: the address and contiguity already fix the bytes, and a pass reads
+        a gradient's elements in any shape. Holding the proved tensors keeps their memory from
+        being freed and handed out again. A per-step cost of five reads per gradient, a fraction of
+        the walk it saves (``collect_grads``)."""
         if len(grads) != len(self.grads) or not all(map(is_, grads, self.grads)):
             return None
-        if list(map(_DATA_PTR, grads)) != self.addresses:
+        if list(map(_DATA_PTR, grads)) != self.addresses or list(map(_NUMEL, grads)) != self.numels:
             return None
-        holder = self.holder()
-        if holder is None or holder.data_ptr() != self.start or holder.dtype != self.dtype:
+        if not all(map(is_, map(_DTYPE, grads), repeat(self.dtype))) or not all(map(_IS_CONTIGUOUS, grads)):
             return None
-        if holder.numel() != self.numel or not holder.is_contiguous():
+        if self.buffer is None:
+            return cut_run(grads[self.first], self.numel)
+        buffer = self.buffer()
+        if buffer is None or buffer.data_ptr() != self.start or buffer.dtype != self.dtype or not is_whole(buffer):
             return None
-        if self.span is None:
-            return holder
-        offset, numel = self.span
-        if (offset + numel) * holder.element_size() > holder.untyped_storage().nbytes():
-            return None
-        run = holder.as_strided((numel,), (1,), offset)
-        setattr(run, RUN_ATTR, True)
-        return run
+        return zero_padding_(buffer)
 
 
 _known: weakref.WeakKeyDictionary[torch.optim.Optimizer, OneRun] = weakref.WeakKeyDictionary()
 _GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
 def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
@@ -143,14 +149,19 @@ def known_run(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
 
 def remember_run(optimizer: torch.optim.Optimizer, run: torch.Tensor) -> None:
     """Remember that the optimizer's gradients, every one just validated, are exactly ``run``: a
-    flatten_grads_ buffer, or a run cut from a bucket's storage (flat_runs)."""
+    flatten_grads_ buffer, or a run cut from a bucket's storage (flat_runs). Only contiguous
+    gradients of the run's dtype: what the proof reads again."""
     grads = _grads_of(optimizer)
     if any(g is None for g in grads):  # a parameter without a gradient is no part of a run
         return
-    holder = run if getattr(run, FLAT_SLOTS_ATTR, None) is not None else grads[0]._base
-    if holder is None or holder.untyped_storage().data_ptr() != run.untyped_storage().data_ptr():
+    if not all(map(is_, map(_DTYPE, grads), repeat(run.dtype))) or not all(map(_IS_CONTIGUOUS, grads)):
         return
-    span = None if holder is run else (run.storage_offset(), run.numel())
-    addresses = list(map(_DATA_PTR, grads))
-    holder_ref = weakref.ref(holder)
-    _known[optimizer] = OneRun(grads, addresses, holder_ref, holder.data_ptr(), holder.dtype, holder.numel(), span)
+    addresses, numels = list(map(_DATA_PTR, grads)), list(map(_NUMEL, grads))
+    if getattr(run, FLAT_SLOTS_ATTR, None) is not None:
+        buffer, first = weakref.ref(run), -1
+    else:
+        starts = [i for i in range(len(grads)) if numels[i] and addresses[i] == run.data_ptr()]
+        if not starts:
+            return
+        buffer, first = None, starts[0]
+    _known[optimizer] = OneRun(grads, addresses, numels, run.dtype, buffer, run.data_ptr(), run.numel(), first)
