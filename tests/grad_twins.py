@@ -87,7 +87,12 @@ class Twins:
         assert self.scaler.get_scale() == self.theirs.get_scale(), "the scale after update() differs from torch's"
         for f, before in zip(foreign, untouched):
             torch.testing.assert_close(
-                f, before, rtol=0, atol=0, equal_nan=True, msg="memory that is not the optimizer's gradients was written"
+                f,
+                before,
+                rtol=0,
+                atol=0,
+                equal_nan=True,
+                msg="memory that is not the optimizer's gradients was written",
             )
 
     def _entry(self, optimizer, twin_opt, entry, max_norm, norm_type):

@@ -116,7 +116,7 @@ def test_one_rank_perturbed_raises_on_every_rank_and_changes_nothing(outcomes, n
         if name == "not_a_member":
             assert "member" in message, f"rank 1 is not told it is not a member: {message}"
         else:
-            assert result["unchanged"], f"rank {rank}: the mismatched iteration changed something"
+            assert result["unchanged"], f"rank {rank}: the refused call changed something"
 
 
 @pytest.mark.parametrize("name", [name for name in SCENARIOS if name.startswith("rank0_reads")])

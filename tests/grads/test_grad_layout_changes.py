@@ -15,11 +15,12 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 from grad_twins import SCALE, Twins, owned
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tritonscale
+
 
 def conv_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)

@@ -88,6 +88,20 @@ def scenarios_worker(rank: int, world: int) -> dict:
             scaler.clip_grad_norm_(second, 0.5)
 
         out["order", case] = _mismatch(rank, clip_both, *params)
+    # The same, with two optimizers alike in every setting, after an iteration in agreement: their
+    # partners (every rank's part of each, remembered from the last combine) tell them apart.
+    params, a, b = _two_optimizers(rank, same_settings=True)
+    scaler = _scaler()
+    scaler.clip_grad_norm_(a, 0.5), scaler.clip_grad_norm_(b, 0.5), scaler.step(a), scaler.step(b), scaler.update()
+    for p in params:
+        p.grad.mul_(scaler.get_scale() / SCALE)
+    first, second = (a, b) if rank == 0 else (b, a)
+
+    def clip_both_again(r, scaler=scaler, first=first, second=second):
+        scaler.clip_grad_norm_(first, 0.5)
+        scaler.clip_grad_norm_(second, 0.5)
+
+    out["order", "same settings"] = _mismatch(rank, clip_both_again, *params)
     # One argument changed on rank 1.
     for name, change in (("max_norm", {"max_norm": 0.7}), ("norm_type", {"norm_type": 1.0})):
         params, a, _ = _two_optimizers(rank)
@@ -155,12 +169,13 @@ def ranks():
     [
         (("order", "distinct settings"), "the optimizer"),
         (("order", "named groups"), "the optimizer"),
+        (("order", "same settings"), "which optimizer each rank combined this one with before"),
         ("max_norm", "max_norm"),
         ("norm_type", "norm_type"),
         ("clip vs unscale_", "which call combined"),
         ("policy", "the loss-scale policy"),
     ],
-    ids=["order", "order-named-groups", "max_norm", "norm_type", "clip-vs-unscale_", "policy"],
+    ids=["order", "order-named-groups", "order-same-settings", "max_norm", "norm_type", "clip-vs-unscale_", "policy"],
 )
 def test_one_rank_changing_one_argument_or_call_raises_on_every_rank_and_changes_nothing(ranks, case, column):
     for rank, out in enumerate(ranks):

@@ -8,15 +8,18 @@ rank, a ``clip_grad_norm_`` called twice on one rank, two optimizers clipped in 
 ``max_norm`` schedule on one rank -- and the replicas then drift apart, silently.
 
 **The row.** So every combine gathers one row per rank (``rank_combine``), always of the same
-width, whatever the call: the rank's own results (``RESULTS``: norm, found_inf, how many gradient
-tensors it holds) and then ``AGREED``, everything that changes the combined result and must be
-the same on every rank, by construction rather than by a list of past bugs:
+width, whatever the call: the rank's own results (``RESULTS``: norm, found_inf, whether it holds
+gradients, a hash of its part of the optimizer) and then ``AGREED``, everything that changes the
+combined result and must be the same on every rank, by construction rather than by a list of
+past bugs:
 
 * the **call**: the scaler's ``iteration`` and the combine's index in it (``call``), which entry
   point issued it (``kind``: the flags of unscale_/step, a clip, the Updater's gradient sum) and
   its arguments (``max_norm``, ``norm_type``);
 * the **optimizer**: a hash of what every rank's copy of it shares (its class and every
-  ``param_groups`` setting but the parameters themselves, which a ZeRO partition splits);
+  ``param_groups`` setting but the parameters themselves, which a ZeRO partition splits), and its
+  **partners**: a fingerprint of every rank's part of it at its last combine, so a rank that pairs
+  it with another optimizer of the others (two optimizers called in another order) is caught;
 * the **policy** (a hash of its knobs) and the **loss scale** (its exact float32 value);
 * for the Updater, which sums replicated gradients, the **gradients** and their **layout** (each
   parameter's size, dtype and whether it has a gradient); a scaler's combine puts 0 there, since
@@ -32,10 +35,11 @@ number of iterations this scaler has ended -- its ``update()`` calls, and for a 
 combines this scaler issued on that process group in the current iteration.
 
 **What it cannot see.** Two optimizers identical in class and every setting, each partitioned over
-the ranks, called in a different order on each rank from the very first step, look the same to
-every rank: nothing that every rank computes tells them apart. Give each one's param groups a
-distinguishing key (``{"params": ..., "name": "decoder"}``; torch keeps extra keys) and the hash
-tells them apart.
+the ranks, called in a different order on each rank from their very first combine, look the same
+to every rank: nothing that every rank computes tells them apart, and the partners they remember
+are then consistently swapped. Give each one's param groups a distinguishing key
+(``{"params": ..., "name": "decoder"}``; torch keeps extra keys) and the optimizer hash tells
+them apart from the first step.
 
 **Where the error is raised.** Deciding to raise is a host read. On the CPU reads cost nothing
 (``host_reads.py``): every rank raises :class:`RankMismatchError` right after the collective,
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -100,11 +105,16 @@ CHECKED = {
         _SAME_CALLS + "; the same optimizer must have the same settings on every rank",
     ),
     "policy": ("the loss-scale policy (a hash of its knobs)", "make every rank's GradScaler with the same arguments"),
+    "partners": (
+        "which optimizer each rank combined this one with before (a hash of every rank's parameter "
+        "layout of it, from its last combine)",
+        _SAME_CALLS + " (the ranks paired this optimizer with another one: optimizers called in another order)",
+    ),
     "gradients": ("the number of gradients", _UNUSED),
     "layout": ("the gradients' sizes, dtypes and which parameters have one (a hash)", _UNUSED),
 }
 #: A rank's own results, first in its row; every rank may differ here.
-RESULTS = ("norm", "found_inf", "tensors")
+RESULTS = ("norm", "found_inf", "holds_grads", "layout_here")
 #: The columns of the row after ``RESULTS``: what every rank must agree on.
 AGREED = tuple(CHECKED)
 #: The values of the ``kind`` column.
@@ -114,6 +124,21 @@ KINDS = {"flags": 0, "clip": 1, "gradient sum": 2}
 def digest(value: Any) -> int:
     """A 32-bit hash of ``value``'s repr, the same in every process (exact in a float64 column)."""
     return zlib.crc32(repr(value).encode())
+
+
+def layout_digest(optimizer: Any) -> int:
+    """A hash of this rank's part of ``optimizer``: per param group, how many parameters and the
+    shape and dtype of the first and the last (cheap: no walk over every parameter). Ranks of a
+    ZeRO partition hold different parts, so it differs between them; what they agree on is the
+    vector of every rank's (``RankChecks.partners``). Example: ``layout_digest(opt)``."""
+    if optimizer is None:
+        return 0
+    parts = []
+    for group in getattr(optimizer, "param_groups", ()):
+        params = group["params"]
+        ends = [(tuple(p.shape), str(p.dtype)) for p in (params[:1] + params[-1:])]
+        parts.append((len(params), ends))
+    return digest(parts)
 
 
 def optimizer_digest(optimizer: Any) -> int:
@@ -174,6 +199,8 @@ class RankChecks:
         #: a constant of the graph, recompiled at every iteration) and without a host read.
         self.iteration = torch.zeros((), dtype=torch.int64)
         self._calls: dict[Any, int] = {}  # process group -> combines issued on it this iteration
+        #: optimizer -> fingerprint of every rank's layout of it at its last combine (``partners``).
+        self._partners: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
         #: 0-dim float32 device flag, 1 once a combine saw a mismatch not raised yet (GPU paths).
         self.pending: torch.Tensor | None = None
         self._seen: tuple[torch.Tensor, tuple[str, ...]] | None = None  # what the first one showed
@@ -192,8 +219,30 @@ class RankChecks:
         index = self._calls.get(group, 0)
         self._calls[group] = index + 1
         iteration = self.iteration.to(scale.device, torch.float64, non_blocking=True).reshape(1)
-        host = on_device([index, *agreement.columns()], scale.device)
-        return torch.cat([scale.detach().reshape(1).double(), iteration, host])
+        columns = agreement.columns()  # kind, max_norm, norm_type, optimizer, policy, gradients, layout
+        host = on_device([index, *columns[:5]], scale.device)
+        partners = self.partners(agreement.optimizer, scale.device).reshape(1)
+        return torch.cat(
+            [scale.detach().reshape(1).double(), iteration, host, partners, on_device(columns[5:], scale.device)]
+        )
+
+    def partners(self, optimizer: Any, device: torch.device) -> torch.Tensor:
+        """The ``partners`` column for ``optimizer``: a fingerprint of every rank's
+        ``layout_digest`` of it at its last combine (0 before its first). Ranks that pair the
+        same optimizers hold the same fingerprint; a rank that pairs this one with another
+        optimizer of the others holds another (caught from the second combine of each on)."""
+        seen = self._partners.get(optimizer) if optimizer is not None else None
+        if seen is None:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return seen.to(device, non_blocking=True)
+
+    def remember_partners(self, optimizer: Any, layouts: torch.Tensor) -> None:
+        """After a combine the ranks agreed on: ``layouts`` ([world] float64, every rank's
+        ``layout_digest``, the same on every rank) fingerprinted on the device, for ``partners``."""
+        if optimizer is None:
+            return
+        weights = torch.arange(1, layouts.numel() + 1, dtype=torch.float64, device=layouts.device)
+        self._partners[optimizer] = (layouts * weights).sum()
 
     def judge(self, checked: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor | None:
         """``checked``: [world, len(names)], every rank's values in rank order (the same on every
@@ -256,7 +305,8 @@ class RankChecks:
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups and device flags do not travel; the count does (on the CPU).
-        return {"iteration": self.iteration.cpu(), "_calls": {}, "pending": None, "_seen": None}
+        state = {"iteration": self.iteration.cpu(), "_calls": {}, "pending": None, "_seen": None}
+        return {**state, "_partners": weakref.WeakKeyDictionary()}
 
 
 def on_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 from .found_inf import combine_flags
-from .rank_checks import AGREED, RESULTS, Agreement, RankChecks, digest
+from .rank_checks import AGREED, RESULTS, Agreement, RankChecks, digest, layout_digest, on_device
 
 #: A torch.distributed ProcessGroup, or None for "this rank's gradients are the whole".
 Group = Any
@@ -86,7 +86,8 @@ def _row(results: list[torch.Tensor], group: Group, agreement: Agreement | None)
     agreement = agreement if agreement is not None else Agreement(RankChecks(), None)
     device = results[0].device
     scale = agreement.loss_scale if agreement.loss_scale is not None else torch.ones((), device=device)
-    mine = torch.stack([v.to(device, torch.float64).reshape(()) for v in results])
+    layout = on_device([layout_digest(agreement.optimizer)], device).reshape(())
+    mine = torch.stack([v.to(device, torch.float64).reshape(()) for v in [*results, layout]])
     return torch.cat([mine, agreement.ranks.stamp(group, scale.to(device, non_blocking=True), agreement)])
 
 
@@ -95,6 +96,9 @@ def _judged(found_inf: torch.Tensor, rows: torch.Tensor, agreement: Agreement | 
     step is skipped); where reads are free a mismatch raises RankMismatchError on every rank instead."""
     ranks = agreement.ranks if agreement is not None else RankChecks()
     mismatch = ranks.judge(rows[:, len(RESULTS) :], AGREED)
+    ranks.remember_partners(
+        agreement.optimizer if agreement is not None else None, rows[:, RESULTS.index("layout_here")]
+    )
     return found_inf if mismatch is None else torch.maximum(found_inf, mismatch.to(found_inf.device))
 
 
@@ -206,7 +210,7 @@ class GradAllReduce:
         agreement = dataclasses.replace(agreement, kind="gradient sum", gradients=gradients, layout=layout)
         zero = torch.zeros((), dtype=torch.float64, device=plan[0][0])
         rows = _gather_rows(_row([zero, zero, zero], group, agreement), group)  # a collective: the check
-        agreement.ranks.judge(rows[:, len(RESULTS) :], AGREED)
+        _judged(zero, rows, agreement)
         for _, dtype, members in plan:  # a collective per device: the sum
             flat = torch.cat([_slot(p, dtype) for p in members])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
