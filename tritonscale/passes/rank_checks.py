@@ -305,8 +305,11 @@ class RankChecks:
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups and device flags do not travel; the count does (on the CPU).
-        state = {"iteration": self.iteration.cpu(), "_calls": {}, "pending": None, "_seen": None}
-        return {**state, "_partners": weakref.WeakKeyDictionary()}
+        return {"iteration": self.iteration.cpu(), "_calls": {}, "pending": None, "_seen": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Partners name optimizers of this process: none travel.
+        self.__dict__.update(state, _partners=weakref.WeakKeyDictionary())
 
 
 def on_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
