@@ -1,5 +1,7 @@
-"""The multi-process harness itself: a rank that dies or hangs is reported, with what it printed,
-and a rank that dies only while leaving the group, after every rank saved its result, fails nothing."""
+"""The multi-process harness itself: a rank that dies or hangs is reported, with what it printed;
+every raising rank's traceback is in the report, whatever it prints dying and whichever rank ends
+first; and a rank that dies only while leaving the group, after every rank saved its result, fails
+nothing."""
 
 import os
 import sys
@@ -61,3 +63,28 @@ def test_every_raising_ranks_traceback_is_in_the_report_whichever_is_seen_first(
         run_ranks(both_raise_worker, 2, deadline_s=60)
     message = str(failed.value)
     assert "rank 0 gives up first" in message and "rank 1's own error" in message
+
+
+def raises_then_dies_printing_worker(rank: int, world: int) -> int:
+    if rank == 0:
+        raise RuntimeError("rank 0 gives up first")
+    time.sleep(1.0)
+
+    def abort_like_gloo(*args, **kwargs):
+        # What gloo prints when it aborts a rank leaving a broken group: a C++ backtrace.
+        print("terminate called after throwing an instance of 'gloo::IoException'", file=sys.stderr)
+        for frame in range(40):
+            print(f"frame #{frame}: <C++ frame>", file=sys.stderr)
+        sys.stderr.flush()
+        os.abort()
+
+    dist.destroy_process_group = abort_like_gloo
+    raise ValueError("rank 1's own error")
+
+
+def test_a_raising_ranks_traceback_is_in_the_report_whatever_it_prints_dying():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(raises_then_dies_printing_worker, 2, deadline_s=60)
+    message = str(failed.value)
+    assert "rank 0 gives up first" in message and "rank 1's own error" in message
+    assert "SIGABRT" in message and "frame #39" in message  # how rank 1 ended is reported too
