@@ -64,8 +64,12 @@ class DirectStepGuard:
     def __init__(self, scaler: Any = None) -> None:
         self._scaler = weakref.ref(scaler) if scaler is not None else None
 
+    def scaler(self) -> Any:
+        """The scaler this guard is for; None once it is gone (or in a copy)."""
+        return self._scaler() if self._scaler is not None else None
+
     def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        scaler = self._scaler() if self._scaler is not None else None
+        scaler = self.scaler()
         if getattr(optimizer, "grad_scale", None) is not None or scaler is None:
             return
         if scaler.folded_grad_scale(optimizer) is not None:
@@ -91,9 +95,13 @@ def guard_direct_step(optimizer: Any, scaler: Any) -> bool:
     is specialised to this optimizer and scaler already): traced as a dict write instead, the hooks'
     first change would recompile the clip. Returns whether the guard is on."""
     hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
-    if isinstance(hooks, dict):
-        hooks[(GUARD_KEY, id(scaler))] = DirectStepGuard(scaler)
-    return isinstance(hooks, dict)
+    if not isinstance(hooks, dict):
+        return False
+    key = (GUARD_KEY, id(scaler))
+    guard = hooks.get(key)
+    if guard is None or guard.scaler() is not scaler:  # none yet, or one of a scaler gone since
+        hooks[key] = DirectStepGuard(scaler)
+    return True
 
 
 def takes_grad_scaler_argument(optimizer: Any) -> bool:

@@ -148,7 +148,8 @@ def clip_grads(
         result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
     # A traced step proves the gradients' memory disjoint at run time, before anything below.
     result.found_inf, result.factor = grads.disjoint_at_run_time([result.found_inf, result.factor])
-    result = combine_check(result, scale, norm_type, max_norm, group, agreement, holds_grads(grads))
+    holds = holds_grads(grads) if group is not None else True  # only a combine asks
+    result = combine_check(result, scale, norm_type, max_norm, group, agreement, holds)
     if unscale_on_overflow:
         overflow = result.found_inf > 0
         result.clip_coef = torch.where(overflow, torch.ones_like(result.clip_coef), result.clip_coef)

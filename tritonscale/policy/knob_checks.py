@@ -38,9 +38,9 @@ def is_int(value: object) -> bool:
 def plain_number(value: Any) -> Any:
     """A number as the Python int or float it holds (``np.float32(0.5)`` -> ``0.5``, ``np.int64(2)``
     -> ``2``); anything else as it is. For arguments a manager echoes back as given."""
-    if is_number(value) and type(value) not in (int, float):
-        return int(value) if is_int(value) else float(value)
-    return value
+    if type(value) in (int, float) or not is_number(value):  # the usual case first: no ABC check
+        return value
+    return int(value) if is_int(value) else float(value)
 
 
 def is_finite(value: object) -> bool:

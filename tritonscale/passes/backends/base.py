@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from ... import host_reads
-from ...policy.policy_forms import ON_DEVICE, RuleForm, as_float32
+from ...policy.policy_forms import ON_DEVICE, RuleForm, as_float32, rounded_to_float32
 
 
 def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -25,7 +25,7 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
         # The same float64 division and rounding on the host: one read and one new tensor instead
         # of three ops.
         value = scale.item()
-        inverse = as_float32(1.0 / value) if value else math.inf
+        inverse = rounded_to_float32(1.0 / value) if value else math.inf
         return torch.full(scale.shape, inverse, dtype=torch.float32, device=scale.device)
     return scale.double().reciprocal().float()
 

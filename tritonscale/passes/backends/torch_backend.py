@@ -27,7 +27,7 @@ import torch
 
 from ... import host_reads
 from ...kernels.flat_runs import as_runs, spans_several
-from ...policy.policy_forms import ON_HOST, as_float32
+from ...policy.policy_forms import ON_HOST, rounded_to_float32
 from .base import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 
 
@@ -170,9 +170,9 @@ def _finalize_on_host(raw: float, inv_scale: torch.Tensor, max_norm: float | Non
     the host too (base.inverse_scale), this is most of what a small step's clip_grad_norm_ saves
     on the CPU."""
     inverse = inv_scale.item()
-    norm = as_float32(raw * inverse)
+    norm = rounded_to_float32(raw * inverse)
     clip_coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm, ON_HOST)
-    factor = as_float32(inverse * clip_coef)
+    factor = rounded_to_float32(inverse * clip_coef)
     made = [torch.full((), v, dtype=torch.float32, device=inv_scale.device) for v in (0.0, norm, clip_coef, factor)]
     return CheckResult(*made, plan=plan)
 
