@@ -4,6 +4,8 @@ oracle of ``clip_grad_norm_`` and bitwise snapshots of everything a rejected cal
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,3 +123,20 @@ class Snapshot:
         assert self.optimizer_attributes == other.optimizer_attributes, "grad_scale/found_inf left on the optimizer"
         assert same_bits(self.scaler_state, other.scaler_state), "scaler state_dict changed"
         assert same_bits(self.stages, other.stages), "per-optimizer stage or found_inf changed"
+
+
+def through_torch_save(obj: Any) -> Any:
+    """``obj`` saved with torch.save and loaded back (whole objects: ``weights_only=False``)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+#: The ways a user copies a whole object (an optimizer, a wrapper, a model with its optimizer),
+#: each as a function of the object.
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
+    "torch.save": through_torch_save,
+}

@@ -58,11 +58,17 @@ def both_raise_worker(rank: int, world: int) -> int:
     raise ValueError("rank 1's own error")
 
 
-def test_every_raising_ranks_traceback_is_in_the_report_whichever_is_seen_first():
+def both_ranks_report(worker) -> str:
+    """The failure report of ``worker`` on 2 ranks, which must name both ranks' own errors."""
     with pytest.raises(RanksFailed) as failed:
-        run_ranks(both_raise_worker, 2, deadline_s=60)
+        run_ranks(worker, 2, deadline_s=60)
     message = str(failed.value)
     assert "rank 0 gives up first" in message and "rank 1's own error" in message
+    return message
+
+
+def test_every_raising_ranks_traceback_is_in_the_report_whichever_is_seen_first():
+    both_ranks_report(both_raise_worker)
 
 
 def raises_then_dies_printing_worker(rank: int, world: int) -> int:
@@ -83,8 +89,5 @@ def raises_then_dies_printing_worker(rank: int, world: int) -> int:
 
 
 def test_a_raising_ranks_traceback_is_in_the_report_whatever_it_prints_dying():
-    with pytest.raises(RanksFailed) as failed:
-        run_ranks(raises_then_dies_printing_worker, 2, deadline_s=60)
-    message = str(failed.value)
-    assert "rank 0 gives up first" in message and "rank 1's own error" in message
+    message = both_ranks_report(raises_then_dies_printing_worker)
     assert "SIGABRT" in message and "frame #39" in message  # how rank 1 ended is reported too

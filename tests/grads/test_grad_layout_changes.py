@@ -130,14 +130,21 @@ def test_a_flat_buffer_freed_and_another_dtype_allocated_in_its_place(backend):
         twins.step(optimizer, foreign=[params[3].grad])
 
 
-@pytest.mark.parametrize("norm_type", [0.0, -2.0, -float("inf"), 0.5, 3.0])
-@pytest.mark.parametrize("layout", ["flatten_grads_", "bucket"])
-def test_norm_types_the_kernels_do_not_compute_after_recognition(backend, norm_type, layout):
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 17, 3, 9)]
+def laid_out(sizes: tuple[int, ...], layout: str) -> list[torch.nn.Parameter]:
+    """Parameters of these sizes whose gradients are views of one ``flatten_grads_`` buffer, or
+    back to back in a DDP-style bucket."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     if layout == "flatten_grads_":
         tritonscale.flatten_grads_(params)
     else:
         pooled_bucket(bytearray(1024), params, torch.float32, 0)
+    return params
+
+
+@pytest.mark.parametrize("norm_type", [0.0, -2.0, -float("inf"), 0.5, 3.0])
+@pytest.mark.parametrize("layout", ["flatten_grads_", "bucket"])
+def test_norm_types_the_kernels_do_not_compute_after_recognition(backend, norm_type, layout):
+    params = laid_out((5, 17, 3, 9), layout)
     optimizer = torch.optim.SGD(params, lr=0.0)
     twins = Twins(backend)
     twins.step(optimizer)  # a 2-norm step: the layout is recognised
@@ -176,11 +183,7 @@ IN_PLACE = {
 def test_a_gradient_resized_or_retyped_in_place_after_recognition(backend, layout, change):
     # Recognised over two steps, then one gradient's metadata is rewritten over the same memory:
     # the step must read it with its new extent, stride and dtype, as torch does.
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in (6, 10, 4, 8)]
-    if layout == "flatten_grads_":
-        tritonscale.flatten_grads_(params)
-    else:
-        pooled_bucket(bytearray(1024), params, torch.float32, 0)
+    params = laid_out((6, 10, 4, 8), layout)
     optimizer = torch.optim.SGD(params, lr=0.1)
     twins = Twins(backend)
     for _ in range(2):

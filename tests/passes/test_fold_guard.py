@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import copy
 import gc
-import io
-import pickle
 import weakref
 
 import pytest
 import torch
+from scaler_twins import COPIES as WHOLE_COPIES
 from scaler_twins import Snapshot, bits, same_bits, torch_clip
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -204,19 +203,7 @@ def test_only_a_folded_clip_guards_the_direct_step(setup):
     assert same_bits(runs[0], runs[1])
 
 
-def _through_torch_save(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-COPIES = {
-    "copy": copy.copy,
-    "deepcopy": copy.deepcopy,
-    "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
-    "torch.save": _through_torch_save,
-}
+COPIES = {"copy": copy.copy, **WHOLE_COPIES}  # a shallow copy too
 
 
 @pytest.mark.parametrize("how", list(COPIES))

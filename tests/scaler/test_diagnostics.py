@@ -77,12 +77,18 @@ def test_nonfinite_grads_reads_a_sparse_gradient_as_its_dense_form(values, layou
     assert param.grad is grad and (layout == "csr" or grad.is_coalesced() == (layout == "coo"))  # left as it was
 
 
-def test_skipped_clip_step_keeps_the_culprits_visible(backend):
+def overflowed_backward(backend):
+    """One good step, then a scaled backward whose gradients hold an inf: (model, opt, scaler)."""
     model, opt, scaler = make(backend)
     run_steps(scaler, model, opt, [False])
     opt.zero_grad()
     scaler.scale(model(torch.ones(2, 4)).sum()).backward()
     model[1].weight.grad[0, 0] = math.inf
+    return model, opt, scaler
+
+
+def test_skipped_clip_step_keeps_the_culprits_visible(backend):
+    model, opt, scaler = overflowed_backward(backend)
     scaler.clip_grad_norm_(opt, 1.0)
     scaler.step(opt)
     scaler.update()
@@ -152,11 +158,7 @@ def test_stats_kept_and_read_steps_later_are_their_own_steps_values(backend, fus
 
 
 def test_stats_after_update_with_new_scale_on_an_overflowed_step_agree(backend):
-    model, opt, scaler = make(backend)
-    run_steps(scaler, model, opt, [False])
-    opt.zero_grad()
-    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
-    model[1].weight.grad[0, 0] = math.inf
+    _, opt, scaler = overflowed_backward(backend)
     norm = scaler.clip_grad_norm_(opt, 1.0)
     scaler.step(opt)
     scaler.update(new_scale=8.0)

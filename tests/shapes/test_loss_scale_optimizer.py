@@ -10,14 +10,12 @@ GradScaler.
 from __future__ import annotations
 
 import copy
-import io
 import math
-import pickle
 import warnings
 
 import pytest
 import torch
-from scaler_twins import bits, same_bits
+from scaler_twins import COPIES, bits, same_bits
 
 import tritonscale
 from tritonscale import LossScaleOptimizer, LossScalePolicy
@@ -189,20 +187,6 @@ def test_state_dict_carries_the_scale_and_resumes_bitwise(backend):
             o.backward_and_step(loss_of(m, step))
             o.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
-
-
-def _through_torch_save(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-COPIES = {
-    "deepcopy": copy.deepcopy,
-    "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
-    "torch.save": _through_torch_save,
-}
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])

@@ -14,6 +14,11 @@ import torch
 
 from ..policy.loss_scale_policy import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
 
+#: stats() of a scaler made with enabled=False: what it cannot report, and what to log instead.
+NO_STATS_WHEN_DISABLED = (
+    "stats() reports the loss scale and its trackers, and this GradScaler was made with enabled=False "
+    "(no loss scale, as in a bf16 run): log clip_grad_norm_'s return value and last_skip_flag() instead"
+)
 STAT_NAMES = ("scale", "norm", "found_inf", "skipped", "skipped_steps", "consecutive_skips", "growth_tracker")
 
 

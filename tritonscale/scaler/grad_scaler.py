@@ -1,11 +1,10 @@
 """GradScaler: a drop-in for torch.amp.GradScaler whose passes are the fused Triton kernels.
 
-The controller: its state is the fields ``__init__`` sets, and every method here uses only those
-and the methods of this file. A step runs the passes (``passes/``) on the optimizer's gradients
-(``grads/``), records each optimizer's stage (``optimizer_record.py``) and hands the flags to the
-policy's rule (``policy/``). torch's accessors and private names are a layer over these fields
-(``torch_private_api.py``); checkpoints: ``scaler_state.py``. Nothing reads the host but
-get_scale()/state_dict() and step() for an optimizer that cannot take found_inf.
+The controller, its state the fields ``__init__`` sets: a step runs the passes (``passes/``) on the
+optimizer's gradients (``grads/``), records each optimizer's stage (``optimizer_record.py``) and
+hands the flags to the policy's rule (``policy/``). torch's private names: ``torch_private_api.py``;
+checkpoints: ``scaler_state.py``. Nothing reads the host but get_scale()/state_dict() and step()
+for an optimizer that cannot take found_inf.
 """
 
 from __future__ import annotations
@@ -29,14 +28,13 @@ from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_g
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
-from .diagnostics import device_stats
+from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats
 from .optimizer_record import OptimizerRecord, OptState
 from .scale_outputs import scale_outputs
 from .scaler_state import (
     TORCH_INIT_SCALE,
     DeviceState,
     HostState,
-    ScalerSnapshot,
     ScalerStateIO,
     checked_init_scale,
     cuda_missing,
@@ -146,18 +144,22 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         record = self._per_optimizer_states[id(optimizer)].not_stepped("unscale_")
         if record.stage is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        self._unscale_pass(optimizer, record, scale)
+        self._flags_pass(optimizer, record, scale, unscale=True)
 
-    def _unscale_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor) -> None:
-        """unscale_'s work: the fused unscale + check of the optimizer's gradients, recorded."""
-        grads = collect_grads(inner, allow_fp16=False)
-        group = self._group(grads)
-        # With a process group, the collective (ranks that disagree raise before a gradient is written).
-        found_infs = unscale_grads_(
-            grads, scale, self._backend_name, group, self._agreement(inner), self._policy.skip_on_overflow
-        )
-        record.found_inf_per_device = found_infs
-        record.stage = OptState.UNSCALED
+    def _flags_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor, *, unscale: bool) -> None:
+        """The flags pass of unscale_ (``unscale``: the fused unscale + check, float16 refused) or of
+        a fused step (the read-only check of still-scaled gradients, sparse ones refused for torch's
+        fused optimizers), recorded. With a process group, the collective: the flags made the
+        group's, and ranks that disagree raise before a gradient is written."""
+        sparse_ok = unscale or not fold.is_torch_fused(inner)
+        grads = collect_grads(inner, allow_fp16=not unscale, allow_sparse=sparse_ok)
+        group, agreement, backend = self._group(grads), self._agreement(inner), self._backend_name
+        if unscale:
+            flags = unscale_grads_(grads, scale, backend, group, agreement, self._policy.skip_on_overflow)
+            record.stage = OptState.UNSCALED
+        else:
+            flags = check_grads(grads, scale, backend, group, agreement)
+        record.found_inf_per_device = flags
 
     def _agreement(
         self, optimizer: Any, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0
@@ -251,28 +253,19 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if amp_scaling and fold.takes_grad_scaler_argument(optimizer):
             retval = fold.step_with_grad_scaler_argument(optimizer, self, args, kwargs)
         elif amp_scaling:
-            if record.stage is OptState.READY:
-                # The optimizer divides by grad_scale itself: only the read-only check pass runs
-                # (sparse gradients coalesced first, as torch does; torch's fused ones take none).
-                self._check_pass(inner, record, scale, allow_sparse=not fold.is_torch_fused(inner))
+            if record.stage is OptState.READY:  # the optimizer divides by grad_scale itself: a check only
+                self._flags_pass(inner, record, scale, unscale=False)
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
             skip = self._skip_flag(record, scale.device, required=False)
             still_scaled = record.stage is OptState.READY
             retval = fold.step_fused(optimizer, inner, scale, still_scaled, record.grad_scale, skip, args, kwargs)
         else:
             if record.stage is OptState.READY:
-                self._unscale_pass(inner, record, scale)
+                self._flags_pass(inner, record, scale, unscale=True)
             skip = self._skip_flag(record, scale.device)
             retval = fold.step_unless(optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False)
         record.stage = OptState.STEPPED
         return retval
-
-    def _check_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor, allow_sparse: bool) -> None:
-        """The read-only inf/NaN check of still-scaled gradients, recorded for the optimizer."""
-        grads = collect_grads(inner, allow_fp16=True, allow_sparse=allow_sparse)
-        group = self._group(grads)
-        # With a process group, the collective: the flags made the group's, the row checked.
-        record.found_inf_per_device = check_grads(grads, scale, self._backend_name, group, self._agreement(inner))
 
     def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
@@ -325,11 +318,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         this step's values (device copies), safe to keep and read steps later. Example:
         ``writer.add_scalar("loss_scale", scaler.stats()["scale"], step)`` (the logger syncs)."""
         if not self._enabled:
-            raise RuntimeError(
-                "stats() reports the loss scale and its trackers, and this GradScaler was made with "
-                "enabled=False (no loss scale, as in a bf16 run): log clip_grad_norm_'s return value "
-                "and last_skip_flag() instead"
-            )
+            raise RuntimeError(NO_STATS_WHEN_DISABLED)
         state = self._state_for("stats")
         return device_stats(state.scale, state.growth_tracker, state.counters, self._last_found_inf, self._last_norm)
 
@@ -343,23 +332,27 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         return skipped is not None and bool(skipped.item())
 
     # ------------------------------------------- this iteration, for adapters
+    def _recorded(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord | None:
+        """What this iteration recorded for ``optimizer`` (a wrapper's inner one); None if nothing."""
+        return self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+
     def optimizer_stage(self, optimizer: torch.optim.Optimizer) -> OptState | None:
         """``optimizer``'s stage in this iteration (torch's ``OptState``); None when nothing was
         recorded for it since the last update(). Example: ``scaler.optimizer_stage(opt) is None``."""
-        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        record = self._recorded(optimizer)
         return record.stage if record is not None else None
 
     def found_inf_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """This iteration's overflow flag for ``optimizer`` (0-dim float32 on the device, nonzero on
         inf/NaN; the process group's, with one); None before its first check. No host read.
         Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later."""
-        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        record = self._recorded(optimizer)
         return record.summed_found_inf() if record is not None else None
 
     def folded_grad_scale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The divisor (``scale / clip_coef``) a clip folded into ``optimizer``'s fused step, until step()
         hands it over; else None. Example: ``p.grad / scaler.folded_grad_scale(opt)``: unscaled, clipped."""
-        record = self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+        record = self._recorded(optimizer)
         return record.grad_scale if record is not None and record.stage is OptState.UNSCALED else None
 
     def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -380,46 +373,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return self._disabled_skip > 0 if self._disabled_skip is not None else None
         return self._ranks.skip(self._tensors.counters[LAST_SKIPPED] > 0) if self._tensors is not None else None
 
-    def abandon_iteration(
-        self, optimizer: torch.optim.Optimizer | None = None, snapshot: ScalerSnapshot | None = None
-    ) -> None:
-        """Forget what this iteration recorded for ``optimizer`` (every optimizer when None), as if
-        it had not begun; with a ``snapshot``, also undo the update()s since it was taken. The
-        gradients stay as the passes left them. Example::
-
-            snapshot = scaler.snapshot()  # then an update() (e.g. a backoff) and an error
-            scaler.abandon_iteration(optimizer, snapshot)  # the scaler as at the snapshot
-        """
-        if optimizer is None:
-            self._per_optimizer_states = defaultdict(OptimizerRecord)
-        else:
-            self._per_optimizer_states.pop(id(unwrap_optimizer(optimizer)), None)
-        if snapshot is not None:  # in place: the device tensors keep their addresses
-            if self._enabled and snapshot.host is not None:
-                self._policy, self._host = LossScalePolicy(**snapshot.policy.knobs()), snapshot.host.copy()
-                if self._tensors is not None:
-                    self._tensors.load_(snapshot.host)
-            self._last_found_inf, self._last_norm = snapshot.last_found_inf, snapshot.last_norm
-
-    def snapshot(self) -> ScalerSnapshot:
-        """The scale, its trackers and policy (a host read) and stats()'s last found_inf and norm:
-        what ``abandon_iteration(optimizer, snapshot)`` puts back. Example: ``saved = scaler.snapshot()``."""
-        policy, host = (LossScalePolicy(**self._policy.knobs()), self._host_state()) if self._enabled else (None, None)
-        return ScalerSnapshot(policy, host, self._last_found_inf, self._last_norm)
-
     def all_reduce_grads_(
-        self,
-        params: list[torch.Tensor],
-        process_group: Any,
-        reducer: GradAllReduce,
-        optimizer: Any = None,
-        max_norm: float = 0.0,
-        norm_type: float = 0.0,
+        self, params: list, group: Any, reducer: GradAllReduce, optimizer: Any, **clip: float
     ) -> None:
-        """Sum ``params``' gradients over ``process_group`` in place (the Updater's data parallelism),
-        after one collective that checks the ranks agree on this scaler's scale and call sequence,
-        the ``optimizer``, the clip that follows (``max_norm``, ``norm_type``) and the gradients."""
-        reducer(params, process_group, self._agreement(optimizer, "gradient sum", max_norm, norm_type))
+        """Sum ``params``' gradients over ``group`` in place (the Updater's data parallelism), after
+        one collective that checks the ranks agree on this scaler's scale and call sequence, the
+        ``optimizer``, the clip that follows (``clip``: max_norm, norm_type) and the gradients."""
+        reducer(params, group, self._agreement(optimizer, "gradient sum", **clip))
 
     # -------------------------------------------------------- knobs and state
     def _host_state(self) -> HostState:

@@ -1,6 +1,7 @@
 """The scaler's state: where it lives, how it is saved, loaded and pickled.
 
-``ScalerStateIO`` (mixed into GradScaler) saves, loads and pickles them. The loss scale and the
+``ScalerStateIO`` (mixed into GradScaler) saves, loads and pickles them, and rolls an iteration
+back to a ``snapshot()``. The loss scale and the
 policy's trackers exist in two forms:
 
 * ``HostState``: Python numbers. What a fresh scaler starts from, what ``state_dict()`` and a
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import abc
+from collections import abc, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -24,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ScalerConfigError
+from ..grads.optimizer_wrappers import unwrap_optimizer
 from ..policy.knob_checks import INT32_LIMIT, check_counter, check_scale_value, is_int, is_number
 from ..policy.loss_scale_policy import (
     CONSECUTIVE_SKIPS,
@@ -37,6 +39,7 @@ from ..policy.loss_scale_policy import (
     as_float32,
 )
 from .compile_boundary import runs_eagerly
+from .optimizer_record import OptimizerRecord
 
 #: torch.amp.GradScaler's default ``init_scale`` (its other defaults are LossScalePolicy's).
 TORCH_INIT_SCALE = 2.0**16
@@ -129,7 +132,8 @@ def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy
 
 
 class ScalerStateIO:
-    """Mixed into GradScaler: ``state_dict``, ``load_state_dict`` and pickling.
+    """Mixed into GradScaler: ``state_dict``, ``load_state_dict``, pickling, and the in-memory save
+    and restore an adapter rolls an iteration back with (``snapshot``, ``abandon_iteration``).
 
     It reads and writes only the GradScaler fields declared below (set in ``grad_scaler.py``'s
     ``__init__``) and calls only ``_host_state`` there; ``tests/scaler/test_controller_fields.py``
@@ -140,6 +144,8 @@ class ScalerStateIO:
     _host: HostState  # the values before the first scale()
     _tensors: DeviceState | None  # ... and after
     _per_optimizer_states: dict
+    _last_found_inf: torch.Tensor | None  # stats()'s found_inf and norm, which a snapshot keeps
+    _last_norm: torch.Tensor | None
     _process_group: Any
     _host_state: Callable[[], HostState]  # a method: the values read to the host
 
@@ -167,6 +173,33 @@ class ScalerStateIO:
         self._policy, self._host = policy, host
         if self._tensors is not None:
             self._tensors.load_(host)
+
+    def snapshot(self) -> ScalerSnapshot:
+        """The scale, its trackers and policy (a host read) and stats()'s last found_inf and norm:
+        what ``abandon_iteration(optimizer, snapshot)`` puts back. Example: ``saved = scaler.snapshot()``."""
+        policy, host = (LossScalePolicy(**self._policy.knobs()), self._host_state()) if self._enabled else (None, None)
+        return ScalerSnapshot(policy, host, self._last_found_inf, self._last_norm)
+
+    def abandon_iteration(
+        self, optimizer: torch.optim.Optimizer | None = None, snapshot: ScalerSnapshot | None = None
+    ) -> None:
+        """Forget what this iteration recorded for ``optimizer`` (every optimizer when None), as if
+        it had not begun; with a ``snapshot``, also undo the update()s since it was taken. The
+        gradients stay as the passes left them. Example::
+
+            snapshot = scaler.snapshot()  # then an update() (e.g. a backoff) and an error
+            scaler.abandon_iteration(optimizer, snapshot)  # the scaler as at the snapshot
+        """
+        if optimizer is None:
+            self._per_optimizer_states = defaultdict(OptimizerRecord)
+        else:
+            self._per_optimizer_states.pop(id(unwrap_optimizer(optimizer)), None)
+        if snapshot is not None:  # in place: the device tensors keep their addresses
+            if self._enabled and snapshot.host is not None:
+                self._policy, self._host = LossScalePolicy(**snapshot.policy.knobs()), snapshot.host.copy()
+                if self._tensors is not None:
+                    self._tensors.load_(snapshot.host)
+            self._last_found_inf, self._last_norm = snapshot.last_found_inf, snapshot.last_norm
 
     def __getstate__(self) -> dict[str, Any]:
         # Device tensors do not travel: the values go as Python numbers, made anew at the next scale().

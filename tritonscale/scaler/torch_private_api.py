@@ -72,7 +72,7 @@ class TorchPrivateAPI:
     _per_optimizer_states: dict[int, OptimizerRecord]
     _ranks: RankChecks
     _state_for: Callable[[str], DeviceState]  # the device state a step needs, or torch's error
-    _check_pass: Callable[..., None]  # the read-only inf/NaN check, recorded for an optimizer
+    _flags_pass: Callable[..., None]  # the inf/NaN check (or unscale), recorded for an optimizer
 
     # -------------------------------------------------------- state, as torch names it
     _scale = _device_tensor("scale")
@@ -171,7 +171,7 @@ class TorchPrivateAPI:
         scale = self._state_for("_check_inf_per_device").scale
         inner = unwrap_optimizer(optimizer)
         record = self._per_optimizer_states[id(inner)]
-        self._check_pass(inner, record, scale, allow_sparse=True)  # the process group's, with one
+        self._flags_pass(inner, record, scale, unscale=False)  # the process group's, with one
         return record.found_inf_per_device
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:

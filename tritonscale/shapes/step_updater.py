@@ -270,7 +270,12 @@ class Updater:
             self._fire("comm_callback_on_start", i)
             with self._phase("comm"):
                 self.scaler.all_reduce_grads_(
-                    self._params(), self.process_group, self._all_reduce, self._inner, self.max_norm, self.norm_type
+                    self._params(),
+                    self.process_group,
+                    self._all_reduce,
+                    self._inner,
+                    max_norm=self.max_norm,
+                    norm_type=self.norm_type,
                 )
             self._fire("comm_callback_on_finish", i)
         with self._phase("unscale_clip"):
