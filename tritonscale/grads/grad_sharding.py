@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..passes.rank_combine import check_process_group
+from ..process_groups import check_process_group
 
 #: Parameter attribute set by mark_replicated: the group over which its gradient is replicated.
 REPLICATED_OVER_ATTR = "_tritonscale_replicated_over"

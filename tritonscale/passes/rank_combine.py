@@ -28,38 +28,15 @@ from typing import Any
 import torch
 
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
-from .found_inf import combine_flags
+from ..flags import combine_flags
+from ..process_groups import Group, check_process_group
 from .rank_checks import AGREED, RESULTS, Agreement, RankChecks, digest, layout_digest, on_device
-
-#: A torch.distributed ProcessGroup, or None for "this rank's gradients are the whole".
-Group = Any
-
 
 def gradient_group(call_group: Group, scaler_group: Group, mesh_group: Group) -> Group:
     """The group the gradients are split across: the call's, else the scaler's, else their mesh's."""
     if call_group is not None:
         return check_process_group(call_group)
     return scaler_group if scaler_group is not None else mesh_group
-
-
-def check_process_group(group: Group, name: str = "process_group", *, optional: bool = True) -> Group:
-    """``group`` if it is a torch.distributed ProcessGroup of an initialized run (or None, where
-    ``optional``); a TypeError naming ``name`` otherwise, and a ValueError on a rank that is not a
-    member of it (``dist.new_group(ranks)`` hands the ranks it leaves out a placeholder)."""
-    if group is None and optional:
-        return None
-    import torch.distributed as dist
-
-    if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"{name} is a process group this rank is not a member of (dist.new_group(ranks) returns "
-            "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out): pass it only on its member ranks, "
-            "and None (or their own group) on the others"
-        )
-    if not isinstance(group, dist.ProcessGroup):
-        allowed = "ProcessGroup or None" if optional else "ProcessGroup"
-        raise TypeError(f"{name} must be a torch.distributed {allowed}, got {type(group).__name__}")
-    return group
 
 
 def _gather_rows(row: torch.Tensor, group: Group) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import host_reads
-from ..passes.found_inf import combine_flags
+from ..flags import combine_flags, flags_on
 
 if TYPE_CHECKING:  # the controller hands these in; the runner reads their fields
     from ..scaler.optimizer_record import OptimizerRecord
@@ -107,9 +107,7 @@ class PolicyRunner:
         """The iteration's combined found_inf (None if nothing was recorded) and skip flag, from
         records whose flags are already the process group's (the passes combined them)."""
         device = state.scale.device
-        found_inf = combine_flags(
-            [t.to(device, non_blocking=True) for r in records for t in r.found_inf_per_device.values()]
-        )
+        found_inf = flags_on(device, [t for r in records for t in r.found_inf_per_device.values()])
         if found_inf is None:
             return None, None
         skips = [r.skip for r in records if r.skip is not None]

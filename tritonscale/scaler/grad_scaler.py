@@ -21,10 +21,11 @@ from ..grads.optimizer_wrappers import unwrap_optimizer
 from ..passes import fold
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
-from ..passes.found_inf import read_found_inf
+from ..flags import read_found_inf
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
 from ..passes.rank_checks import Agreement, RankChecks
-from ..passes.rank_combine import GradAllReduce, check_process_group, gradient_group
+from ..passes.rank_combine import GradAllReduce, gradient_group
+from ..process_groups import check_process_group
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager

@@ -15,7 +15,7 @@ import torch
 # OptState they import from torch, and that must hold for our records too.
 from torch.amp.grad_scaler import OptState
 
-from ..passes.found_inf import combine_flags, summed_flag
+from ..flags import flags_on, summed_flag
 
 
 @dataclass
@@ -72,7 +72,7 @@ class OptimizerRecord:
     def found_inf_on(self, device: torch.device, required: bool = True) -> torch.Tensor:
         """The flags as one 0-dim flag on ``device``. None recorded (no gradients): torch's error if
         ``required``, else 0."""
-        found_inf = combine_flags([t.to(device, non_blocking=True) for t in self.found_inf_per_device.values()])
+        found_inf = flags_on(device, self.found_inf_per_device.values())
         if found_inf is None:
             if required:
                 raise AssertionError("No inf checks were recorded for this optimizer.")

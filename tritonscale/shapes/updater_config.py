@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..passes.fold import clip_folds
-from ..passes.rank_combine import check_process_group
+from ..process_groups import check_process_group
 from ..policy.knob_checks import is_int, is_number, plain_number
 from ..scaler.grad_scaler import GradScaler
 

@@ -1,5 +1,8 @@
 """found_inf flags: 0-dim float32 tensors, nonzero where a pass met inf/NaN, combined as torch does
 (by summing), and read on the host only where a caller asks for a bool.
+
+A leaf: it imports nothing of the package, so every stage (the passes, the policy's runner, the
+controller's records) sums flags with this one rule.
 """
 
 from __future__ import annotations
@@ -18,10 +21,16 @@ def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack([f.reshape(()) for f in flags]).sum()
 
 
+def flags_on(device: torch.device, flags: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """Flags on any devices moved to ``device`` (no host read) and summed there; None for none.
+    Example: ``flags_on(scale.device, record.found_inf_per_device.values())``."""
+    return combine_flags([f.to(device, non_blocking=True) for f in flags])
+
+
 def summed_flag(flags: Iterable[torch.Tensor]) -> torch.Tensor | None:
     """Flags on any devices summed into one 0-dim flag on the first one's device, None for none."""
     flags = list(flags)
-    return combine_flags([f.to(flags[0].device, non_blocking=True) for f in flags]) if flags else None
+    return flags_on(flags[0].device, flags) if flags else None
 
 
 def read_found_inf(flags: Iterable[torch.Tensor]) -> bool:
