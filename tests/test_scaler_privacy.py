@@ -20,8 +20,8 @@ import tritonscale
 from tritonscale import GradScaler
 
 PACKAGE = Path(tritonscale.__file__).parent
-#: The controller: the class, its torch-compatible private API, its state.
-CONTROLLER_FILES = {"grad_scaler.py", "torch_private_api.py", "scaler_state.py"}
+#: The controller: one class, torch's private names a section of it.
+CONTROLLER_FILES = {"grad_scaler.py"}
 _ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
 
 

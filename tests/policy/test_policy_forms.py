@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tritonscale import LossScalePolicy, host_reads
 from tritonscale.passes.backends import clip_coefficient, inverse_scale
 from tritonscale.policy.policy_forms import ON_DEVICE, ON_HOST, SCALE_FLOOR, as_float32
-from tritonscale.scaler.scaler_state import HostState
+from tritonscale.policy.policy_state import HostState
 
 # Norms as the rule meets them: ordinary, equal to a threshold, at float32's edges, inf and NaN.
 NORMS = st.one_of(

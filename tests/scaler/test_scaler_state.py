@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import tritonscale
-from tritonscale.passes.fold import step_with_amp_attributes, takes_amp_scaling
+from tritonscale.passes.step_protocols import step_with_amp_attributes, takes_amp_scaling
 from tritonscale.policy.loss_scale_policy import COUNTER_NAMES, LossScalePolicy
 from tritonscale.scaler.optimizer_record import OptimizerRecord, OptState
-from tritonscale.scaler.scaler_state import STATE_KEYS, HostState, from_state_dict, to_state_dict
+from tritonscale.policy.policy_state import HostState
+from tritonscale.scaler.checkpoint_codec import STATE_KEYS, from_state_dict, to_state_dict
 
 
 def test_constructor_defaults_are_torchs():

@@ -2,7 +2,7 @@
 
 A profiler records which tritonscale modules the methods of ``grad_scaler.py`` call, in order
 (consecutive calls into one module are one visit). A module visited again means the path went
-back to an earlier stage. Two returns are the design, and named: ``passes/fold.py`` decides how the
+back to an earlier stage. Two returns are the design, and named: ``passes/step_protocols.py`` decides how the
 optimizer is handed the step before the passes and hands it over after them; a clip opens the
 optimizer's record (``scaler/optimizer_record.py``) before the pass and records the outcome after
 it, so a pass that raises leaves the record as it was (``unscale_`` and the pass a ``step()``
@@ -25,9 +25,9 @@ from tritonscale import GradScaler
 #: The returns the design makes, per call (see the module docstring).
 EXPECTED_RETURNS = {
     "unscale_": {"scaler/optimizer_record.py"},
-    "clip_grad_norm_": {"passes/fold.py", "scaler/optimizer_record.py"},
-    "step": {"passes/fold.py"},
-    "step alone": {"passes/fold.py", "scaler/optimizer_record.py"},  # the pass step() runs itself
+    "clip_grad_norm_": {"passes/step_protocols.py", "scaler/optimizer_record.py"},
+    "step": {"passes/step_protocols.py"},
+    "step alone": {"passes/step_protocols.py", "scaler/optimizer_record.py"},  # the pass step() runs itself
     "update": set(),
 }
 

@@ -10,19 +10,26 @@ opt-in check of policies that must stop or warn.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import host_reads
 from ..flags import combine_flags, flags_on
-
-if TYPE_CHECKING:  # the controller hands these in; the runner reads their fields
-    from ..scaler.optimizer_record import OptimizerRecord
-    from ..scaler.scaler_state import DeviceState
 from .loss_scale_policy import HostCheck, LossScalePolicy
 from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
+from .policy_state import DeviceState
+
+
+class IterationOutcome(NamedTuple):
+    """What an iteration's passes and steps left for the rule, in the order the optimizers ran:
+    their found_inf flags (already the process group's), their steps' skip flags, their clips' norms
+    (all 0-dim device tensors). Example: ``IterationOutcome([found_inf], [skip], [norm])``."""
+
+    found_infs: list[torch.Tensor]
+    skips: list[torch.Tensor]
+    norms: list[torch.Tensor]
 
 
 class PolicyRunner:
@@ -67,16 +74,15 @@ class PolicyRunner:
         self,
         policy: LossScalePolicy,
         state: DeviceState,
-        records: Iterable[OptimizerRecord],
+        outcome: IterationOutcome,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fold this iteration's optimizer records into ``state`` in place; return the combined
-        found_inf and the norm that were used (the last clip_grad_norm_'s, or None)."""
-        records = list(records)
+        """Fold this iteration's outcome into ``state`` in place; return the combined found_inf
+        and the norm that were used (the last clip_grad_norm_'s, or None)."""
         device = state.scale.device
-        found_inf, skipped = self._flags(policy, state, records)
+        found_inf, skipped = self._flags(policy, state, outcome)
         if found_inf is None:
             raise AssertionError("No inf checks were recorded prior to update.")
-        norm = _last_norm(records, device)
+        norm = _last_norm(outcome, device)
         if policy.needs_host_check():
             # Opt-in checks that must stop or warn: one host read, before anything changes.
             flags = policy.host_check_flags(state.scale, state.counters, found_inf, skipped, form=self.form(device))
@@ -87,32 +93,30 @@ class PolicyRunner:
         return found_inf, norm
 
     def count_only_(
-        self, policy: LossScalePolicy, state: DeviceState, records: Iterable[OptimizerRecord]
+        self, policy: LossScalePolicy, state: DeviceState, outcome: IterationOutcome
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``update(new_scale)``: the scale is set by hand, but the iteration's skip still counts
         (stats(), last_step_skipped()). Returns the found_inf and norm of the iteration, as
         ``update_`` does, so stats() describes the step it counted. Nothing recorded (torch allows
         that here): nothing counted, (None, None)."""
-        records = list(records)
-        found_inf, skipped = self._flags(policy, state, records)
+        found_inf, skipped = self._flags(policy, state, outcome)
         if found_inf is None:
             return None, None
         form = self.form(state.counters.device)
         policy.count_step_(state.counters, form.read(skipped) > 0, form)
-        return found_inf, _last_norm(records, state.scale.device)
+        return found_inf, _last_norm(outcome, state.scale.device)
 
     def _flags(
-        self, policy: LossScalePolicy, state: DeviceState, records: list[OptimizerRecord]
+        self, policy: LossScalePolicy, state: DeviceState, outcome: IterationOutcome
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The iteration's combined found_inf (None if nothing was recorded) and skip flag, from
-        records whose flags are already the process group's (the passes combined them)."""
+        flags that are already the process group's (the passes combined them)."""
         device = state.scale.device
-        found_inf = flags_on(device, [t for r in records for t in r.found_inf_per_device.values()])
+        found_inf = flags_on(device, outcome.found_infs)
         if found_inf is None:
             return None, None
-        skips = [r.skip for r in records if r.skip is not None]
-        if skips:
-            return found_inf, combine_flags(skips)
+        if outcome.skips:
+            return found_inf, combine_flags(outcome.skips)
         # No optimizer stepped (unscale_ only): what overflowed counts as skipped.
         return found_inf, self.rule(policy, "skip_decision", device)(found_inf, None, state.norm_stats)
 
@@ -120,7 +124,6 @@ class PolicyRunner:
         return {"compile_policy": self.compile_policy, "_rules": {}}  # rules (compiled ones too) are rebuilt on use
 
 
-def _last_norm(records: list[OptimizerRecord], device: torch.device) -> torch.Tensor | None:
+def _last_norm(outcome: IterationOutcome, device: torch.device) -> torch.Tensor | None:
     """The iteration's last clip_grad_norm_'s norm on ``device``; None if it clipped nothing."""
-    norms = [r.norm for r in records if r.norm is not None]
-    return norms[-1].to(device, non_blocking=True) if norms else None
+    return outcome.norms[-1].to(device, non_blocking=True) if outcome.norms else None

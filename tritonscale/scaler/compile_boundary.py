@@ -18,16 +18,47 @@ optimizers ignore ``found_inf`` (and fused SGD ``grad_scale``), so the hand-over
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from torch._C._dynamo import eval_frame as _frames  # the C half of Dynamo: importing it imports nothing
 
 from ..grads.grad_sharding import any_marked, is_dtensor
 
-#: Decorator: the function, and all it calls, is never traced by Dynamo (``torch.compiler.disable``).
-runs_eagerly = torch.compiler.disable(
-    recursive=True, reason="tritonscale runs the scaler's calls eagerly, as torch.amp.GradScaler's"
+_F = TypeVar("_F", bound=Callable[..., Any])
+_REASON = "tritonscale runs the scaler's calls eagerly, as torch.amp.GradScaler's"
+
+
+def runs_eagerly(fn: _F) -> _F:
+    """Decorator: ``fn``, and all it calls, is never traced by Dynamo (``torch.compiler.disable``),
+    made so that nothing is paid, and Dynamo not imported, while nothing compiles.
+
+    Dynamo meets the wrapper marked as disabled (a graph break around the call, as for
+    ``torch.compiler.disable``); the wrapper's own frame is one Dynamo skips (set once, below, for
+    the code object every wrapper shares). At run time the wrapper calls ``fn`` directly while no
+    Dynamo frame callback is set, and through ``torch.compiler.disable(fn)`` (made at the first such
+    call) inside a compiled caller, so that the frames ``fn`` calls are not compiled either.
+    Example: ``step = runs_eagerly(step)``."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def eager_call(*args: Any, **kwargs: Any) -> Any:
+        if _frames.get_eval_frame_callback() is None:  # nothing compiling around this call
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn, recursive=True, reason=_REASON))
+        return disabled[0](*args, **kwargs)
+
+    eager_call._torchdynamo_disable = True  # what torch.compiler.disable marks: Dynamo does not inline it
+    eager_call._torchdynamo_disable_msg = _REASON
+    return eager_call  # type: ignore[return-value]
+
+
+# Every runs_eagerly wrapper shares one code object: Dynamo runs its frames as they are.
+_frames.set_code_exec_strategy(
+    runs_eagerly(lambda: None).__code__, _frames._FrameExecStrategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT)
 )
 
 

@@ -1,10 +1,12 @@
 """GradScaler: a drop-in for torch.amp.GradScaler whose passes are the fused Triton kernels.
 
-The controller, its state the fields ``__init__`` sets: a step runs the passes (``passes/``) on the
-optimizer's gradients (``grads/``), records each optimizer's stage (``optimizer_record.py``) and
-hands the flags to the policy's rule (``policy/``). torch's private names: ``torch_private_api.py``;
-checkpoints: ``scaler_state.py``. Nothing reads the host but get_scale()/state_dict() and step()
-for an optimizer that cannot take found_inf.
+One class, as torch's is; its state the fields ``__init__`` sets. A step runs the passes
+(``passes/``) on the optimizer's gradients (``grads/``), records each optimizer's stage
+(``optimizer_record.py``) and hands the flags to the policy's rule (``policy/``). A collective
+(with a process group) happens only on a line of ``unscale_``, ``clip_grad_norm_``, ``step`` or
+``update`` that says so; nothing reads the host but get_scale()/state_dict() and step() for an
+optimizer that cannot take found_inf. torch's private names are the last section of the class;
+the checkpoint format is ``checkpoint_codec.py``.
 """
 
 from __future__ import annotations
@@ -16,39 +18,34 @@ from typing import Any
 
 import torch
 
+from ..flags import read_found_inf
 from ..grads.grad_groups import Grads, collect_grads
 from ..grads.optimizer_wrappers import unwrap_optimizer
-from ..passes import fold
+from ..passes import step_protocols
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
-from ..flags import read_found_inf
-from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
+from ..passes.device_copies import PerDevice
+from ..passes.grad_passes import check_grads, clip_grads, torch_unscale_, unscale_grads_
 from ..passes.rank_checks import Agreement, RankChecks
-from ..passes.rank_combine import GradAllReduce, gradient_group
-from ..process_groups import check_process_group
+from ..passes.rank_combine import gradient_group
+from ..passes.step_protocols import StepProtocol
+from ..policy.knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner
+from ..policy.policy_state import DeviceState, HostState
+from ..process_groups import check_process_group
+from .checkpoint_codec import ScalerSnapshot, from_state_dict, to_state_dict
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
 from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats
 from .optimizer_record import OptimizerRecord, OptState
 from .scale_outputs import scale_outputs
-from .scaler_state import (
-    TORCH_INIT_SCALE,
-    DeviceState,
-    HostState,
-    ScalerStateIO,
-    checked_init_scale,
-    cuda_missing,
-    policy_from_torch_args,
-    set_scale_,
-)
-from .torch_private_api import TorchPrivateAPI
+from .scaler_args import TORCH_INIT_SCALE, checked_init_scale, cuda_missing, policy_from_torch_args, set_scale_
 from .unscaled_step import clip_unscaled, step_unscaled
 
 __all__ = ["GradScaler", "OptState"]
 
 
-class GradScaler(TorchPrivateAPI, ScalerStateIO):
+class GradScaler:
     """Dynamic loss scaling with a fused unscale / inf-check / clip pass and no host sync.
 
     Same constructor, methods and state_dict as ``torch.amp.GradScaler``; adds
@@ -131,6 +128,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
 
     # ------------------------------------------------------- gradient passes
     def _group(self, grads: Grads, process_group: Any = None) -> Any:
+        """The group the gradients are split across (None: this rank holds them whole)."""
+        if process_group is None and self._process_group is None and grads.mesh is None:
+            return None
         return gradient_group(process_group, self._process_group, grads.mesh_group)
 
     @runs_eagerly
@@ -152,7 +152,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         a fused step (the read-only check of still-scaled gradients, sparse ones refused for torch's
         fused optimizers), recorded. With a process group, the collective: the flags made the
         group's, and ranks that disagree raise before a gradient is written."""
-        sparse_ok = unscale or not fold.is_torch_fused(inner)
+        sparse_ok = unscale or not step_protocols.is_torch_fused(inner)
         grads = collect_grads(inner, allow_fp16=not unscale, allow_sparse=sparse_ok)
         group, agreement, backend = self._group(grads), self._agreement(inner), self._backend_name
         if unscale:
@@ -192,22 +192,22 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         # pass (with the rank combine), what a fused optimizer gets, and the record of the outcome.
         max_norm, norm_type = check_max_norm(max_norm), check_norm_type(norm_type)
         kernels = kernels_compute(norm_type)
-        optimizer = unwrap_optimizer(optimizer)
-        if clip_stays_eager(process_group or self._process_group, optimizer):
+        inner = unwrap_optimizer(optimizer)  # the state is the real optimizer's; the protocol the object's
+        folds = StepProtocol.of(optimizer, inner).clip_folds(self._fold)  # hand a fused step scale / clip_coef
+        if clip_stays_eager(process_group or self._process_group, inner):
             return call_eagerly(self.clip_grad_norm_, optimizer, max_norm, norm_type, process_group=process_group)
         if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
             group_of = functools.partial(self._group, process_group=process_group)
-            agreement = self._agreement(optimizer, "clip", max_norm, norm_type)
-            norm, skip = clip_unscaled(optimizer, max_norm, norm_type, group_of, self._backend_name, agreement)
-            self._per_optimizer_states[id(optimizer)].skip = skip
+            agreement = self._agreement(inner, "clip", max_norm, norm_type)
+            norm, skip = clip_unscaled(inner, max_norm, norm_type, group_of, self._backend_name, agreement)
+            self._per_optimizer_states[id(inner)].skip = skip
             return norm
         scale = self._state_for("clip_grad_norm_").scale
-        record = self._per_optimizer_states[id(optimizer)].not_stepped("clip_grad_norm_")
+        record = self._per_optimizer_states[id(inner)].not_stepped("clip_grad_norm_")
         pending = record.pending_factor(scale)
-        folds = fold.clip_folds(optimizer, optimizer, self._fold)  # hand a fused optimizer scale / clip_coef
-        sparse_ok = not (folds and fold.is_torch_fused(optimizer))  # torch's fused steps take dense gradients only
+        sparse_ok = not (folds and step_protocols.is_torch_fused(inner))  # torch's fused steps: dense only
         grads = collect_grads(
-            optimizer, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True, takes_norm=True
+            inner, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True, takes_norm=True
         )
         has_grads = bool(grads.devices or grads.replicas)
         group = self._group(grads, process_group)
@@ -222,9 +222,9 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             unscale_on_overflow=not self._policy.skip_on_overflow,
             backend=self._backend_name,
             group=group,
-            agreement=self._agreement(optimizer, "clip", max_norm, norm_type),
+            agreement=self._agreement(inner, "clip", max_norm, norm_type),
         )
-        folded = fold.fold_clip(result.grad_scale, optimizer, self) if folds else None
+        folded = step_protocols.fold_clip(result.grad_scale, inner, self) if folds else None
         # Only now: a clip that raised leaves the record as it was.
         record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
         return result.norm
@@ -250,21 +250,25 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        amp_scaling = fold.takes_amp_scaling(inner)  # which of the three step protocols
-        if amp_scaling and fold.takes_grad_scaler_argument(optimizer):
-            retval = fold.step_with_grad_scaler_argument(optimizer, self, args, kwargs)
-        elif amp_scaling:
+        protocol = StepProtocol.of(optimizer, inner)
+        if protocol is StepProtocol.GRAD_SCALER_ARGUMENT:  # the optimizer asks this scaler itself
+            retval = step_protocols.step_with_grad_scaler_argument(optimizer, self, args, kwargs)
+        elif protocol is StepProtocol.AMP_ATTRIBUTES:
             if record.stage is OptState.READY:  # the optimizer divides by grad_scale itself: a check only
-                self._flags_pass(inner, record, scale, unscale=False)
+                self._flags_pass(inner, record, scale, unscale=False)  # with a group: the collective
             # No gradients: torch steps a fused optimizer all the same; update() then raises.
             skip = self._skip_flag(record, scale.device, required=False)
             still_scaled = record.stage is OptState.READY
-            retval = fold.step_fused(optimizer, inner, scale, still_scaled, record.grad_scale, skip, args, kwargs)
+            retval = step_protocols.step_fused(
+                optimizer, inner, scale, still_scaled, record.grad_scale, skip, args, kwargs
+            )
         else:
             if record.stage is OptState.READY:
-                self._flags_pass(inner, record, scale, unscale=True)
+                self._flags_pass(inner, record, scale, unscale=True)  # with a group: the collective
             skip = self._skip_flag(record, scale.device)
-            retval = fold.step_unless(optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False)
+            retval = step_protocols.step_unless(
+                optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False
+            )
         record.stage = OptState.STEPPED
         return retval
 
@@ -301,12 +305,13 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             record = OptimizerRecord.from_flag(found_inf, scale.device)
             self._skip_flag(record, scale.device)
             records.append(record)
+        outcome = OptimizerRecord.outcome(records)
         with self._ranks.unchanged_if_mismatched(self._tensors):
             if new_scale is not None:
                 set_scale_(scale, new_scale)
-                self._last_found_inf, self._last_norm = self._rules.count_only_(self._policy, self._tensors, records)
+                self._last_found_inf, self._last_norm = self._rules.count_only_(self._policy, self._tensors, outcome)
             else:
-                self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, records)
+                self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, outcome)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
         self._ranks.next_iteration(scale.device)
 
@@ -374,13 +379,20 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
             return self._disabled_skip > 0 if self._disabled_skip is not None else None
         return self._ranks.skip(self._tensors.counters[LAST_SKIPPED] > 0) if self._tensors is not None else None
 
-    def all_reduce_grads_(
-        self, params: list, group: Any, reducer: GradAllReduce, optimizer: Any, **clip: float
-    ) -> None:
-        """Sum ``params``' gradients over ``group`` in place (the Updater's data parallelism), after
-        one collective that checks the ranks agree on this scaler's scale and call sequence, the
-        ``optimizer``, the clip that follows (``clip``: max_norm, norm_type) and the gradients."""
-        reducer(params, group, self._agreement(optimizer, "gradient sum", **clip))
+    def folds_clip_into(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`clip_grad_norm_` hands ``optimizer``'s fused step ``scale / clip_coef``
+        (the gradients then stay scaled until :meth:`step`) rather than writing the gradients.
+        Example: ``if not scaler.folds_clip_into(opt): grads_are_unscaled_after_the_clip()``."""
+        return StepProtocol.of(optimizer, unwrap_optimizer(optimizer)).clip_folds(self._fold)
+
+    def rank_agreement(
+        self, optimizer: torch.optim.Optimizer, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0
+    ) -> Agreement:
+        """What every rank must agree on for a collective about ``optimizer`` (this scaler's scale
+        and call sequence, the call ``kind``, the clip's ``max_norm``/``norm_type``, the optimizer
+        and the policy), for a caller's own combine (``passes/rank_combine.py``'s ``GradAllReduce``).
+        Example: ``reducer(params, group, scaler.rank_agreement(opt, "gradient sum", 1.0, 2.0))``."""
+        return self._agreement(unwrap_optimizer(optimizer), kind, max_norm, norm_type)
 
     # -------------------------------------------------------- knobs and state
     def _host_state(self) -> HostState:
@@ -388,3 +400,190 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         rank mismatch flagged on the device raises here, at the read."""
         self._ranks.raise_if_flagged()
         return self._tensors.to_host() if self._tensors is not None else self._host
+
+    # ------------------------------------------------------ checkpoints and copies
+    @runs_eagerly
+    def state_dict(self) -> dict[str, Any]:
+        """torch.amp.GradScaler's five entries, plus this scaler's policy knobs and counters
+        (``checkpoint_codec.py``); torch's scaler loads it too. Empty when disabled. A host read.
+        Example: ``torch.save({"scaler": scaler.state_dict()}, path)``."""
+        return to_state_dict(self._policy, self._host_state()) if self._enabled else {}
+
+    @runs_eagerly
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict of this class or of torch.amp.GradScaler, validated before any change;
+        knobs and counters a torch checkpoint lacks keep this scaler's. Example:
+        ``scaler.load_state_dict(torch.load(path)["scaler"])``."""
+        if not self._enabled:
+            return
+        self._policy, self._host = from_state_dict(state_dict, self._policy)  # raises before any change
+        if self._tensors is not None:
+            self._tensors.load_(self._host)  # in place: the device tensors keep their addresses
+
+    def snapshot(self) -> ScalerSnapshot:
+        """The scale, its trackers and policy (a host read) and stats()'s last found_inf and norm:
+        what ``abandon_iteration(optimizer, snapshot)`` puts back. Example: ``saved = scaler.snapshot()``."""
+        policy, host = (LossScalePolicy(**self._policy.knobs()), self._host_state()) if self._enabled else (None, None)
+        return ScalerSnapshot(policy, host, self._last_found_inf, self._last_norm)
+
+    def abandon_iteration(
+        self, optimizer: torch.optim.Optimizer | None = None, snapshot: ScalerSnapshot | None = None
+    ) -> None:
+        """Forget what this iteration recorded for ``optimizer`` (every optimizer when None), as if
+        it had not begun; with a ``snapshot``, also undo the update()s since it was taken. The
+        gradients stay as the passes left them. Example::
+
+            snapshot = scaler.snapshot()  # then an update() (e.g. a backoff) and an error
+            scaler.abandon_iteration(optimizer, snapshot)  # the scaler as at the snapshot
+        """
+        if optimizer is None:
+            self._per_optimizer_states = defaultdict(OptimizerRecord)
+        else:
+            self._per_optimizer_states.pop(id(unwrap_optimizer(optimizer)), None)
+        if snapshot is not None:
+            if self._enabled and snapshot.host is not None:
+                self._policy, self._host = LossScalePolicy(**snapshot.policy.knobs()), snapshot.host.copy()
+                if self._tensors is not None:
+                    self._tensors.load_(snapshot.host)
+            self._last_found_inf, self._last_norm = snapshot.last_found_inf, snapshot.last_norm
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Device tensors do not travel: the values go as Python numbers, made anew at the next scale().
+        if self._process_group is not None:
+            raise TypeError(
+                "a GradScaler with a process_group cannot be pickled (process groups do not travel); "
+                "save state_dict() and load it into a scaler made with the group"
+            )
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            state["_host"], state["_tensors"] = self._host_state(), None
+        return state
+
+    # ---------------------------------------------------------------- settings
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def backend(self) -> str:
+        """The requested backend: "auto", "triton" or "torch"."""
+        return self._backend_name
+
+    @property
+    def fold_into_optimizer(self) -> bool:
+        """The constructor's: whether clip_grad_norm_ folds into a fused optimizer's step."""
+        return self._fold
+
+    @property
+    def process_group(self) -> Any:
+        """The constructor's ``process_group`` (None: the gradients are not split across ranks)."""
+        return self._process_group
+
+    def get_policy(self) -> LossScalePolicy:
+        """A copy of the loss-scale policy in use. Example: ``scaler.get_policy().skip_on_overflow``."""
+        return LossScalePolicy(**self._policy.knobs())
+
+    def place_state(self, device: torch.device | str) -> torch.device:
+        """Make the scale and its trackers on ``device`` now, as the first scale() would (state
+        already made stays where it is); return their device. Example: ``scaler.place_state("cuda")``."""
+        return self._scale_on(torch.device(device)).device
+
+    @runs_eagerly
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync), or 1.0 when disabled."""
+        if not self._enabled:
+            return 1.0
+        self._ranks.raise_if_flagged()
+        return self._host.scale if self._tensors is None else float(self._tensors.scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._policy.growth_factor
+
+    @runs_eagerly
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._policy.growth_factor = check_growth_factor(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._policy.backoff_factor
+
+    @runs_eagerly
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._policy.backoff_factor = check_backoff_factor(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._policy.growth_interval
+
+    @runs_eagerly
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._policy.growth_interval = check_growth_interval(new_interval)
+
+    # ------------------------------------------- torch.amp.GradScaler's private names
+    # With torch's meaning, for the code that reaches past the public API (docs/controller.md
+    # names the readers: Lightning, Accelerate, fairseq, timm, ColossalAI, DeepSpeed-style scalers,
+    # apex and TransformerEngine optimizers, torch's own tests). Each is a view of the fields above.
+    _scale = property(lambda self: self._tensors.scale if self._tensors is not None else None)
+    _growth_tracker = property(lambda self: self._tensors.growth_tracker if self._tensors is not None else None)
+    _counters = property(lambda self: self._tensors.counters if self._tensors is not None else None)  # ours
+    _norm_stats = property(lambda self: self._tensors.norm_stats if self._tensors is not None else None)  # ours
+    _init_scale = property(lambda self: self._host.scale, lambda self, value: setattr(self._host, "scale", value))
+    _init_growth_tracker = property(
+        lambda self: self._host.growth_tracker, lambda self, value: setattr(self._host, "growth_tracker", value)
+    )
+    _growth_factor = property(get_growth_factor, set_growth_factor)
+    _backoff_factor = property(get_backoff_factor, set_backoff_factor)
+    _growth_interval = property(get_growth_interval, set_growth_interval)
+
+    @runs_eagerly
+    def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
+        self._tensors = self._host.to_device(device)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        state = self._state_for(funcname)
+        return state.scale, state.growth_tracker
+
+    @runs_eagerly
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._host.growth_tracker if self._tensors is None else int(self._tensors.growth_tracker.item())
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor itself, no host read (None before the first scale())."""
+        return self._scale
+
+    @runs_eagerly
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """step(grad_scaler=...)'s check, called by the optimizer inside :meth:`step`: the still
+        scaled gradients checked, not written; the flag per device recorded and returned. With a
+        process group, the collective of that step."""
+        scale = self._state_for("_check_inf_per_device").scale
+        inner = unwrap_optimizer(optimizer)
+        record = self._per_optimizer_states[id(inner)]
+        self._flags_pass(inner, record, scale, unscale=False)
+        return record.found_inf_per_device
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))]["found_inf_per_device"]
+
+    @runs_eagerly
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's helper: the gradients times ``inv_scale`` in place with torch's own fused op; a
+        found_inf per device (copies of ``found_inf``) returned."""
+        grads = collect_grads(unwrap_optimizer(optimizer), allow_fp16=allow_fp16, kernels=False)
+        inv_scales, found_infs = PerDevice(inv_scale), PerDevice(found_inf)
+        for device, tensors in grads.other.items():
+            torch_unscale_(tensors, found_infs.get(device), inv_scales.get(device))
+        return {device: found_infs.get(device) for device in grads.other}
+
+    @runs_eagerly
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` unless a recorded found_inf is set (a host read, as torch's)."""
+        if not read_found_inf(optimizer_state["found_inf_per_device"].values()):
+            return optimizer.step(*args, **kwargs)
+        return None

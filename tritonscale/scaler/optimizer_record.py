@@ -16,6 +16,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..flags import flags_on, summed_flag
+from ..policy.policy_runner import IterationOutcome
 
 
 @dataclass
@@ -57,6 +58,15 @@ class OptimizerRecord:
         else:
             raise TypeError(f"found_inf must be a bool or a one-element tensor, got {type(found_inf).__name__}")
         return cls(found_inf_per_device={device: flag})
+
+    @staticmethod
+    def outcome(records: list[OptimizerRecord]) -> IterationOutcome:
+        """What ``records`` (the iteration's, in order) hand the policy's rule."""
+        return IterationOutcome(
+            [t for r in records for t in r.found_inf_per_device.values()],
+            [r.skip for r in records if r.skip is not None],
+            [r.norm for r in records if r.norm is not None],
+        )
 
     def not_stepped(self, funcname: str) -> OptimizerRecord:
         """This record, for an unscale_/clip_grad_norm_: torch's error after this iteration's step()."""

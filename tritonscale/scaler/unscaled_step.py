@@ -14,7 +14,7 @@ import torch
 
 from ..grads.grad_groups import Grads, collect_grads
 from ..passes.clip_args import kernels_compute
-from ..passes.fold import step_unless
+from ..passes.step_protocols import step_unless
 from ..passes.grad_passes import clip_grads
 from ..passes.rank_checks import Agreement, RankChecks
 

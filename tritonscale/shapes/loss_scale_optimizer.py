@@ -19,7 +19,7 @@ from ..passes.clip_args import check_max_norm, check_norm_type
 from ..policy.loss_scale_policy import LossScalePolicy
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
-from ..scaler.scaler_state import TORCH_INIT_SCALE
+from ..scaler.scaler_args import TORCH_INIT_SCALE
 
 #: The key under which state_dict() carries the scaler's state beside the inner optimizer's.
 SCALER_KEY = "loss_scaler"

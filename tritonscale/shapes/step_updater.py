@@ -40,7 +40,7 @@ from ..passes.clip_args import check_max_norm, check_norm_type
 from ..passes.rank_combine import GradAllReduce
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
-from ..scaler.scaler_state import ScalerSnapshot
+from ..scaler.checkpoint_codec import ScalerSnapshot
 from .updater_config import (
     CALLBACK_NAMES,  # noqa: F401  (read here by users and tests)
     Callback,
@@ -269,14 +269,9 @@ class Updater:
         if self.process_group is not None:
             self._fire("comm_callback_on_start", i)
             with self._phase("comm"):
-                self.scaler.all_reduce_grads_(
-                    self._params(),
-                    self.process_group,
-                    self._all_reduce,
-                    self._inner,
-                    max_norm=self.max_norm,
-                    norm_type=self.norm_type,
-                )
+                # The collective: the ranks' agreement row checked, then the gradients summed.
+                agreement = self.scaler.rank_agreement(self._inner, "gradient sum", self.max_norm, self.norm_type)
+                self._all_reduce(self._params(), self.process_group, agreement)
             self._fire("comm_callback_on_finish", i)
         with self._phase("unscale_clip"):
             norm = self.scaler.clip_grad_norm_(self.optimizer, self.max_norm, self.norm_type)

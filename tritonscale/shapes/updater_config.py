@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from ..passes.fold import clip_folds
 from ..process_groups import check_process_group
 from ..policy.knob_checks import is_int, is_number, plain_number
 from ..scaler.grad_scaler import GradScaler
@@ -102,7 +101,7 @@ def checked_scaler(
         scaler = GradScaler(device_type, fold_into_optimizer=weight_decay is None)
     elif not isinstance(scaler, GradScaler):
         raise TypeError(f"scaler must be a tritonscale.GradScaler, got {type(scaler).__name__}")
-    if weight_decay is not None and clip_folds(inner, optimizer, scaler.fold_into_optimizer):
+    if weight_decay is not None and scaler.folds_clip_into(optimizer):
         raise ValueError(
             "weight_decay needs the unscaled gradients in memory, but this scaler folds the unscale into "
             f"the fused {type(inner).__name__}: pass GradScaler(..., fold_into_optimizer=False), "

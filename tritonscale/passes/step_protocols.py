@@ -1,4 +1,10 @@
-"""The fold: handing the unscale, the clip and the skip to a fused optimizer's own step.
+"""The three step protocols, and the fold: handing the unscale, the clip and the skip to a fused
+optimizer's own step.
+
+How an optimizer's step gets the loss scale is decided once per call, from the object whose
+``step()`` is called and the real optimizer behind it (``StepProtocol.of``): a fused optimizer's
+``grad_scale``/``found_inf`` attributes, the older ``step(grad_scaler=...)``, or a plain step the
+scaler unscales for and skips on a host read. ``clip_grad_norm_`` and ``step`` ask the same object.
 
 torch's fused optimizers (Adam, AdamW, SGD and Adagrad with ``fused=True``) set
 ``_step_supports_amp_scaling`` and read two attributes while they step: ``grad_scale`` (they
@@ -14,12 +20,44 @@ hands the optimizer its divisor; an ``optimizer.step()`` called directly would a
 
 from __future__ import annotations
 
+import enum
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+class StepProtocol(enum.Enum):
+    """How a step is handed the loss scale and the skip. Example::
+
+        protocol = StepProtocol.of(optimizer, unwrap_optimizer(optimizer))
+        protocol.clip_folds(fold_into_optimizer=True)  # True for torch's fused AdamW
+    """
+
+    #: torch's fused optimizers (and any with ``_step_supports_amp_scaling``): they divide by the
+    #: ``grad_scale`` attribute and skip on ``found_inf`` themselves, on the device.
+    AMP_ATTRIBUTES = "grad_scale and found_inf attributes"
+    #: The older protocol (apex, TransformerEngine, torch's own tests): ``step(grad_scaler=...)``.
+    GRAD_SCALER_ARGUMENT = "step(grad_scaler=...)"
+    #: Any other optimizer: the scaler unscales, and the step is skipped on one host read.
+    PLAIN = "plain step"
+
+    @classmethod
+    def of(cls, optimizer: Any, inner: torch.optim.Optimizer) -> StepProtocol:
+        """The protocol of ``optimizer.step`` (``optimizer``: the object whose step is called, a
+        wrapper or the optimizer itself; ``inner``: the real optimizer it steps)."""
+        if not takes_amp_scaling(inner):
+            return cls.PLAIN
+        return cls.GRAD_SCALER_ARGUMENT if takes_grad_scaler_argument(optimizer) else cls.AMP_ATTRIBUTES
+
+    def clip_folds(self, fold_into_optimizer: bool) -> bool:
+        """Whether clip_grad_norm_ hands the optimizer ``scale / clip_coef`` instead of writing the
+        gradients: a fused optimizer divides by grad_scale itself (float16 gradients are then fine).
+        Not with step(grad_scaler=...), which divides by the plain scale: there the gradients are
+        unscaled and clipped in place."""
+        return fold_into_optimizer and self is StepProtocol.AMP_ATTRIBUTES
 
 
 def takes_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
@@ -86,7 +124,6 @@ class DirectStepGuard:
         return (DirectStepGuard, ())
 
 
-@torch.compiler.assume_constant_result
 def guard_direct_step(optimizer: Any, scaler: Any) -> bool:
     """Install ``scaler``'s :class:`DirectStepGuard` on ``optimizer`` (a torch.optim.Optimizer;
     others have no step hooks): its key is the scaler's, so each clip sets the same entry.
@@ -104,6 +141,11 @@ def guard_direct_step(optimizer: Any, scaler: Any) -> bool:
     return True
 
 
+# What torch.compiler.assume_constant_result sets, set without importing Dynamo
+# (tests/scaler/test_compile_boundary.py checks that it is the same mark).
+guard_direct_step._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def takes_grad_scaler_argument(optimizer: Any) -> bool:
     """The older protocol (apex, TransformerEngine, torch's own tests): ``step(grad_scaler=...)``,
     where the optimizer asks the scaler for the scale and found_inf itself. torch still honours it
@@ -119,15 +161,6 @@ def _declares_grad_scaler(step: Any) -> bool:
         step = step.__wrapped__
     code = getattr(step, "__code__", None)  # None: a builtin or C step, which declares nothing
     return code is not None and "grad_scaler" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-
-
-def clip_folds(inner: torch.optim.Optimizer, optimizer: Any, fold_into_optimizer: bool) -> bool:
-    """Whether clip_grad_norm_ hands ``inner`` (the real optimizer; ``optimizer``: the object whose
-    step() is called) ``scale / clip_coef`` instead of writing the gradients: a fused optimizer
-    divides by grad_scale itself (float16 gradients are then fine). Not with the older
-    step(grad_scaler=...) protocol, which divides by the plain scale: there the gradients are
-    unscaled and clipped in place."""
-    return fold_into_optimizer and takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer)
 
 
 def warn_grad_scaler_argument(stacklevel: int = 3) -> None:
@@ -219,6 +252,6 @@ def step_unless(
     """``optimizer.step(*args, **kwargs)`` unless ``skip`` (a 0-dim device flag) is set. With
     ``on_device``, an optimizer that takes ``found_inf`` gets ``skip`` as its ``found_inf`` and
     skips on the device; otherwise ``read_skip(skip)`` decides on the host (the one host read)."""
-    if on_device and takes_amp_scaling(inner) and not takes_grad_scaler_argument(optimizer):
+    if on_device and StepProtocol.of(optimizer, inner) is StepProtocol.AMP_ATTRIBUTES:
         return step_with_amp_attributes(optimizer, inner, {"found_inf": skip}, args, kwargs)
     return None if read_skip(skip) else optimizer.step(*args, **(kwargs or {}))

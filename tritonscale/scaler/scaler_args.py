@@ -1,0 +1,81 @@
+"""The arguments GradScaler takes from its caller, checked as torch.amp.GradScaler checks them.
+
+The constructor's (``init_scale``, torch's three knobs beside ``policy=`` and the other knobs, a
+``"cuda"`` scaler without CUDA) and ``update(new_scale)``'s; torch's messages where torch has one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from ..errors import ScalerConfigError
+from ..policy.knob_checks import check_scale_value
+from ..policy.loss_scale_policy import LossScalePolicy
+
+#: torch.amp.GradScaler's default ``init_scale`` (its other defaults are LossScalePolicy's).
+TORCH_INIT_SCALE = 2.0**16
+#: The knobs torch's constructor and state_dict carry themselves (not inside ``policy``).
+TORCH_KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
+
+
+def cuda_missing(device: str, enabled: bool) -> bool:
+    """True, with torch's warning, when an enabled scaler asks for "cuda" and there is none."""
+    if device == "cuda" and enabled and not torch.cuda.is_available():
+        warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=3)
+        return True
+    return False
+
+
+def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy) -> float:
+    """An enabled scaler's ``init_scale``: a number (or a 1-element tensor, as torch takes), finite
+    and nonzero in float32, within the policy's [min_scale, max_scale]; the policy validated too."""
+    if isinstance(init_scale, torch.Tensor) and init_scale.numel() == 1:
+        init_scale = init_scale.item()
+    init_scale = check_scale_value("init_scale", init_scale)
+    return policy.validate().check_scale_in_bounds("init_scale", init_scale)
+
+
+def policy_from_torch_args(
+    policy: LossScalePolicy | None,
+    knobs: dict[str, Any],
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> LossScalePolicy:
+    """The policy of ``GradScaler(..., growth_factor, backoff_factor, growth_interval, policy=, **knobs)``.
+
+    torch's three knobs come positionally or by keyword, the others as keywords or inside
+    ``policy``; setting torch's knobs both ways is refused rather than silently merged.
+    """
+    unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()) | (set(knobs) & set(TORCH_KNOBS)))
+    if unknown:
+        raise TypeError(f"GradScaler got unexpected keyword arguments {unknown}")
+    torch_knobs = {"growth_factor": growth_factor, "backoff_factor": backoff_factor, "growth_interval": growth_interval}
+    if policy is None:
+        return LossScalePolicy(**torch_knobs, **knobs)
+    if not isinstance(policy, LossScalePolicy):
+        raise TypeError(f"policy must be a tritonscale.LossScalePolicy, got {type(policy).__name__}")
+    defaults = {name: getattr(LossScalePolicy, name) for name in TORCH_KNOBS}
+    if torch_knobs != defaults:
+        raise ScalerConfigError("with policy=..., set growth_factor/backoff_factor/growth_interval inside the policy")
+    return LossScalePolicy(**{**policy.knobs(), **knobs})
+
+
+def set_scale_(scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
+    """``update(new_scale)``: a positive finite float, or a 1-element tensor on the scale's device
+    type that does not require grad (torch.amp.GradScaler's contract and messages)."""
+    if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+        scale.fill_(check_scale_value("new_scale", new_scale))
+        return
+    reason = (
+        "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+        "torch.FloatTensor with requires_grad=False."
+    )
+    if not isinstance(new_scale, torch.Tensor):
+        raise AssertionError(reason)
+    if new_scale.device.type != scale.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
+        raise AssertionError(reason)
+    scale.copy_(new_scale.reshape(()))
