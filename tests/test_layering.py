@@ -1,14 +1,19 @@
-"""The imports follow the step: stages below the controller never import it or what sits on it.
+"""The imports follow the step: each stage imports only the stages before it, and the leaves.
 
-``grads/``, ``passes/`` and ``policy/`` are the stages the controller (``scaler/``) runs; the
-shapes and the integrations sit on the controller. A stage importing ``scaler/``, ``shapes/`` or
-``integrations/`` at run time would make the flow circular (annotations under ``TYPE_CHECKING``
-are not imports at run time). The kernels know nothing of the package around them.
+The stages, in the order a step runs them: ``kernels`` (the Triton passes) < ``grads`` (which
+gradients, in which layout) < ``policy`` (the rule and its state) < ``passes`` (check, finalize,
+combine across ranks, apply or fold) < ``scaler`` (the controller) < ``shapes`` and
+``integrations`` (other frameworks' APIs over the controller). Leaf modules at the package's top
+(``flags.py``, ``process_groups.py``, ``host_reads.py``, ``errors.py``) import no stage, and every
+stage but the kernels may import them (the kernels know nothing of the package around them). Every import counts: at module level, inside a function, and under
+``if TYPE_CHECKING:`` (a reader follows those too). ``tritonscale/__init__.py`` gathers the public
+names from every stage and is the one exception.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -16,22 +21,15 @@ import pytest
 import tritonscale
 
 PACKAGE = Path(tritonscale.__file__).parent
-KERNELS = Path(__file__).resolve().parents[1] / "kernels"
-STAGES = ["grads", "passes", "policy"]
-ABOVE_THE_STAGES = {"scaler", "shapes", "integrations"}
+KERNELS = Path(importlib.import_module("tritonscale.kernels").__file__).parent
+ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4, "shapes": 5, "integrations": 5}
+LEAVES = {"flags", "process_groups", "host_reads", "errors"}
 
 
-def runtime_imports(path: Path, package: list[str]) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import outside ``if TYPE_CHECKING:`` blocks."""
-    tree = ast.parse(path.read_text())
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(sub) for stmt in node.body for sub in ast.walk(stmt)}
+def imports(path: Path, package: list[str]) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path``, wherever it stands."""
     found = []
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
@@ -43,22 +41,64 @@ def runtime_imports(path: Path, package: list[str]) -> list[tuple[int, str]]:
     return found
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_stage_does_not_import_the_controller_or_what_sits_on_it(stage):
-    offending = []
-    for path in sorted((PACKAGE / stage).rglob("*.py")):
-        package = ["tritonscale", *path.relative_to(PACKAGE).parent.parts]
-        for line, module in runtime_imports(path, package):
-            parts = module.split(".")
-            if parts[0] == "tritonscale" and len(parts) > 1 and parts[1] in ABOVE_THE_STAGES:
-                offending.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")
-    assert not offending, offending
+def stage_of(module: str) -> str | None:
+    """The stage (or "leaf") of a tritonscale module; None outside the package."""
+    parts = module.split(".")
+    if parts[0] != "tritonscale" or len(parts) < 2:
+        return None
+    if parts[1] in ORDER:
+        return parts[1]
+    if parts[1] in LEAVES:
+        return "leaf"
+    raise AssertionError(f"{module} is in no stage: add it to a stage folder, or to LEAVES if it imports none")
 
 
-def test_the_kernels_import_nothing_of_the_package():
+def sources() -> list[tuple[Path, str, list[str]]]:
+    """(file, its stage, its package as a list) for every module but the package's __init__."""
+    found = [(p, "kernels", ["tritonscale", "kernels"]) for p in sorted(KERNELS.glob("*.py"))]
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative == Path("__init__.py") or relative.parts[0] == "kernels":
+            continue
+        package = ["tritonscale", *relative.parent.parts]
+        found.append((path, stage_of(".".join(["tritonscale", *relative.with_suffix("").parts])), package))
+    return found
+
+
+def offending_imports(files: list[tuple[Path, str, list[str]]]) -> list[str]:
     offending = []
-    for path in sorted(KERNELS.glob("*.py")):
-        for line, module in runtime_imports(path, ["tritonscale", "kernels"]):
-            if module.startswith("tritonscale") and not module.startswith("tritonscale.kernels"):
-                offending.append(f"kernels/{path.name}:{line} imports {module}")
-    assert not offending, offending
+    for path, stage, package in files:
+        for line, module in imports(path, package):
+            target = stage_of(module)
+            if target is None or target == "leaf" and stage not in ("leaf", "kernels"):
+                continue
+            if stage == "leaf" or ORDER[target] > ORDER[stage]:
+                offending.append(f"{path.name}:{line} ({stage}) imports {module} ({target})")
+    return offending
+
+
+def test_each_stage_imports_only_earlier_stages_and_the_leaves():
+    assert not offending_imports(sources())
+
+
+def test_the_rule_catches_an_import_of_a_later_stage(tmp_path):
+    """The check itself: a grads module importing the passes (as grad_sharding.py once did), a
+    policy module importing the controller under TYPE_CHECKING (as policy_runner.py did) and a leaf
+    importing a stage are each reported."""
+    cases = {
+        "grads": "from ..passes.rank_combine import check_process_group\n",
+        "policy": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..scaler.scaler_args import X\n",
+        "leaf": "def f():\n    from .grads import grad_groups\n",
+    }
+    files = []
+    for stage, text in cases.items():
+        path = tmp_path / f"{stage}.py"
+        path.write_text(text)
+        files.append((path, stage, ["tritonscale"] if stage == "leaf" else ["tritonscale", stage]))
+    assert len(offending_imports(files)) == 3
+
+
+@pytest.mark.parametrize("leaf", sorted(LEAVES))
+def test_a_leaf_imports_nothing_of_the_package(leaf):
+    path = PACKAGE / f"{leaf}.py"
+    assert [m for _, m in imports(path, ["tritonscale"]) if m.startswith("tritonscale")] == []
