@@ -169,6 +169,18 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         scale = self._tensors.scale if self._enabled and self._tensors is not None else None
         return Agreement(self._ranks, scale, kind, optimizer, self._policy, max_norm, norm_type)
 
+    def rank_agreement(
+        self, optimizer: Any, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0
+    ) -> Agreement:
+        """What this call's combine row says every rank agrees on (passes/rank_checks.py), for an
+        adapter that runs its own collective (the Updater's gradient sum).
+
+        Example::
+
+            reducer(params, group, scaler.rank_agreement(optimizer, "gradient sum", max_norm=1.0, norm_type=2.0))
+        """
+        return self._agreement(optimizer, kind, max_norm, norm_type)
+
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0, *, process_group: Any = None
     ) -> torch.Tensor:
