@@ -27,6 +27,7 @@ from scale_references import (
 
 import tritonscale
 from tritonscale import GradScaler, LossScalePolicy, ScalerConfigError
+from tritonscale.policy.loss_scale_policy import ConsecutiveSkipLimit
 
 
 # ------------------------------------------------------------------ harness
@@ -101,6 +102,37 @@ def test_mindspore_bad_step_max_raises_naming_limit_scale_and_step(backend):
             loop.step(overflow)
             ref.update(overflow)
             assert scaler.get_scale() == ref.scale
+
+
+def _first_raise(update, pattern) -> int | None:
+    """The index of the first update in ``pattern`` that raises RuntimeError (None: none does)."""
+    for i, overflow in enumerate(pattern):
+        try:
+            update(overflow)
+        except RuntimeError:
+            return i
+    return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_consecutive_skip_limit_is_one_rule_in_the_policy_and_after_the_update(seed):
+    """``max_consecutive_skips`` (checked inside the update) and ``ConsecutiveSkipLimit`` (MindSpore's
+    ``bad_step_max``, checked after it) raise at the same update as MindSpore's own count."""
+    limit = 1 + seed % 3
+    pattern = overflow_pattern(seed, steps=40, p=0.6)
+    expected = _first_raise(MindSporeRef(2.0**5, 2.0, 2, bad_step_max=limit).update, pattern)
+    assert expected is not None  # the pattern reaches the limit
+    scaler = GradScaler("cpu", init_scale=2.0**5, growth_interval=2, min_scale=1.0, max_consecutive_skips=limit,
+                        backend="torch")  # fmt: skip
+    assert _first_raise(Loop(scaler, "torch").step, pattern) == expected
+    after = ConsecutiveSkipLimit(limit)
+    count = {"in_a_row": 0}
+
+    def update_then_check(overflow):
+        count["in_a_row"] = count["in_a_row"] + 1 if overflow else 0
+        after.after_update(lambda: count["in_a_row"], lambda: 1.0)
+
+    assert _first_raise(update_then_check, pattern) == expected
 
 
 def test_fixed_scale_never_changes_and_skips_overflows(backend):

@@ -671,6 +671,42 @@ def test_two_gloo_ranks_all_reduce_before_the_check_like_one_process_on_the_whol
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
 
 
+def test_the_gradient_sum_runs_on_the_scalers_public_api_alone(monkeypatch):
+    """The Updater's all-reduce is its own (passes' GradAllReduce with the scaler's public
+    ``rank_agreement`` row), not a scaler method kept for it: with ``GradScaler.all_reduce_grads_``
+    gone, a one-rank gloo group gives the bits of the same run without a group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    if hasattr(GradScaler, "all_reduce_grads_"):
+        monkeypatch.delattr(GradScaler, "all_reduce_grads_")
+    runs = []
+    for group in (None, "world"):
+        model = tiny_model()
+        scaler = GradScaler("cpu", init_scale=2.0**10, backend="torch")
+        if group is not None:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            updater = Updater(
+                model,
+                make_optimizer(model, "sgd"),
+                tiny_batches(6, poison={2}),
+                loss_fn=F.mse_loss,
+                scaler=scaler,
+                accum_grad=2,
+                max_norm=0.5,
+                process_group=None if group is None else dist.group.WORLD,
+            )
+            applied = [updater.update().step_applied for _ in range(3)]
+        finally:
+            if group is not None:
+                dist.destroy_process_group()
+        runs.append((applied, [bits(p.detach()) for p in model.parameters()], scaler.state_dict()))
+    assert runs[0][0] == [True, False, True]  # the inf of micro-batch 2 skips step 1 in both runs
+    assert same_bits(runs[0], runs[1])
+
+
 def test_exports():
     assert tritonscale.Updater is Updater and issubclass(DataFeedExhausted, UpdaterError)
     assert issubclass(UpdaterError, RuntimeError)

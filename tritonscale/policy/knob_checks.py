@@ -51,6 +51,25 @@ def is_finite(value: object) -> bool:
         return False
 
 
+# ------------------------------------------------------------------ the bounds, each written once
+# The policy's checks and the managers' say the same bound in their own words (torch's wording for
+# the policy, the original framework's for a manager): the bound itself is one of these.
+def is_growth_factor(value: object) -> bool:
+    """A factor that grows the scale: finite and > 1."""
+    return is_finite(value) and value > 1
+
+
+def is_backoff_factor(value: object) -> bool:
+    """A factor that backs the scale off: a number in (0, 1)."""
+    return is_number(value) and 0 < value < 1
+
+
+def is_count(value: object, minimum: int = 1, limit: int | None = None) -> bool:
+    """An int (not a bool) in ``[minimum, limit)`` (no upper bound without ``limit``): a growth
+    interval, a step count, or (``minimum=0``) a tracker kept in an int32 device counter."""
+    return is_int(value) and minimum <= value and (limit is None or value < limit)
+
+
 # ------------------------------------------------------------------ the policy and the state
 def check_scale_value(name: str, value: float) -> float:
     """A loss scale (or a bound on one): positive and finite, also once rounded to float32."""
@@ -65,33 +84,35 @@ def check_scale_value(name: str, value: float) -> float:
 
 def check_counter(name: str, value: int, limit: int = INT32_LIMIT) -> int:
     """A tracker kept in an int32 device counter: an int in [0, limit)."""
-    if not (is_int(value) and 0 <= value < limit):
+    if not is_count(value, 0, limit):
         raise ScalerConfigError(f"{name} must be an int in [0, {limit}), got {value!r}")
     return int(value)
 
 
 def check_growth_factor(value: float) -> float:
-    if not (is_finite(value) and value > 1.0):
+    """The policy's growth factor, in torch's wording."""
+    if not is_growth_factor(value):
         raise ScalerConfigError(f"The growth factor must be > 1.0 (and finite), got {value!r}")
     return float(value)
 
 
 def check_backoff_factor(value: float) -> float:
-    if not (is_number(value) and 0.0 < value < 1.0):
+    """The policy's backoff factor, in torch's wording."""
+    if not is_backoff_factor(value):
         raise ScalerConfigError(f"The backoff factor must be in (0, 1), got {value!r}")
     return float(value)
 
 
 def check_growth_interval(value: int) -> int:
-    if not (is_int(value) and value >= 1):
-        raise ScalerConfigError(f"The growth interval must be an int >= 1, got {value!r}")
-    return int(value)
+    """The policy's growth interval: an int >= 1 (torch's counter is unbounded on the host)."""
+    return check_positive_int("The growth interval", value)
 
 
 def check_positive_int(name: str, value: int | None, allow_none: bool = False) -> int | None:
+    """A policy knob that counts steps: an int >= 1 (or None where ``allow_none``)."""
     if value is None and allow_none:
         return None
-    if not (is_int(value) and value >= 1):
+    if not is_count(value):
         raise ScalerConfigError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
     return int(value)
 
@@ -116,7 +137,7 @@ def check_count(owner: str, name: str, value: Any) -> int:
     """A manager's step count, kept in an int32 device counter: an int in [1, 2**31)."""
     if not is_int(value):
         raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} {value!r}")
-    if not 1 <= value < INT32_LIMIT:
+    if not is_count(value, 1, INT32_LIMIT):
         raise ScalerConfigError(f"{owner}: {name} must be a positive int below 2**31, got {value!r}")
     return int(value)
 
@@ -127,10 +148,11 @@ def check_factor(owner: str, name: str, value: Any, *, above_one: bool) -> float
     wanted = "a number > 1" if above_one else "a number in (0, 1)"
     if not is_number(value):
         raise TypeError(f"{owner}: {name} must be {wanted}, got {type(value).__name__} {value!r}")
-    if not (is_finite(value) and (value > 1 if above_one else 0 < value < 1)):
+    in_range = is_growth_factor if above_one else is_backoff_factor
+    if not in_range(value):
         raise ScalerConfigError(f"{owner}: {name} must be {wanted}, got {value!r}")
     rounded = as_float32(float(value))
-    if not (1 < rounded < math.inf if above_one else 0 < rounded < 1):
+    if not in_range(rounded):
         raise ScalerConfigError(f"{owner}: {name}={value!r} rounds to {rounded!r} in float32, where it is applied")
     return rounded
 

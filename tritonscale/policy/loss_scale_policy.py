@@ -86,11 +86,25 @@ class HostCheck(IntFlag):
     TOO_MANY_SKIPS = 2  # this skip makes more than max_consecutive_skips in a row
 
 
+def past_skip_limit(in_a_row: Any, limit: int) -> Any:
+    """The consecutive-skip limit, the one home of its rule: ``in_a_row`` skipped steps are too many
+    once they are more than ``limit`` (MindSpore's ``bad_step > bad_step_max``). ``in_a_row`` is an
+    int, or an int tensor on the device (the answer is then a bool tensor, read nowhere).
+
+    Checked in two places, both counting with the state's ``consecutive_skips``: inside the update
+    (``LossScalePolicy.max_consecutive_skips``: the raising update changes nothing) and after it
+    (``ConsecutiveSkipLimit``, MindSpore's order: the update is applied, then it raises).
+
+    Example::
+
+        past_skip_limit(4, 3)  # True: 4 in a row is more than 3
+    """
+    return in_a_row > limit
+
+
 class ConsecutiveSkipLimit:
     """MindSpore's ``bad_step_max``: after an update, raise once more than ``limit`` steps in a row
-    were skipped, that update applied (``DynamicLossScaleManager``). ``max_consecutive_skips``
-    below is the same limit checked inside the update, where the raising update changes nothing.
-    Both count with the state's ``consecutive_skips`` counter.
+    were skipped, that update applied (``DynamicLossScaleManager``); the rule is ``past_skip_limit``.
 
     The counter (on the device) is read only when it could have passed the limit: ``bound`` is an
     upper bound on it, raised by one per update and set to the count by each read (or a load).
@@ -103,10 +117,10 @@ class ConsecutiveSkipLimit:
     def after_update(self, read_in_a_row: Callable[[], int], read_scale: Callable[[], float]) -> None:
         """Count one update; raise if the count ``read_in_a_row()`` (a host read) is past the limit."""
         self.bound += 1
-        if self.bound <= self.limit:
+        if not past_skip_limit(self.bound, self.limit):
             return
         in_a_row = self.bound = read_in_a_row()  # the one host read, once per ~limit updates
-        if in_a_row > self.limit:
+        if past_skip_limit(in_a_row, self.limit):
             raise RuntimeError(
                 f"Dynamic loss scale: {in_a_row} overflows in a row, more than bad_step_max={self.limit} "
                 f"(MindSpore's limit); the loss scale is now {read_scale():g}"
@@ -286,7 +300,8 @@ class LossScalePolicy:
             )
             flags = flags + form.where(at_floor, int(HostCheck.AT_MIN_SCALE), 0)
         if self.max_consecutive_skips is not None:
-            limit = (form.read(skipped) > 0) & (read[CONSECUTIVE_SKIPS] + 1 > self.max_consecutive_skips)
+            # Counted with this update's skip, before the update.
+            limit = (form.read(skipped) > 0) & past_skip_limit(read[CONSECUTIVE_SKIPS] + 1, self.max_consecutive_skips)
             flags = flags + form.where(limit, int(HostCheck.TOO_MANY_SKIPS), 0)
         return flags
 

@@ -29,14 +29,12 @@ What it does where nnabla's originals differ (``nnabla/experimental/trainers/upd
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 
 from ..grads.optimizer_wrappers import unwrap_optimizer
-from ..passes.clip_args import check_max_norm, check_norm_type
 from ..passes.rank_combine import GradAllReduce
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
@@ -46,9 +44,14 @@ from .updater_config import (
     Callback,
     as_feed,
     callbacks_by_name,
+    check_autocast_dtype,
+    check_clip,
+    check_grad_reduction,
     check_int,
+    check_step_callables,
     check_weight_decay,
     checked_scaler,
+    params_device_type,
     retries_for,
 )
 from .updater_errors import DataFeedExhausted, PhaseFailed, UpdaterError, UpdateResult, updater_error
@@ -138,25 +141,16 @@ class Updater:
         update_callback_on_start: Callback | Sequence[Callback] | None = None,
         update_callback_on_finish: Callback | Sequence[Callback] | None = None,
     ) -> None:
-        if not callable(model_or_loss_fn):
-            raise TypeError(f"model_or_loss_fn must be callable, got {type(model_or_loss_fn).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-        self.model_or_loss_fn, self.loss_fn, self.optimizer = model_or_loss_fn, loss_fn, optimizer
-        self._inner = unwrap_optimizer(optimizer)  # the scaler keys its records on the real optimizer
+        self.model_or_loss_fn, self.loss_fn = check_step_callables(model_or_loss_fn, loss_fn)
+        self.optimizer, self._inner = optimizer, unwrap_optimizer(optimizer)  # the scaler keys on the inner one
         self._next_batch = as_feed(data_feed)
         self.accum_grad = check_int("accum_grad", accum_grad, 1)
-        if grad_reduction not in ("mean", "sum"):
-            raise ValueError(f'grad_reduction must be "mean" or "sum", got {grad_reduction!r}')
-        self.grad_reduction = grad_reduction
-        self.max_norm = math.inf if max_norm is None else check_max_norm(max_norm)
-        self.norm_type = check_norm_type(norm_type)
+        self.grad_reduction = check_grad_reduction(grad_reduction)
+        self.max_norm, self.norm_type = check_clip(max_norm, norm_type)
         self.weight_decay = check_weight_decay(weight_decay)
         self.max_retries = retries_for(on_overflow, max_retries)
         self.on_overflow = on_overflow
-        if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
-            raise TypeError(f"autocast_dtype must be a torch.dtype or None, got {autocast_dtype!r}")
-        self.autocast_dtype = autocast_dtype
+        self.autocast_dtype = check_autocast_dtype(autocast_dtype)
         self.set_to_none = bool(set_to_none)
         self.callbacks = callbacks_by_name(
             (
@@ -170,10 +164,7 @@ class Updater:
                 update_callback_on_finish,
             )
         )
-        params = self._params()
-        if not params:
-            raise ValueError("the optimizer holds no parameters")
-        self._device_type = params[0].device.type
+        self._device_type = params_device_type(self._params())
         self.scaler = checked_scaler(
             scaler, self._device_type, self._inner, optimizer, weight_decay, process_group, self.max_retries
         )
@@ -269,13 +260,20 @@ class Updater:
         if self.process_group is not None:
             self._fire("comm_callback_on_start", i)
             with self._phase("comm"):
-                # The collective: the ranks' agreement row checked, then the gradients summed.
-                agreement = self.scaler.rank_agreement(self._inner, "gradient sum", self.max_norm, self.norm_type)
-                self._all_reduce(self._params(), self.process_group, agreement)
+                self._all_reduce_grads()
             self._fire("comm_callback_on_finish", i)
         with self._phase("unscale_clip"):
             norm = self.scaler.clip_grad_norm_(self.optimizer, self.max_norm, self.norm_type)
         return loss_sum, norm
+
+    def _all_reduce_grads(self) -> None:
+        """Sum the gradients over ``process_group`` in place, after the one collective that checks
+        the ranks agree on the scale, the call sequence, the optimizer, the clip that follows and the
+        gradients (``passes/rank_combine.py``'s GradAllReduce, with the scaler's public agreement row)."""
+        agreement = self.scaler.rank_agreement(
+            self._inner, "gradient sum", max_norm=self.max_norm, norm_type=self.norm_type
+        )
+        self._all_reduce(self._params(), self.process_group, agreement)
 
     def _add_weight_decay(self) -> None:
         """nnabla's ``solver.weight_decay``: ``grad += weight_decay * param``, on the unscaled gradients."""

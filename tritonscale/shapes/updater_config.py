@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from ..passes.clip_args import check_max_norm, check_norm_type
 from ..process_groups import check_process_group
-from ..policy.knob_checks import is_int, is_number, plain_number
+from ..policy.knob_checks import is_count, is_number, plain_number
 from ..scaler.grad_scaler import GradScaler
 
 #: nnabla's callback names, in the order their phases run.
@@ -34,9 +35,45 @@ Callback = Callable[[int], Any]
 
 def check_int(name: str, value: Any, minimum: int) -> int:
     """``value`` as a Python int (numpy ints too, as torch takes them) if it is one >= ``minimum``."""
-    if not is_int(value) or value < minimum:
+    if not is_count(value, minimum):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_step_callables(model_or_loss_fn: Any, loss_fn: Any) -> tuple[Callable[..., Any], Callable | None]:
+    """The forward (a model, or a loss function of the batch) and the optional ``loss_fn``, both callable."""
+    if not callable(model_or_loss_fn):
+        raise TypeError(f"model_or_loss_fn must be callable, got {type(model_or_loss_fn).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+    return model_or_loss_fn, loss_fn
+
+
+def check_grad_reduction(grad_reduction: Any) -> str:
+    """``"mean"`` (the gradient of the mean loss, as DDP gives) or ``"sum"`` (nnabla's)."""
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f'grad_reduction must be "mean" or "sum", got {grad_reduction!r}')
+    return grad_reduction
+
+
+def check_clip(max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    """The clip of the fused pass: ``max_norm`` (None: measure only, as an infinite bound) and
+    ``norm_type``, checked as ``GradScaler.clip_grad_norm_`` checks them."""
+    return math.inf if max_norm is None else check_max_norm(max_norm), check_norm_type(norm_type)
+
+
+def check_autocast_dtype(autocast_dtype: Any) -> torch.dtype | None:
+    """The dtype each forward runs under ``torch.autocast`` with, or None for no autocast."""
+    if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
+        raise TypeError(f"autocast_dtype must be a torch.dtype or None, got {autocast_dtype!r}")
+    return autocast_dtype
+
+
+def params_device_type(params: list[torch.Tensor]) -> str:
+    """The device type the step runs on: that of the optimizer's first parameter (it needs one)."""
+    if not params:
+        raise ValueError("the optimizer holds no parameters")
+    return params[0].device.type
 
 
 def callbacks_by_name(values: Sequence[Callback | Sequence[Callback] | None]) -> dict[str, tuple[Callback, ...]]:
