@@ -136,8 +136,10 @@ def scenarios_worker(rank: int, world: int) -> dict:
         scaler = _scaler()
         scaler.unscale_(a)
         scaler.unscale_(b)
-        if read and rank == 0:
+        if read and rank == 0:  # every accessor a logger may call: none communicates
             scaler.found_inf_for(b), scaler.overflowed(b), scaler.stats(), scaler.overflowed(a)
+            scaler.optimizer_stage(b), scaler.folded_grad_scale(b), scaler._found_inf_per_device(b)
+            scaler.last_norm(), scaler.last_skip_flag(), scaler.get_scale(), scaler.state_dict()
         scaler.step(a)
         scaler.step(b)
         scaler.update()
