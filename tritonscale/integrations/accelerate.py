@@ -49,7 +49,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from ..grads.optimizer_wrappers import unwrap_optimizer
+from ..passes.step_protocols import unwrap_optimizer
 from ..passes.clip_args import check_max_norm, check_norm_type
 from ..scaler.grad_scaler import GradScaler
 from .cpu_precision import warn_float16_on_cpu

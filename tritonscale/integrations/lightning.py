@@ -39,8 +39,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
-from ..grads.optimizer_wrappers import unwrap_optimizer
-from ..passes.step_protocols import takes_amp_scaling
+from ..passes.step_protocols import takes_amp_scaling, unwrap_optimizer
 from ..scaler.grad_scaler import GradScaler, OptState
 from .cpu_precision import warn_float16_on_cpu
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from timm.utils.cuda import NativeScaler
 
-from tritonscale.grads.optimizer_wrappers import unwrap_optimizer
+from tritonscale.passes.step_protocols import unwrap_optimizer
 from tritonscale.scaler.grad_scaler import GradScaler
 
 __all__ = ["FusedNativeScaler"]

@@ -20,7 +20,6 @@ import torch
 
 from ..flags import read_found_inf
 from ..grads.grad_groups import Grads, collect_grads
-from ..grads.optimizer_wrappers import unwrap_optimizer
 from ..passes import step_protocols
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
@@ -28,7 +27,7 @@ from ..passes.device_copies import PerDevice
 from ..passes.grad_passes import check_grads, clip_grads, torch_unscale_, unscale_grads_
 from ..passes.rank_checks import Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
-from ..passes.step_protocols import StepProtocol
+from ..passes.step_protocols import StepProtocol, unwrap_optimizer
 from ..policy.knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
 from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
 from ..policy.policy_runner import PolicyRunner

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..grads.optimizer_wrappers import unwrap_optimizer
+from ..passes.step_protocols import unwrap_optimizer
 from ..passes.rank_combine import GradAllReduce
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
