@@ -20,7 +20,7 @@ from ..grads.grad_groups import Grads, collect_grads
 from ..grads.optimizer_wrappers import unwrap_optimizer
 from ..passes import fold
 from ..passes.backends import check_backend_name
-from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
+from ..passes.clip_args import ClipRequest, check_max_norm, check_norm_type, kernels_compute
 from ..flags import read_found_inf
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
 from ..passes.rank_checks import Agreement, RankChecks
@@ -215,11 +215,7 @@ class GradScaler(TorchPrivateAPI, ScalerStateIO):
         device, result = clip_grads(
             grads,
             pending,
-            norm_type,
-            max_norm,
-            apply=not folds,
-            fold=folds,
-            unscale_on_overflow=not self._policy.skip_on_overflow,
+            ClipRequest(max_norm, norm_type, fold=folds, unscale_on_overflow=not self._policy.skip_on_overflow),
             backend=self._backend_name,
             group=group,
             agreement=self._agreement(optimizer, "clip", max_norm, norm_type),

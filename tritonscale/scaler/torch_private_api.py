@@ -27,7 +27,7 @@ import torch
 
 from ..grads.grad_groups import collect_grads
 from ..grads.optimizer_wrappers import unwrap_optimizer
-from ..passes.device_copies import PerDevice
+from ..passes.grad_passes import PerDevice
 from ..flags import read_found_inf
 from ..passes.grad_passes import torch_unscale_
 from ..passes.rank_checks import RankChecks
