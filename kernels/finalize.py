@@ -9,7 +9,10 @@ Reads P partial columns (see check_pass) and the loss scale, and writes four fp3
     clip_coef  min(max_norm / (norm + 1e-6), 1)  -- torch.nn.utils.clip_grad_norm_'s rule; 1 without clipping
     factor     inv_scale * clip_coef, the one multiplier the apply pass (or a fused optimizer) needs;
                exactly 1.0 when found_inf, so the apply pass leaves an overflowed step's gradients as
-               they came (the step is skipped anyway) and the zero padding of flat buffers stays zero
+               they came (the step is skipped anyway) and the zero padding of flat buffers stays zero.
+               The rule is tritonscale/passes/backends/base.gradient_factor, its one home (what
+               every torch-op path calls); device code cannot call Python, so the kernel repeats
+               its arithmetic (tests/passes/backends/test_factor_rule.py holds the two to the same bits)
 
 inv_scale = 1 / scale is computed in float64 and rounded to float32, exactly as torch.amp.GradScaler
 does. The combination runs in float64, so only a norm above float32's range becomes inf. The
@@ -76,7 +79,7 @@ def finalize_kernel(
     tl.store(result_ptr, found_inf.to(tl.float32))
     tl.store(result_ptr + 1, norm)
     tl.store(result_ptr + 2, clip_coef)
-    # factor: 1 on overflow (the rule's host-side home is tritonscale/passes/backends/base.gradient_factor).
+    # factor: base.gradient_factor's rule (1 on overflow), on the device.
     tl.store(result_ptr + 3, tl.where(found_inf, 1.0, inv_scale * clip_coef))
 
 
@@ -90,7 +93,8 @@ def finalize(
     """Reduce ``partials[:, :num_partials]``; return a new fp32 [4] tensor (see RESULT_FIELDS).
 
     ``scale`` is the device-resident loss scale (pass ones to skip unscaling). With ``max_norm``
-    None the clip coefficient is 1 and the factor is just ``1 / scale``.
+    None the clip coefficient is 1 and the factor is just ``1 / scale``. The factor follows
+    ``tritonscale.passes.backends.base.gradient_factor`` (1 on overflow), the rule's one home.
     """
     if partials.dtype != torch.float32 or partials.shape[0] != PARTIAL_ROWS:
         raise ValueError(f"partials must be a float32 [{PARTIAL_ROWS}, P] tensor")

@@ -322,7 +322,7 @@ def count_launches(monkeypatch):
     import tritonscale.passes.backends.triton_ops as ops
 
     calls = []
-    for module, name in ((ops, "check_pass"), (ops, "finalize"), (tb, "apply_factor_"), (ops, "apply_factor_")):
+    for module, name in ((tb, "check_pass"), (tb, "finalize"), (tb, "apply_factor_"), (ops, "apply_factor_")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
     return calls

@@ -1,4 +1,5 @@
-"""The public API's clip arguments: ``max_norm`` and ``norm_type`` as the user passes them.
+"""The public API's clip arguments: ``max_norm`` and ``norm_type`` as the user passes them, and
+``ClipRequest``, the clip as the passes take it (``grad_passes.clip_grads``).
 
 ``GradScaler.clip_grad_norm_``, ``LossScaleOptimizer``, the ``Updater`` and the integrations take
 the same two arguments torch.nn.utils.clip_grad_norm_ takes; each is checked here, so a rule and
@@ -12,6 +13,8 @@ a new ``max_norm`` without recompiling, and recompiles (then raises) only for a 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -53,6 +56,21 @@ def check_max_norm(max_norm: float | torch.Tensor) -> float | torch.Tensor:
     if not value >= 0:  # negative would flip every gradient's sign; NaN would poison it
         raise ValueError(f"max_norm must be a float >= 0 (inf: only measure){_got(max_norm)}")
     return value
+
+
+@dataclass(frozen=True)
+class ClipRequest:
+    """One clip as the passes take it (``grad_passes.clip_grads``): the checked ``max_norm`` and
+    ``norm_type`` (``check_max_norm``, ``check_norm_type``); ``fold``: the clip folds into a fused
+    optimizer's step (``result.grad_scale``, what it divides by) instead of being applied to the
+    gradients; ``unscale_on_overflow``: a policy whose overflowed steps go ahead (the gradients are
+    then unscaled, not clipped: ``base.unscaled_on_overflow``). ``max_norm`` inf: nothing clipped,
+    the check and the unscale alone. Example: ``ClipRequest(1.0, 2.0, fold=True)``."""
+
+    max_norm: float | torch.Tensor
+    norm_type: float = 2.0
+    fold: bool = False
+    unscale_on_overflow: bool = False
 
 
 def _got(value: object) -> str:

@@ -19,12 +19,44 @@ import torch
 
 from .. import host_reads
 from ..grads.grad_groups import Grads
-from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
-from .backends.base import with_clip
+from .backends import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
+from .backends.base import unscaled_on_overflow, with_clip
 from .backends.torch_backend import wide_norms
-from .device_copies import PerDevice
+from .clip_args import ClipRequest
 from .rank_checks import Agreement
 from .rank_combine import combine_check, combine_rank_flags
+
+#: The backend each (name, device) resolved to (``resolve_backend``): the choice depends on nothing
+#: else (the device's type, and whether Triton runs interpreted, fixed at import), and the backends
+#: hold no state, so a step looks it up instead of deciding again.
+_BACKENDS: dict[tuple[str, torch.device], Backend] = {}
+
+
+def _backend(name: str, device: torch.device) -> Backend:
+    """``resolve_backend(name, device)``, decided once per (name, device) in eager code; decided
+    anew while Dynamo traces (a traced step must not write module state). Example:
+    ``_backend("auto", torch.device("cpu"))``."""
+    if torch.compiler.is_compiling():
+        return resolve_backend(name, device)
+    runner = _BACKENDS.get((name, device))
+    if runner is None:  # resolve_backend raises for a backend the device cannot run: nothing kept
+        runner = _BACKENDS[(name, device)] = resolve_backend(name, device)
+    return runner
+
+
+class PerDevice:
+    """Copies of one device tensor (the scale, a flag), made on demand, non-blocking, once for each
+    device that asks: a pass over gradients on several devices needs the scale on each of them.
+    Example: ``PerDevice(scale).get(torch.device("cuda", 1))``."""
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.master = master
+        self._copies: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device not in self._copies:
+            self._copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
+        return self._copies[device]
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -67,9 +99,8 @@ def unscale_grads_(
     gradient is written. An overflow leaves them as they came, unless the policy lets overflowed
     steps go ahead (not ``skip_on_overflow``)."""
     if group is not None and len(grads.devices) <= 1:
-        unscale_on_overflow = not skip_on_overflow
-        device, result = clip_grads(grads, scale, 2.0, math.inf, apply=True, unscale_on_overflow=unscale_on_overflow,
-                                    backend=backend, group=group, agreement=agreement)  # fmt: skip
+        request = ClipRequest(math.inf, unscale_on_overflow=not skip_on_overflow)
+        device, result = clip_grads(grads, scale, request, backend=backend, group=group, agreement=agreement)
         return {device: result.found_inf}
     found_infs = _unscale_each_device_(grads, scale, backend)
     if group is None:
@@ -81,7 +112,7 @@ def _unscale_each_device_(grads: Grads, scale: torch.Tensor, backend: str) -> di
     found_infs = {d: torch.zeros((), dtype=torch.float32, device=d) for d in grads.devices}
     per_device_scale = PerDevice(scale)
     for device, device_groups in grads.kernel.items():
-        resolve_backend(backend, device).unscale_(device_groups, per_device_scale.get(device), found_infs[device])
+        _backend(backend, device).unscale_(device_groups, per_device_scale.get(device), found_infs[device])
     for device, tensors in grads.other.items():
         torch_unscale_(tensors, found_infs[device], inverse_scale(per_device_scale.get(device)))
     return found_infs
@@ -98,7 +129,7 @@ def check_grads(
         found = torch.zeros((), dtype=torch.float32, device=device)
         if device in grads.kernel:
             device_scale = scale.to(device, non_blocking=True)
-            found = resolve_backend(backend, device).check(grads.kernel[device], device_scale, 2.0, None).found_inf
+            found = _backend(backend, device).check(grads.kernel[device], device_scale, 2.0, None).found_inf
         found_infs[device] = _other_found_inf(grads.other.get(device, []), found)
     return combine_rank_flags(found_infs, group, agreement, scale.device) if group is not None else found_infs
 
@@ -106,28 +137,55 @@ def check_grads(
 def clip_grads(
     grads: Grads,
     scale: torch.Tensor | None,
-    norm_type: float,
-    max_norm: float,
+    request: ClipRequest,
     *,
-    apply: bool,
-    fold: bool = False,
-    unscale_on_overflow: bool = False,
     backend: str,
     group: Any = None,
     agreement: Agreement | None = None,
 ) -> tuple[torch.device, CheckResult]:
-    """Check pass -> finalize -> combine across ``group`` (-> apply pass, with ``apply``) on the one
-    device holding this rank's gradients.
+    """Check pass -> finalize -> combine across ``group`` -> apply pass (or, with ``request.fold``,
+    the fold's divisor) on the one device holding this rank's gradients; ``request``: the clip's
+    arguments (``clip_args.ClipRequest``).
 
-    ``scale`` None: nothing to unscale, clip only. On inf/NaN the gradients are left as they came
-    (the step is skipped); with ``unscale_on_overflow`` (a policy whose overflowed steps go ahead)
-    they are unscaled, not clipped -- what ``unscale_`` leaves -- and ``clip_coef`` reads 1, so a
-    fold hands the optimizer the plain scale. With ``fold`` (instead of ``apply``) the result's
-    ``grad_scale`` is what a fused optimizer divides by (``_fold_divisor``). ``group``: the
-    process group whose ranks hold the
-    other parts of the gradients (rank_combine: one collective, its row carrying ``agreement``, what
-    the ranks must agree on: rank_checks.py). Returns the device and its results.
+    ``scale``: what the gradients still have to be divided by (None: nothing to unscale, clip
+    only). On inf/NaN the gradients are left as they came (the step is skipped); with
+    ``request.unscale_on_overflow`` they are unscaled, not clipped (``base.unscaled_on_overflow``).
+    With ``request.fold`` the result's ``grad_scale`` is what a fused optimizer divides by
+    (``_fold_divisor``). ``group``: the process group whose ranks hold the other parts of the
+    gradients (rank_combine: one collective, its row carrying ``agreement``, what the ranks must
+    agree on: rank_checks.py); None: no rank code runs. Returns the device and its results.
+    Example: ``clip_grads(grads, scale, ClipRequest(1.0), backend="auto")``.
     """
+    device = _clip_device(grads, scale, group)
+    scale = torch.ones((), dtype=torch.float32, device=device) if scale is None else scale.to(device, non_blocking=True)
+    runner = _backend(backend, device)
+    norm_type, max_norm = request.norm_type, request.max_norm
+    result = _check_on(runner, grads, device, scale, norm_type, max_norm)
+    replicas = grads.replicas
+    if replicas is not None:  # checked for inf/NaN and clipped here, counted in the norm elsewhere
+        replica_result = _check_on(runner, replicas, device, scale, norm_type, max_norm)
+        result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
+    # A traced step proves the gradients' memory disjoint at run time, before anything below.
+    result.found_inf, result.factor = grads.disjoint_at_run_time([result.found_inf, result.factor])
+    if group is not None:  # no group: no rank code runs
+        result = combine_check(result, scale, norm_type, max_norm, group, agreement, holds_grads(grads))
+    if request.unscale_on_overflow:
+        result = unscaled_on_overflow(result, scale)
+    applied = result
+    if request.fold:
+        result.grad_scale = _fold_divisor(result, scale)
+        if result.grad_scale is not scale:
+            return device, result
+        applied = dataclasses.replace(result, factor=result.clip_coef)  # could not fold: the clip applied here
+    _apply_on(runner, grads, device, applied)
+    if replicas is not None:
+        _apply_on(runner, replicas, device, dataclasses.replace(applied, plan=replica_result.plan))
+    return device, result
+
+
+def _clip_device(grads: Grads, scale: torch.Tensor | None, group: Any) -> torch.device:
+    """The one device a clip runs on; several devices, or replicas marked with no group to
+    combine them, are refused before anything is read."""
     replicas = grads.replicas
     devices = list(dict.fromkeys([*grads.devices, *(replicas.devices if replicas else [])]))
     if len(devices) > 1:
@@ -139,33 +197,7 @@ def clip_grads(
             "some gradients are marked replicated over a process group (mark_replicated), but no "
             "process_group combines the norm: pass the group spanning every rank's gradients"
         )
-    device = devices[0] if devices else (scale.device if scale is not None else torch.device("cpu"))
-    scale = torch.ones((), dtype=torch.float32, device=device) if scale is None else scale.to(device, non_blocking=True)
-    runner = resolve_backend(backend, device)
-    result = _check_on(runner, grads, device, scale, norm_type, max_norm)
-    if replicas is not None:  # checked for inf/NaN and clipped here, counted in the norm elsewhere
-        replica_result = _check_on(runner, replicas, device, scale, norm_type, max_norm)
-        result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
-    # A traced step proves the gradients' memory disjoint at run time, before anything below.
-    result.found_inf, result.factor = grads.disjoint_at_run_time([result.found_inf, result.factor])
-    holds = holds_grads(grads) if group is not None else True  # only a combine asks
-    result = combine_check(result, scale, norm_type, max_norm, group, agreement, holds)
-    if unscale_on_overflow:
-        overflow = result.found_inf > 0
-        result.clip_coef = torch.where(overflow, torch.ones_like(result.clip_coef), result.clip_coef)
-        result.factor = torch.where(overflow, inverse_scale(scale).reshape(()), result.factor)
-    if apply:
-        _apply_on(runner, grads, device, result)
-        if replicas is not None:
-            _apply_on(runner, replicas, device, dataclasses.replace(result, plan=replica_result.plan))
-    elif fold:
-        result.grad_scale = _fold_divisor(result, scale)
-        if result.grad_scale is scale:  # the clip could not fold: applied here (see _fold_divisor)
-            clipped = dataclasses.replace(result, factor=result.clip_coef)
-            _apply_on(runner, grads, device, clipped)
-            if replicas is not None:
-                _apply_on(runner, replicas, device, dataclasses.replace(clipped, plan=replica_result.plan))
-    return device, result
+    return devices[0] if devices else (scale.device if scale is not None else torch.device("cpu"))
 
 
 def _fold_divisor(result: CheckResult, scale: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,8 @@ from ..flags import read_found_inf
 from ..grads.grad_groups import Grads, collect_grads
 from ..passes import step_protocols
 from ..passes.backends import check_backend_name
-from ..passes.clip_args import check_max_norm, check_norm_type, kernels_compute
-from ..passes.device_copies import PerDevice
-from ..passes.grad_passes import check_grads, clip_grads, torch_unscale_, unscale_grads_
+from ..passes.clip_args import ClipRequest, check_max_norm, check_norm_type, kernels_compute
+from ..passes.grad_passes import PerDevice, check_grads, clip_grads, torch_unscale_, unscale_grads_
 from ..passes.rank_checks import Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
 from ..passes.step_protocols import StepProtocol, unwrap_optimizer
@@ -214,11 +213,7 @@ class GradScaler:
         device, result = clip_grads(
             grads,
             pending,
-            norm_type,
-            max_norm,
-            apply=not folds,
-            fold=folds,
-            unscale_on_overflow=not self._policy.skip_on_overflow,
+            ClipRequest(max_norm, norm_type, fold=folds, unscale_on_overflow=not self._policy.skip_on_overflow),
             backend=self._backend_name,
             group=group,
             agreement=self._agreement(inner, "clip", max_norm, norm_type),

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..passes.device_copies import PerDevice
+from ..passes.grad_passes import PerDevice
 
 
 def scale_outputs(outputs: Any, scale_on: Callable[[torch.device], torch.Tensor]) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..grads.grad_groups import Grads, collect_grads
-from ..passes.clip_args import kernels_compute
+from ..passes.clip_args import ClipRequest, kernels_compute
 from ..passes.step_protocols import step_unless
 from ..passes.grad_passes import clip_grads
 from ..passes.rank_checks import Agreement, RankChecks
@@ -33,9 +33,8 @@ def clip_unscaled(
     grads = collect_grads(
         optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True, takes_norm=True
     )
-    _, result = clip_grads(
-        grads, None, norm_type, max_norm, apply=True, backend=backend, group=group_of(grads), agreement=agreement
-    )
+    request = ClipRequest(max_norm, norm_type)
+    _, result = clip_grads(grads, None, request, backend=backend, group=group_of(grads), agreement=agreement)
     return result.norm, agreement.ranks.skip(result.found_inf)
 
 

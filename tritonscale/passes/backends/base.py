@@ -57,15 +57,38 @@ def with_clip(result: CheckResult, scale: torch.Tensor, max_norm: float | torch.
 
 
 def gradient_factor(
-    found_inf: torch.Tensor, inv_scale: torch.Tensor, clip_coef: torch.Tensor | None = None
-) -> torch.Tensor:
+    found_inf: Any,
+    inv_scale: Any,
+    clip_coef: Any = None,
+    *,
+    unscale_on_overflow: bool = False,
+    form: RuleForm = ON_DEVICE,
+) -> Any:
     """What the apply pass multiplies the gradients by: ``inv_scale * clip_coef`` (``inv_scale``
     without clipping), and exactly 1 where ``found_inf``, so an overflowed step's gradients stay as
-    they came (the step is skipped anyway) and the zero padding of flat buffers stays zero. The one
-    home of this rule for the torch ops; the kernels' finalize computes the same on the device.
-    A 0-dim float32 tensor."""
-    factor = (inv_scale if clip_coef is None else inv_scale * clip_coef).reshape(())
-    return torch.where(found_inf > 0, torch.ones_like(factor), factor)
+    they came (the step is skipped anyway) and the zero padding of flat buffers stays zero. With
+    ``unscale_on_overflow`` (a policy whose overflowed steps go ahead) ``inv_scale`` there instead:
+    unscaled, not clipped, what ``unscale_`` leaves.
+
+    The one home of this rule: every torch-op and host-side factor is made here (the backends, the
+    rank combine, the clip); the kernels' finalize (``kernels/finalize.py``) computes the same on
+    the device. ``form`` ON_DEVICE: 0-dim float32 tensors; ON_HOST: float32 values as Python floats
+    (policy_forms.py), the same bits. Example: ``gradient_factor(0.0, 0.5, 0.25, form=ON_HOST) == 0.125``.
+    """
+    factor = inv_scale if clip_coef is None else form.f32(inv_scale * clip_coef)
+    if isinstance(factor, torch.Tensor):
+        factor, inv_scale = factor.reshape(()), inv_scale.reshape(())
+    kept = inv_scale if unscale_on_overflow else form.full_like(factor, 1.0)
+    return form.where(found_inf > 0, kept, factor)
+
+
+def unscaled_on_overflow(result: CheckResult, scale: torch.Tensor) -> CheckResult:
+    """``result`` for a policy whose overflowed steps go ahead: where it overflowed, ``clip_coef``
+    1 (so a fold hands the optimizer the plain scale) and the factor ``1 / scale`` (the gradients
+    unscaled, not clipped: what ``unscale_`` leaves). Example: ``unscaled_on_overflow(result, scale)``."""
+    clip_coef = torch.where(result.found_inf > 0, torch.ones_like(result.clip_coef), result.clip_coef)
+    factor = gradient_factor(result.found_inf, inverse_scale(scale), clip_coef, unscale_on_overflow=True)
+    return dataclasses.replace(result, clip_coef=clip_coef, factor=factor)
 
 
 @dataclass

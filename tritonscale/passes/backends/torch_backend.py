@@ -172,7 +172,7 @@ def _finalize_on_host(raw: float, inv_scale: torch.Tensor, max_norm: float | Non
     inverse = inv_scale.item()
     norm = rounded_to_float32(raw * inverse)
     clip_coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm, ON_HOST)
-    factor = rounded_to_float32(inverse * clip_coef)
+    factor = gradient_factor(0.0, inverse, clip_coef, form=ON_HOST)  # nothing overflowed here
     made = [torch.full((), v, dtype=torch.float32, device=inv_scale.device) for v in (0.0, norm, clip_coef, factor)]
     return CheckResult(*made, plan=plan)
 

@@ -1,7 +1,9 @@
 """Triton backend: the fused kernels, a constant number of launches per step.
 
 A step being traced by Dynamo goes through the same kernels registered as custom ops
-(``triton_ops.py``): the plan is then the gradient groups themselves, laid out at run time.
+(``triton_ops.py``, registered when the package ``backends`` is imported, so before any trace):
+the plan is then the gradient groups themselves, laid out at run time. The layout and the check
+below are shared by both: an eager step never enters ``triton_ops.py``.
 """
 
 from __future__ import annotations
@@ -10,10 +12,34 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels import apply_factor_
+from ...kernels import apply_factor_, check_pass, describe_grads, finalize, norm_code
+from ...kernels.check_pass import PARTIAL_ROWS
 from ...kernels.jit_helpers import INTERPRETING
-from . import triton_ops
 from .base import CheckResult
+
+
+def layouts(groups: list[list[torch.Tensor]]) -> list:
+    # The controller validated every gradient (grad_groups.collect_grads) before any launch.
+    described = (describe_grads(grads, validate=False) for grads in groups)
+    return [layout for layout in described if layout is not None]
+
+
+def check_layouts(
+    described: list, scale: torch.Tensor, norm_type: float, max_norm: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The check pass over every layout of the device, then the finalize: found_inf, norm,
+    clip_coef and factor as 0-dim float32 tensors. Every group writes its own columns of one
+    partials buffer, so the single finalize sees them all; an empty device still gets one
+    all-zero column."""
+    code = norm_code(norm_type)
+    columns = max(1, sum(layout.programs for layout in described))
+    partials = torch.zeros(PARTIAL_ROWS, columns, dtype=torch.float32, device=scale.device)
+    start = 0
+    for layout in described:
+        check_pass(layout, partials[:, start:], code)
+        start += layout.programs
+    result = finalize(partials, columns, scale, code, max_norm)
+    return result[0], result[1], result[2], result[3]
 
 
 @dataclass
@@ -34,7 +60,7 @@ class TritonBackend:
         return device.type == "cuda" and not INTERPRETING
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-        for layout in triton_ops.layouts(groups):  # one fused read+check+write launch per dtype group
+        for layout in layouts(groups):  # one fused read+check+write launch per dtype group
             apply_factor_(layout, scale, invert=True, found_inf=found_inf)
 
     def check(
@@ -46,9 +72,9 @@ class TritonBackend:
                 plan.grads, plan.sizes, scale, float(norm_type), max_norm
             )
             return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=plan)
-        layouts = triton_ops.layouts(groups)
-        found_inf, norm, clip_coef, factor = triton_ops.check_layouts(layouts, scale, norm_type, max_norm)
-        return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=layouts)
+        described = layouts(groups)
+        found_inf, norm, clip_coef, factor = check_layouts(described, scale, norm_type, max_norm)
+        return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=described)
 
     def apply_(self, result: CheckResult) -> None:
         if isinstance(result.plan, TracedPlan):

@@ -8,15 +8,16 @@ op, and at run time they launch the same kernels on the real gradients, laid out
 call. On the CPU the interpreter runs them (``backend="aot_eager"`` or inductor).
 
 The ops take the gradients as one flat list and each dtype group's length (a schema has no list
-of lists). The eager step calls the backend directly; only a step being traced goes through here.
+of lists). The eager step calls the backend directly; only a step being traced goes through here,
+to the same layout and check (``triton_backend.layouts``, ``check_layouts``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...kernels import apply_factor_, check_pass, describe_grads, finalize, norm_code
-from ...kernels.check_pass import PARTIAL_ROWS
+from ...kernels import apply_factor_
+from .triton_backend import check_layouts, layouts
 
 
 def _groups(grads: list[torch.Tensor], sizes: list[int]) -> list[list[torch.Tensor]]:
@@ -25,30 +26,6 @@ def _groups(grads: list[torch.Tensor], sizes: list[int]) -> list[list[torch.Tens
         groups.append(grads[start : start + size])
         start += size
     return groups
-
-
-def layouts(groups: list[list[torch.Tensor]]) -> list:
-    # The controller validated every gradient (grad_groups.collect_grads) before any launch.
-    described = (describe_grads(grads, validate=False) for grads in groups)
-    return [layout for layout in described if layout is not None]
-
-
-def check_layouts(
-    layouts: list, scale: torch.Tensor, norm_type: float, max_norm: float | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The check pass over every layout of the device, then the finalize: found_inf, norm,
-    clip_coef and factor as 0-dim float32 tensors. Every group writes its own columns of one
-    partials buffer, so the single finalize sees them all; an empty device still gets one
-    all-zero column."""
-    code = norm_code(norm_type)
-    columns = max(1, sum(layout.programs for layout in layouts))
-    partials = torch.zeros(PARTIAL_ROWS, columns, dtype=torch.float32, device=scale.device)
-    start = 0
-    for layout in layouts:
-        check_pass(layout, partials[:, start:], code)
-        start += layout.programs
-    result = finalize(partials, columns, scale, code, max_norm)
-    return result[0], result[1], result[2], result[3]
 
 
 @torch.library.custom_op("tritonscale::check", mutates_args=())
