@@ -21,6 +21,7 @@ from .. import host_reads
 from ..grads.grad_groups import Grads
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .backends.base import with_clip
+from .backends.custom_ops import disjoint_at_run_time
 from .backends.torch_backend import wide_norms
 from .device_copies import PerDevice
 from .rank_checks import Agreement
@@ -147,7 +148,7 @@ def clip_grads(
         replica_result = _check_on(runner, replicas, device, scale, norm_type, max_norm)
         result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
     # A traced step proves the gradients' memory disjoint at run time, before anything below.
-    result.found_inf, result.factor = grads.disjoint_at_run_time([result.found_inf, result.factor])
+    result.found_inf, result.factor = disjoint_at_run_time(grads, [result.found_inf, result.factor])
     holds = holds_grads(grads) if group is not None else True  # only a combine asks
     result = combine_check(result, scale, norm_type, max_norm, group, agreement, holds)
     if unscale_on_overflow:

@@ -1,7 +1,7 @@
 """Triton backend: the fused kernels, a constant number of launches per step.
 
 A step being traced by Dynamo goes through the same kernels registered as custom ops
-(``triton_ops.py``): the plan is then the gradient groups themselves, laid out at run time.
+(``custom_ops.py``): the plan is then the gradient groups themselves, laid out at run time.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from ...kernels import apply_factor_
 from ...kernels.jit_helpers import INTERPRETING
-from . import triton_ops
+from . import custom_ops
 from .base import CheckResult
 
 
@@ -34,7 +34,7 @@ class TritonBackend:
         return device.type == "cuda" and not INTERPRETING
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-        for layout in triton_ops.layouts(groups):  # one fused read+check+write launch per dtype group
+        for layout in custom_ops.layouts(groups):  # one fused read+check+write launch per dtype group
             apply_factor_(layout, scale, invert=True, found_inf=found_inf)
 
     def check(
@@ -46,8 +46,8 @@ class TritonBackend:
                 plan.grads, plan.sizes, scale, float(norm_type), max_norm
             )
             return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=plan)
-        layouts = triton_ops.layouts(groups)
-        found_inf, norm, clip_coef, factor = triton_ops.check_layouts(layouts, scale, norm_type, max_norm)
+        layouts = custom_ops.layouts(groups)
+        found_inf, norm, clip_coef, factor = custom_ops.check_layouts(layouts, scale, norm_type, max_norm)
         return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=layouts)
 
     def apply_(self, result: CheckResult) -> None:
