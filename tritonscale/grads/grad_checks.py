@@ -1,10 +1,9 @@
 """The rules a gradient must meet before anything runs, and their errors: torch's float16 refusal,
-the layouts torch ops take, and no two gradients sharing memory.
+the layouts torch ops take, and how errors name a parameter.
 
 ``collect_grads`` (grad_groups.py) runs them over every gradient of a step before any pass writes,
-so a bad gradient raises with nothing modified. The overlap rule (``first_overlap``) is also what
-a compiled step runs at run time (``torch.ops.tritonscale.check_disjoint``, registered with the
-other custom ops in ``passes/backends/custom_ops.py``).
+so a bad gradient raises with nothing modified. The rule that no two gradients share memory is
+grad_groups.py's (``first_overlap``), the one step of these that runs on every step.
 """
 
 from __future__ import annotations
@@ -71,32 +70,6 @@ def overlaps_itself(t: torch.Tensor) -> bool:
             return True
         reach = stride * size
     return False
-
-
-def first_overlap(starts: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
-    """Two indices of dense gradients (the elements of each fill [start, start + size) bytes) whose
-    memory overlaps, or None. Empty ones hold nothing. One sort.
-
-    Example::
-
-        first_overlap((0, 8, 4), (8, 8, 8))  # (0, 2): the third starts inside the first
-    """
-    spans = sorted((start, start + size, i) for i, (start, size) in enumerate(zip(starts, sizes)) if size)
-    reach, reach_owner = -1, -1
-    for start, end, i in spans:
-        if start < reach:
-            return reach_owner, i
-        if end > reach:
-            reach, reach_owner = end, i
-    return None
-
-
-def shared_memory_error(first: str, second: str) -> ValueError:
-    """The error for two parameters (named as ``where`` names them) whose gradients share memory."""
-    return ValueError(
-        f"the gradients of {first} and {second} share memory; each parameter needs a gradient of "
-        "its own (the norm would count shared elements once and unscaling would scale them twice)"
-    )
 
 
 def where_is(optimizer: torch.optim.Optimizer, grad: torch.Tensor, besides: str | None = None) -> str:

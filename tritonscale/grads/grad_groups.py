@@ -19,7 +19,7 @@ from ..kernels.supported import is_supported_grad
 from .bounded_cache import BoundedCache
 from .flat_grads import known_run, remember_run
 from .flat_runs import one_run
-from .grad_checks import FP16_REFUSED, check_for_torch_ops, first_overlap, shared_memory_error, where, where_is
+from .grad_checks import FP16_REFUSED, check_for_torch_ops, where, where_is
 from .grad_sharding import ShardLayouts, any_marked, mesh_group
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
@@ -269,3 +269,29 @@ def _remember_if_one_run(optimizer: torch.optim.Optimizer, grads: Grads) -> None
     run = one_run(groups[0])
     if run is not None:
         remember_run(optimizer, run)
+
+
+def first_overlap(starts: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
+    """Two indices of dense gradients (the elements of each fill [start, start + size) bytes) whose
+    memory overlaps, or None. Empty ones hold nothing. One sort.
+
+    Example::
+
+        first_overlap((0, 8, 4), (8, 8, 8))  # (0, 2): the third starts inside the first
+    """
+    spans = sorted((start, start + size, i) for i, (start, size) in enumerate(zip(starts, sizes)) if size)
+    reach, reach_owner = -1, -1
+    for start, end, i in spans:
+        if start < reach:
+            return reach_owner, i
+        if end > reach:
+            reach, reach_owner = end, i
+    return None
+
+
+def shared_memory_error(first: str, second: str) -> ValueError:
+    """The error for two parameters (named as ``where`` names them) whose gradients share memory."""
+    return ValueError(
+        f"the gradients of {first} and {second} share memory; each parameter needs a gradient of "
+        "its own (the norm would count shared elements once and unscaling would scale them twice)"
+    )

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...grads.flat_runs import one_run
-from ...grads.grad_checks import first_overlap, shared_memory_error
-from ...grads.grad_groups import Grads
+from ...grads.grad_groups import Grads, first_overlap, shared_memory_error
 from ...kernels import apply_factor_, check_pass, describe_grads, finalize, norm_code
 from ...kernels.check_pass import PARTIAL_ROWS
 
