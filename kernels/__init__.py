@@ -14,8 +14,9 @@ Data flow of one step, one file each:
 Beside them: ``tensor_table`` describes any number of gradient tensors to one launch;
 ``launch_config`` holds block sizes, program counts and the autotune configurations;
 ``supported`` the accepted dtypes, layouts and norm types; ``jit_helpers`` the shared
-``@triton.jit`` helpers and the interpreter switch (a leaf module); ``flat_runs`` reads views of
-one buffer as few long runs; ``bounded_cache`` the small cache the host-side tables share.
+``@triton.jit`` helpers and the interpreter switch (a leaf module); ``reference`` the same passes
+in plain PyTorch. Which gradients form one run (flat buffers, buckets) is host-side layout logic,
+in ``tritonscale/grads/``: the caller hands the run to ``describe_grads``.
 """
 
 from .apply_pass import apply_factor_

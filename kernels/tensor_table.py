@@ -13,6 +13,10 @@ A group (one device, one dtype) reaches a kernel in one of two layouts:
   Persistent programs walk the chunk rows grid-stride, so the launch count is one per pass no
   matter how many tensors there are, and the per-program partials have a fixed count.
 
+Which gradients form one run (a ``flatten_grads_`` buffer, a DDP bucket) is host-side layout
+logic, the caller's (``tritonscale/grads/flat_runs.py``): it hands the run in (``run=``), and a
+group without one goes FLAT only when it is a single contiguous tensor.
+
 The tables are cached by (device, dtype, addresses, sizes): everything in a table is computed
 from exactly that key, so a hit is the table these gradients need, whatever happened to the
 memory in between. Gradients that persist between steps (``zero_grad(set_to_none=False)``)
@@ -21,17 +25,16 @@ cost no host work after the first step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from .bounded_cache import BoundedCache
-from .flat_runs import FLAT_SLOTS_ATTR, flat_runs
 from .launch_config import CHUNK, program_cap
 from .supported import is_supported_grad, raise_unsupported_grad
 
-__all__ = ["FLAT_SLOTS_ATTR", "GradLayout", "describe_grads", "validate_group"]
+__all__ = ["GradLayout", "describe_grads", "validate_group"]
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,12 @@ def validate_group(grads: list[torch.Tensor]) -> None:
             raise ValueError(f"gradients of mixed dtypes in one group: {dtype} and {g.dtype} (gradient {i})")
 
 
-def _flat_base(nonempty: list[torch.Tensor]) -> torch.Tensor | None:
-    """The buffer to take as FLAT: the flat buffer (tritonscale.flatten_grads_) whose slots the
-    group's gradients fill (padded to a multiple of 16 elements, so loads vectorise), or one run
-    covering them all back to back (a DDP bucket), or the group's one contiguous tensor."""
-    runs = flat_runs(nonempty)
-    if runs is not None and len(runs) == 1:
-        return runs[0]
+def _flat_base(nonempty: list[torch.Tensor], run: torch.Tensor | None) -> torch.Tensor | None:
+    """The buffer to take as FLAT: ``run`` (the caller's one tensor covering the group's elements
+    exactly: a flatten_grads_ buffer, padded to a multiple of 16 elements so loads vectorise, or a
+    bucket run), or the group's one contiguous tensor."""
+    if run is not None:
+        return run
     if len(nonempty) == 1 and nonempty[0].is_contiguous():
         return nonempty[0]
     return None
@@ -86,43 +88,51 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return _placeholders[device]
 
 
-_tables: BoundedCache[tuple[torch.Tensor, torch.Tensor, bool]] = BoundedCache(16)
-
-
 def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    key = (grads[0].device, grads[0].dtype, tuple((g.data_ptr(), g.numel()) for g in grads))
-    hit = _tables.get(key)
-    if hit is not None:
-        return hit
-    numels = torch.tensor([g.numel() for g in grads], dtype=torch.int64)
-    addresses = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+    return _tables(grads[0].device, grads[0].dtype, tuple((g.data_ptr(), g.numel()) for g in grads))
+
+
+@functools.lru_cache(maxsize=16)
+def _tables(
+    device: torch.device, dtype: torch.dtype, spans: tuple[tuple[int, int], ...]
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The (tensors, chunks) tables and the alignment of the gradients at ``spans`` ((address,
+    numel) each): a pure function of its arguments, so a cached entry is always the right one."""
+    addresses = torch.tensor([address for address, _ in spans], dtype=torch.int64)
+    numels = torch.tensor([numel for _, numel in spans], dtype=torch.int64)
     tensors = torch.stack([addresses, numels], dim=1)
     per_tensor = (numels + CHUNK - 1) // CHUNK
-    owner = torch.repeat_interleave(torch.arange(len(grads), dtype=torch.int64), per_tensor)
+    owner = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int64), per_tensor)
     first_chunk = torch.cumsum(per_tensor, 0) - per_tensor
     starts = (torch.arange(owner.numel(), dtype=torch.int64) - first_chunk[owner]) * CHUNK
     chunks = torch.stack([owner, starts], dim=1)
-    device = grads[0].device
     # Alignment the compiler cannot see through a loaded address; the kernels assert it with
     # tl.multiple_of so that table launches get 16-byte vector loads too.
-    aligned = all(g.data_ptr() % 16 == 0 and g.numel() % 16 == 0 for g in grads)
-    hit = (tensors.to(device), chunks.to(device), aligned)
-    _tables.put(key, hit)
-    return hit
+    aligned = all(address % 16 == 0 and numel % 16 == 0 for address, numel in spans)
+    return tensors.to(device), chunks.to(device), aligned
 
 
-def describe_grads(grads: list[torch.Tensor], *, validate: bool = True) -> GradLayout | None:
+def describe_grads(
+    grads: list[torch.Tensor], *, validate: bool = True, run: torch.Tensor | None = None
+) -> GradLayout | None:
     """Describe a non-empty list of same-device, same-dtype gradients for one launch per pass.
 
     Returns None when the group holds no elements (nothing to launch). ``validate=False`` skips
-    the checks of ``validate_group`` for callers that already made them.
+    the checks of ``validate_group`` for callers that already made them. ``run``: one 1-D tensor
+    whose elements are exactly the gradients' (the caller proved it: ``grads/flat_runs.one_run``),
+    launched as one FLAT range instead of the pointer table.
+
+    Example::
+
+        layout = describe_grads([torch.randn(300, 257).t(), torch.randn(5)])  # TABLE: two tensors
+        apply_factor_(layout, factor)
     """
     if validate:
         validate_group(grads)
     nonempty = [g for g in grads if g.numel() > 0]
     if not nonempty:
         return None
-    base = _flat_base(nonempty)
+    base = _flat_base(nonempty, run)
     grads = nonempty
     cap = program_cap(grads[0].device)
     if base is not None:

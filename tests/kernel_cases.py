@@ -110,11 +110,14 @@ def assert_norm_close(got: float, expected64: float, dtype: torch.dtype, what: s
 # Running the kernels
 
 
-def run_check(grads: list[torch.Tensor], scale: float, norm_type: float, max_norm: float | None):
+def run_check(
+    grads: list[torch.Tensor], scale: float, norm_type: float, max_norm: float | None, run: torch.Tensor | None = None
+):
     """describe_grads + check_pass + finalize, asserting the read-only and partials contracts.
+    ``run``: the gradients' one run, if the caller found one (``describe_grads(run=...)``).
 
     Returns (layout, partials, result as a list of 4 floats, result tensor)."""
-    layout = describe_grads(grads)
+    layout = describe_grads(grads, run=run)
     assert layout is not None, "describe_grads returned None for a group with elements"
     before = [bits(g) for g in grads]
     partials = torch.full((PARTIAL_ROWS, layout.programs + 1), float("nan"))

@@ -23,6 +23,7 @@ from kernel_cases import (
     scales_st,
     seeds_st,
 )
+from tritonscale.grads.flat_runs import one_run
 from tritonscale.kernels import apply_factor_, describe_grads
 from tritonscale.kernels.reference import apply_ref, finalize_ref
 
@@ -50,7 +51,7 @@ def test_flatten_grads_buffer_is_flat(dtype, sizes, seed, scale, norm_type, clip
     buffer_before = buffer.clone()
     originals = [g.clone() for g in grads]
     max_norm = max_norm_for(grads, scale, norm_type, clip_ratio)
-    layout, partials, res, result = run_check(grads, scale, norm_type, max_norm)
+    layout, partials, res, result = run_check(grads, scale, norm_type, max_norm, run=one_run(grads))
     # The whole padded buffer, even for one view: its length is a multiple of 16, so loads vectorise.
     assert layout.flat and layout.first is buffer
     assert layout.numel == buffer.numel()
@@ -67,7 +68,7 @@ def test_flatten_grads_buffer_is_flat(dtype, sizes, seed, scale, norm_type, clip
     if len(grads) > 1:  # every view but the first, the first left alone
         buffer.copy_(buffer_before)
         subset = grads[1:]
-        layout, partials, res, result = run_check(subset, scale, norm_type, max_norm)
+        layout, partials, res, result = run_check(subset, scale, norm_type, max_norm, run=one_run(subset))
         # FLAT when the views sit back to back (one run, no padding between them), else the table.
         back_to_back = all(a.storage_offset() + a.numel() == b.storage_offset() for a, b in zip(subset, subset[1:]))
         assert layout.flat == back_to_back
@@ -82,7 +83,8 @@ def test_flat_buffer_with_an_empty_parameter_stays_flat():
     # nn.Linear(0, 3) has a [3, 0] weight: its empty view must not knock the group off the FLAT path.
     params = [torch.nn.Parameter(torch.randn(3, 0)), torch.nn.Parameter(torch.randn(40))]
     (buffer,) = tritonscale.flatten_grads_(params)
-    layout = describe_grads([p.grad for p in params])
+    grads = [p.grad for p in params]
+    layout = describe_grads(grads, run=one_run(grads))
     assert layout.flat and layout.first is buffer
 
 

@@ -1,5 +1,5 @@
 """Gradient memory that moves after a flat buffer or bucket was recognised (flat_grads.py,
-kernels/flat_runs.py): the step must read and write exactly the optimizer's gradients as they are
+grads/flat_runs.py): the step must read and write exactly the optimizer's gradients as they are
 now, whatever happened to the memory since an earlier step.
 
 Oracle: torch's own ``GradScaler.unscale_`` + ``torch.nn.utils.clip_grad_norm_`` on twin parameters

@@ -1,5 +1,5 @@
 """What the passes of an eager, single-process step enter: no rank code without a process group, no
-custom-op module (``triton_ops.py`` is for a traced step), and no backend choice made anew every
+custom-op module (``custom_ops.py`` is for a traced step), and no backend choice made anew every
 step. The clip's signature keeps one name per idea (``ClipRequest``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tritonscale import GradScaler
 from tritonscale.passes import grad_passes
 
 #: Modules the passes of an eager step with no process group must not call into.
-NOT_ENTERED = ("passes/rank_combine.py", "passes/rank_checks.py", "passes/backends/triton_ops.py",
+NOT_ENTERED = ("passes/rank_combine.py", "passes/rank_checks.py", "passes/backends/custom_ops.py",
                "passes/backends/__init__.py", "passes/device_copies.py")  # fmt: skip
 #: The passes' own modules whose calls are watched (``fold.py`` is the controller's protocol).
 WATCHED = ("passes/grad_passes.py", "passes/backends/")

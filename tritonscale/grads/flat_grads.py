@@ -4,7 +4,7 @@ With flat buffers each pass is a single launch over one contiguous range, with n
 and Triton can use 16-byte vector loads: every view starts at a multiple of 16 elements and the
 buffer's length is a multiple of 16, which is what lets the compiler prove alignment. The gaps
 between views (the padding) are no gradient's: a pass over the whole buffer zeroes them first
-(``kernels/flat_runs.py``, ``zero_padding_``), so whatever the user writes there never counts.
+(``flat_runs.py``, ``zero_padding_``), so whatever the user writes there never counts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from operator import attrgetter, is_
 
 import torch
 
-from ..kernels.flat_runs import FLAT_PADDING_ATTR, FLAT_SLOTS_ATTR, cut_run, is_whole, zero_padding_
+from .flat_runs import FLAT_PADDING_ATTR, FLAT_SLOTS_ATTR, cut_run, is_whole, zero_padding_
 
 ALIGN_ELEMENTS = 16
 

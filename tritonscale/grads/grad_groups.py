@@ -15,22 +15,14 @@ from typing import Any
 
 import torch
 
-from ..kernels.bounded_cache import BoundedCache
-from ..kernels.flat_runs import flat_runs
-from ..kernels.supported import is_dense, is_supported_grad
+from ..kernels.supported import is_supported_grad
+from .bounded_cache import BoundedCache
 from .flat_grads import known_run, remember_run
-from .grad_sharding import any_marked, is_dtensor, is_first_rank, local_shard, mesh_group, replica_group
+from .flat_runs import one_run
+from .grad_checks import FP16_REFUSED, check_for_torch_ops, where, where_is
+from .grad_sharding import ShardLayouts, any_marked, mesh_group
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
-
-#: torch's error for float16 gradients an in-place unscale would write into, and what works instead.
-FP16_REFUSED = (
-    "Attempting to unscale FP16 gradients. Unscaled values written back into float16 gradients "
-    "underflow and overflow; with float16 parameters use an optimizer made with fused=True "
-    "(torch.optim.AdamW, Adam, SGD, Adagrad), whose step divides by the scale itself "
-    "(clip_grad_norm_ then folds into it), or keep float32 parameters and run the forward "
-    "under torch.autocast"
-)
 
 #: Gradient layouts already found free of overlaps, keyed by each gradient's (address, bytes): the
 #: check reads nothing else, so a hit is its answer for the memory as it is now.
@@ -55,7 +47,8 @@ class Grads:
     #: held by a rank that is not their group's first), sorted the same way; None if there are none.
     replicas: Grads | None = None
     #: Collected while Dynamo traced: the dense gradients whose memory the compiled graph checks
-    #: for overlaps at run time (``disjoint_at_run_time``), with their parameters' names.
+    #: for overlaps at run time, with their parameters' names (the passes call
+    #: ``torch.ops.tritonscale.check_disjoint`` on them: ``passes/backends/custom_ops.py``).
     unchecked: tuple[list[torch.Tensor], list[str]] | None = None
     #: For a norm: an uncoalesced sparse gradient's values (by ``id`` of the tensor in ``other``)
     #: stand in as its coalesced values in float64; the passes check and scale the stored values.
@@ -64,15 +57,6 @@ class Grads:
     def for_norm(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` (of ``other``) as the norm reads them (``norm_stand_ins``)."""
         return [self.norm_stand_ins.get(id(t), t) for t in tensors] if self.norm_stand_ins else tensors
-
-    def disjoint_at_run_time(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``values`` (tensors the in-place passes depend on), passed through the overlap check of
-        the gradients' memory when it could not run at collection (a traced step): the check then
-        runs in the graph, at run time, before anything that depends on ``values``."""
-        if self.unchecked is None or len(self.unchecked[0]) < 2:
-            return values
-        grads, names = self.unchecked
-        return torch.ops.tritonscale.check_disjoint(grads, "\n".join(names), values)
 
     @property
     def devices(self) -> list[torch.device]:
@@ -130,31 +114,92 @@ def collect_grads(
     (grad_sharding.py). ``takes_norm``: the caller takes a norm, which counts a sparse gradient's
     duplicate entries summed (``Grads.norm_stand_ins``). Only float16 sparse gradients are coalesced
     in place, as torch's unscale_ does (their scaled sums may overflow); the stored values of the
-    others are what torch checks and unscales. Runs once per step over every parameter, so the common case is the first
-    test. Gradients that share memory (one tensor as two parameters' gradient, overlapping views)
-    are refused: the norm would count the shared elements once and the in-place passes scale them
-    twice.
+    others are what torch checks and unscales. Gradients that share memory (one tensor as two
+    parameters' gradient, overlapping views) are refused: the norm would count the shared elements
+    once and the in-place passes scale them twice.
+
+    Example::
+
+        grads = collect_grads(optimizer, allow_fp16=False)
+        grads.kernel  # {device(type='cpu'): [[g0, g1, ...]]}: one list per dtype
     """
-    # All views of one flatten_grads_ buffer or one bucket run, proved again now (flat_grads.py).
-    # Only for the norms the kernels compute: a norm of partial norms is the norm for 1, 2 and
-    # inf, not for 0 or negative orders, which also count the buffer's padding.
     # While Dynamo traces nothing is proved by address: a traced tensor has none, and the graph
     # runs again on whatever memory its inputs have then. Every gradient goes as itself.
     by_address = not torch.compiler.is_compiling()
-    run = known_run(optimizer) if by_address and kernels and not any_marked() else None
-    if run is not None:
-        if not allow_fp16 and run.dtype is torch.float16:
-            raise ValueError(FP16_REFUSED)
-        return Grads(kernel={run.device: [[run]]})
-    counted, replicas = _Sorter(), _Sorter()
-    dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)  # for the overlap check
-    # While tracing, the parameters of ``dense``, in order: for the error of the run-time check.
-    dense_where: dict[torch.device, list[str]] | None = None if by_address else defaultdict(list)
-    to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]] = []
-    layouts = _ShardLayouts()
-    # Plain tensors need no layout work once one was seen (unless mark_replicated was ever called):
-    # the common case, a per-gradient cost saved on every step.
+    if by_address and kernels:
+        remembered = _remembered_run(optimizer, allow_fp16)
+        if remembered is not None:
+            return remembered
+    found = _Found(traced=not by_address, split_replicas=split_replicas)
+    _sort_every_grad(optimizer, found, allow_fp16=allow_fp16, kernels=kernels, allow_sparse=allow_sparse)
+    if by_address:
+        _check_no_overlaps_now(optimizer, found.dense)
+    _coalesce(found.to_coalesce)
+    result = found.grads(takes_norm)
+    if kernels and by_address:
+        _remember_if_one_run(optimizer, result)
+    return result
+
+
+def _remembered_run(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> Grads | None:
+    """The fast path: every gradient is one flatten_grads_ buffer or bucket run, proved again now
+    (flat_grads.py), or None. Only for the norms the kernels compute: a norm of partial norms is
+    the norm for 1, 2 and inf, not for 0 or negative orders, which also count the buffer's padding.
+    Never once mark_replicated was called: the marks are on the parameters, which only a walk sees."""
+    run = known_run(optimizer) if not any_marked() else None
+    if run is None:
+        return None
+    if not allow_fp16 and run.dtype is torch.float16:
+        raise ValueError(FP16_REFUSED)
+    return Grads(kernel={run.device: [[run]]})
+
+
+class _Found:
+    """What one collect_grads walk gathers: the gradients this rank counts (``counted``) and those
+    another rank counts (``replicas``), the dense ones per device for the overlap check, the sparse
+    float16 ones to coalesce once everything is valid, and the DTensor/replica layouts seen. While
+    tracing, also the dense gradients' names (``dense_where``), for the run-time overlap check."""
+
+    def __init__(self, *, traced: bool, split_replicas: bool) -> None:
+        self.counted, self.replicas = _Sorter(), _Sorter()
+        self.dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        self.dense_where: dict[torch.device, list[str]] | None = defaultdict(list) if traced else None
+        self.to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]] = []
+        self.layouts = ShardLayouts()
+        self.split_replicas = split_replicas
+
+    def local(self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int) -> tuple[torch.Tensor, _Sorter]:
+        """The DTensor/replica step: the gradient's rank-local tensor and where it is sorted."""
+        grad, counted_here = self.layouts.local(param, grad, g_index, p_index)
+        return grad, self.counted if counted_here or not self.split_replicas else self.replicas
+
+    def add_dense(self, grad: torch.Tensor, g_index: int, p_index: int) -> None:
+        """Traced: the bookkeeping of the run-time overlap check (the gradient and its name)."""
+        self.dense[grad.device].append(grad)
+        if self.dense_where is not None:
+            self.dense_where[grad.device].append(where(g_index, p_index))
+
+    def grads(self, takes_norm: bool) -> Grads:
+        result = self.counted.grads(takes_norm)
+        if self.dense_where is not None:
+            result.unchecked = (
+                [g for grads in self.dense.values() for g in grads],
+                [w for d in self.dense for w in self.dense_where[d]],
+            )
+        result.mesh, result.marked_replicas = self.layouts.mesh, self.layouts.marked
+        result.replicas = self.replicas.grads(takes_norm) if self.replicas else None
+        return result
+
+
+def _sort_every_grad(
+    optimizer: torch.optim.Optimizer, found: _Found, *, allow_fp16: bool, kernels: bool, allow_sparse: bool
+) -> None:
+    """Validate each gradient and sort it into ``found``. Runs once per step over every parameter,
+    so the common case (a plain dense float32/bfloat16 gradient after the first) is the first test
+    and calls nothing outside this module: plain tensors need no layout work once one was seen
+    (unless mark_replicated was ever called)."""
     plain_fast, plain_seen = not any_marked(), False
+    dense, dense_where = found.dense, found.dense_where
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
             grad = param.grad
@@ -162,78 +207,46 @@ def collect_grads(
                 continue
             plain = type(grad) is torch.Tensor
             if plain and plain_seen:
-                into = counted
+                into = found.counted
             else:
-                grad, counted_here = layouts.local(param, grad, g_index, p_index)
-                into = counted if counted_here or not split_replicas else replicas
+                grad, into = found.local(param, grad, g_index, p_index)
                 plain_seen = plain_seen or (plain and plain_fast)
             if not allow_fp16 and grad.dtype is torch.float16:
                 raise ValueError(FP16_REFUSED)
             if kernels and is_supported_grad(grad):
-                device = grad.device
-                into.per_device[device][grad.dtype].append(grad)
-                dense[device].append(grad)
-                if dense_where is not None:
-                    dense_where[device].append(_where(g_index, p_index))
+                into.per_device[grad.device][grad.dtype].append(grad)
+                if dense_where is None:
+                    dense[grad.device].append(grad)
+                else:
+                    found.add_dense(grad, g_index, p_index)
                 continue
-            where = _where(g_index, p_index)
-            uncoalesced = _sort_for_torch_ops(
-                optimizer, grad, into, dense, where, allow_sparse=allow_sparse, dense_where=dense_where
-            )
-            if uncoalesced and grad.dtype is torch.float16:
-                to_coalesce.append((param, into))
+            name = where(g_index, p_index)
+            if check_for_torch_ops(optimizer, grad, name, allow_sparse):
+                found.add_dense(grad, g_index, p_index)
+            into.other[grad.device].append(grad)
+            if grad.dtype is torch.float16 and grad.layout is torch.sparse_coo and not grad.is_coalesced():
+                found.to_coalesce.append((param, into))
+
+
+def _check_no_overlaps_now(optimizer: torch.optim.Optimizer, dense: dict[torch.device, list[torch.Tensor]]) -> None:
+    """The eager overlap check, per device (meta tensors have no memory). A traced step checks at
+    run time instead (``Grads.unchecked``)."""
     for device, grads in dense.items():
-        if device.type != "meta" and by_address:  # meta tensors have no memory
+        if device.type != "meta":
             _check_no_overlap(optimizer, grads)
-    _coalesce(to_coalesce)
-    result = counted.grads(takes_norm)
-    if dense_where is not None:
-        result.unchecked = ([g for grads in dense.values() for g in grads], [w for d in dense for w in dense_where[d]])
-    result.mesh, result.marked_replicas = layouts.mesh(), layouts.marked
-    result.replicas = replicas.grads(takes_norm) if replicas else None
-    if kernels and by_address:
-        _remember_if_one_run(optimizer, result)
-    return result
 
 
-def _sort_for_torch_ops(
-    optimizer: torch.optim.Optimizer,
-    grad: torch.Tensor,
-    into: _Sorter,
-    dense: dict[torch.device, list[torch.Tensor]],
-    where: str,
-    *,
-    allow_sparse: bool,
-    dense_where: dict[torch.device, list[str]] | None = None,
-) -> bool:
-    """Validate a gradient the kernels do not take and sort it for torch ops (``into.other``; a
-    dense one also into ``dense``, for the overlap check). True for a sparse gradient still to be
-    coalesced once everything is valid."""
-    if not grad.is_floating_point():
-        raise TypeError(f"{where} has a non-floating gradient of dtype {grad.dtype}")
-    uncoalesced = False
-    if grad.layout is torch.sparse_coo:
-        if not allow_sparse:
-            raise TypeError(
-                f"{where} has a sparse gradient, and {type(optimizer).__name__} steps fused, which takes dense "
-                "gradients only"
-            )
-        uncoalesced = not grad.is_coalesced()  # duplicates: summed before a norm (collect_grads)
-    elif grad.layout is torch.strided and _overlaps_itself(grad):
-        # An in-place pass over it would write one element several times (torch's unscale_
-        # fails there too, halfway through); refused before anything runs.
-        raise ValueError(
-            f"{where} has a gradient whose elements share memory (shape {tuple(grad.shape)}, stride "
-            f"{grad.stride()}, e.g. an expanded view): it cannot be unscaled in place"
-        )
-    elif grad.layout is not torch.strided:
-        raise TypeError(f"{where} has a {grad.layout} gradient; supported: strided, sparse_coo")
-    elif is_dense(grad):
-        dense[grad.device].append(grad)
-        if dense_where is not None:
-            dense_where[grad.device].append(where)
-    into.other[grad.device].append(grad)
-    return uncoalesced
+def _check_no_overlap(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
+    """Raise naming two parameters whose gradients' memory overlaps. A layout seen before (gradients
+    kept between steps, flat buffers) costs one tuple lookup; a new one, one sort."""
+    key = (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(_NBYTES, grads)))
+    if _NO_OVERLAP.get(key):
+        return
+    pair = first_overlap(*key)
+    if pair is not None:
+        first = where_is(optimizer, grads[pair[0]])
+        raise shared_memory_error(first, where_is(optimizer, grads[pair[1]], besides=first))
+    _NO_OVERLAP.put(key, True)
 
 
 def _coalesce(to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]]) -> None:
@@ -253,81 +266,19 @@ def _remember_if_one_run(optimizer: torch.optim.Optimizer, grads: Grads) -> None
     (groups,) = grads.kernel.values()
     if len(groups) != 1 or groups[0][0]._base is None:
         return
-    nonempty = [g for g in groups[0] if g.numel()]
-    runs = flat_runs(nonempty) if nonempty else None
-    if runs is not None and len(runs) == 1:
-        remember_run(optimizer, runs[0])
+    run = one_run(groups[0])
+    if run is not None:
+        remember_run(optimizer, run)
 
 
-class _ShardLayouts:
-    """The layouts seen among one optimizer's gradients: plain tensors, or DTensors on one mesh.
-    One optimizer's gradients must agree, or no one group gives their norm."""
-
-    def __init__(self) -> None:
-        self.seen: dict[Any, str] = {}  # mesh (None: plain tensors) -> first parameter
-        self.marked = False
-
-    def local(self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int) -> tuple[torch.Tensor, bool]:
-        """The gradient's rank-local tensor, and whether this rank counts it in the norm."""
-        if not is_dtensor(grad):
-            if None not in self.seen:
-                self._add(None, _where(g_index, p_index))
-            group = replica_group(param)
-            if group is None:
-                return grad, True
-            self.marked = True
-            return grad, is_first_rank(group)
-        local, mesh, counted = local_shard(grad, _where(g_index, p_index))
-        if mesh not in self.seen:
-            self._add(mesh, _where(g_index, p_index))
-        return local, counted
-
-    def _add(self, mesh: Any, where: str) -> None:
-        self.seen[mesh] = where
-        if len(self.seen) > 1:
-            first, second = self.seen.values()
-            raise ValueError(
-                f"the gradients of {first} and {second} are split differently across processes (one a "
-                "DTensor on a device mesh, the other a plain tensor, or DTensors on two meshes): no "
-                "one process group gives their norm"
-            )
-
-    def mesh(self) -> Any:
-        """The DTensors' mesh, None for plain tensors."""
-        return next(iter(self.seen), None)
-
-
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """True when two elements of ``t`` may share memory (a stride-0 or interleaved view). Sorted by
-    stride, each dimension must step past everything the smaller ones span; conservative."""
-    reach = 1
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
-        if stride < reach:
-            return True
-        reach = stride * size
-    return False
-
-
-def _where(g_index: int, p_index: int) -> str:
-    return f"param_groups[{g_index}]['params'][{p_index}]"
-
-
-def _check_no_overlap(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
-    """Raise naming two parameters whose gradients' memory overlaps. A layout seen before (gradients
-    kept between steps, flat buffers) costs one tuple lookup; a new one, one sort."""
-    key = (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(_NBYTES, grads)))
-    if _NO_OVERLAP.get(key):
-        return
-    pair = _first_overlap(*key)
-    if pair is not None:
-        first = _where_is(optimizer, grads[pair[0]])
-        raise _shared_memory_error(first, _where_is(optimizer, grads[pair[1]], besides=first))
-    _NO_OVERLAP.put(key, True)
-
-
-def _first_overlap(starts: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
+def first_overlap(starts: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
     """Two indices of dense gradients (the elements of each fill [start, start + size) bytes) whose
-    memory overlaps, or None. Empty ones hold nothing. One sort."""
+    memory overlaps, or None. Empty ones hold nothing. One sort.
+
+    Example::
+
+        first_overlap((0, 8, 4), (8, 8, 8))  # (0, 2): the third starts inside the first
+    """
     spans = sorted((start, start + size, i) for i, (start, size) in enumerate(zip(starts, sizes)) if size)
     reach, reach_owner = -1, -1
     for start, end, i in spans:
@@ -338,34 +289,9 @@ def _first_overlap(starts: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int
     return None
 
 
-def _shared_memory_error(first: str, second: str) -> ValueError:
+def shared_memory_error(first: str, second: str) -> ValueError:
+    """The error for two parameters (named as ``where`` names them) whose gradients share memory."""
     return ValueError(
         f"the gradients of {first} and {second} share memory; each parameter needs a gradient of "
         "its own (the norm would count shared elements once and unscaling would scale them twice)"
     )
-
-
-@torch.library.custom_op("tritonscale::check_disjoint", mutates_args=())
-def check_disjoint(grads: list[torch.Tensor], names: str, values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A compiled step's overlap check, at run time on the real gradients (``names``: their
-    parameters, one per line): raises as ``collect_grads`` does, else returns ``values`` (copies:
-    an op's outputs may not alias its inputs)."""
-    pair = _first_overlap(tuple(g.data_ptr() for g in grads), tuple(g.nbytes for g in grads))
-    if pair is not None:
-        where = names.split("\n")
-        raise _shared_memory_error(where[pair[0]], where[pair[1]])
-    return [v.clone() for v in values]
-
-
-@check_disjoint.register_fake
-def _(grads, names, values):
-    return [torch.empty_like(v) for v in values]
-
-
-def _where_is(optimizer: torch.optim.Optimizer, grad: torch.Tensor, besides: str | None = None) -> str:
-    """The parameter whose .grad is ``grad`` (one tensor may serve several: not ``besides``)."""
-    for g_index, group in enumerate(optimizer.param_groups):
-        for p_index, param in enumerate(group["params"]):
-            if param.grad is grad and _where(g_index, p_index) != besides:
-                return _where(g_index, p_index)
-    return "an unknown parameter"

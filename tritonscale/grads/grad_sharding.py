@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..process_groups import check_process_group
+from .grad_checks import where
 
 #: Parameter attribute set by mark_replicated: the group over which its gradient is replicated.
 REPLICATED_OVER_ATTR = "_tritonscale_replicated_over"
@@ -109,3 +110,47 @@ def mesh_group(mesh: Any) -> Any:
         f"the gradients are DTensors on a {mesh.ndim}-D device mesh of {mesh.size()} of the "
         f"{dist.get_world_size()} ranks: pass the process group spanning that mesh as process_group="
     )
+
+
+class ShardLayouts:
+    """The layouts seen among one optimizer's gradients: plain tensors, or DTensors on one mesh.
+    One optimizer's gradients must agree, or no one group gives their norm. ``mesh``: the DTensors'
+    mesh once one was seen (None: plain tensors); ``marked``: a gradient's parameter was marked
+    with ``mark_replicated``.
+
+    Example::
+
+        layouts = ShardLayouts()
+        local, counted = layouts.local(param, param.grad, 0, 0)  # plain, unmarked: (param.grad, True)
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[Any, tuple[int, int]] = {}  # mesh (None: plain tensors) -> first parameter's place
+        self.mesh: Any = None
+        self.marked = False
+
+    def local(self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int) -> tuple[torch.Tensor, bool]:
+        """The gradient's rank-local tensor, and whether this rank counts it in the norm."""
+        if not is_dtensor(grad):
+            if None not in self.seen:
+                self._add(None, g_index, p_index)
+            group = replica_group(param)
+            if group is None:
+                return grad, True
+            self.marked = True
+            return grad, is_first_rank(group)
+        local, mesh, counted = local_shard(grad, where(g_index, p_index))
+        if mesh not in self.seen:
+            self._add(mesh, g_index, p_index)
+        return local, counted
+
+    def _add(self, mesh: Any, g_index: int, p_index: int) -> None:
+        self.seen[mesh] = (g_index, p_index)
+        self.mesh = next(iter(self.seen))
+        if len(self.seen) > 1:
+            first, second = (where(*place) for place in self.seen.values())
+            raise ValueError(
+                f"the gradients of {first} and {second} are split differently across processes (one a "
+                "DTensor on a device mesh, the other a plain tensor, or DTensors on two meshes): no "
+                "one process group gives their norm"
+            )

@@ -21,6 +21,7 @@ from .. import host_reads
 from ..grads.grad_groups import Grads
 from .backends import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .backends.base import unscaled_on_overflow, with_clip
+from .backends.custom_ops import disjoint_at_run_time
 from .backends.torch_backend import wide_norms
 from .clip_args import ClipRequest
 from .rank_checks import Agreement
@@ -165,8 +166,8 @@ def clip_grads(
     if replicas is not None:  # checked for inf/NaN and clipped here, counted in the norm elsewhere
         replica_result = _check_on(runner, replicas, device, scale, norm_type, max_norm)
         result.found_inf = torch.maximum(result.found_inf, replica_result.found_inf)
-    # A traced step proves the gradients' memory disjoint at run time, before anything below.
-    result.found_inf, result.factor = grads.disjoint_at_run_time([result.found_inf, result.factor])
+    if grads.unchecked is not None:  # a traced step proves the memory disjoint at run time, first
+        result.found_inf, result.factor = disjoint_at_run_time(grads, [result.found_inf, result.factor])
     if group is not None:  # no group: no rank code runs
         result = combine_check(result, scale, norm_type, max_norm, group, agreement, holds_grads(grads))
     if request.unscale_on_overflow:

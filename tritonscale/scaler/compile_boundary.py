@@ -4,7 +4,7 @@ Traced into the caller's graph (``fullgraph=True`` holds): ``clip_grad_norm_`` a
 when nothing in them talks to other ranks or reads the host on purpose. While Dynamo traces, every
 host read takes its device form (``host_reads.are_free``), nothing is proved by address (a traced
 tensor has none: ``grads/grad_groups.collect_grads``), and the Triton passes are custom ops
-(``passes/backends/triton_ops.py``), so no Python number and no address of the first trace is baked
+(``passes/backends/custom_ops.py``), so no Python number and no address of the first trace is baked
 into the graph.
 
 Everything else runs eagerly inside a compiled caller, with a graph break around it, as Dynamo

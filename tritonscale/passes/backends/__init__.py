@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_ops  # noqa: F401  registers the custom ops a traced step calls (triton_backend.py)
+from . import custom_ops  # noqa: F401  registers the custom ops a traced step calls (triton_backend.py)
 from .base import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale
 from .torch_backend import TorchBackend
 from .triton_backend import TritonBackend

@@ -4,7 +4,7 @@ The check is one norm pass over the raw gradients that also catches inf/NaN (the
 the norm); the apply is one multi-tensor multiply by the combined factor (``_multiply_``). That
 is one read plus one read+write of gradient memory, against torch's unscale_ (read+write) + norm
 (read) + clip (read+write). Gradients that are views back to back in one buffer go as one tensor
-per run (``kernels/flat_runs.py``).
+per run (``grads/flat_runs.py``).
 
 Each tensor's norm accumulates in float32, as torch's does, and the per-tensor norms are combined
 as torch combines them (float32). The gradients are still scaled, so at the ends of the scale's
@@ -26,7 +26,7 @@ import math
 import torch
 
 from ... import host_reads
-from ...kernels.flat_runs import as_runs, spans_several
+from ...grads.flat_runs import as_runs, spans_several
 from ...policy.policy_forms import ON_HOST, rounded_to_float32
 from .base import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 

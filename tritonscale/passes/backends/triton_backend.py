@@ -1,9 +1,9 @@
 """Triton backend: the fused kernels, a constant number of launches per step.
 
 A step being traced by Dynamo goes through the same kernels registered as custom ops
-(``triton_ops.py``, registered when the package ``backends`` is imported, so before any trace):
+(``custom_ops.py``, registered when the package ``backends`` is imported, so before any trace):
 the plan is then the gradient groups themselves, laid out at run time. The layout and the check
-below are shared by both: an eager step never enters ``triton_ops.py``.
+below are shared by both: an eager step never enters ``custom_ops.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...grads.flat_runs import one_run
 from ...kernels import apply_factor_, check_pass, describe_grads, finalize, norm_code
 from ...kernels.check_pass import PARTIAL_ROWS
 from ...kernels.jit_helpers import INTERPRETING
@@ -19,8 +20,10 @@ from .base import CheckResult
 
 
 def layouts(groups: list[list[torch.Tensor]]) -> list:
+    """Each group's launch layout: FLAT over its one run (a flatten_grads_ buffer, a bucket) where
+    it has one, else the pointer table; empty groups have none."""
     # The controller validated every gradient (grad_groups.collect_grads) before any launch.
-    described = (describe_grads(grads, validate=False) for grads in groups)
+    described = (describe_grads(grads, validate=False, run=one_run(grads)) for grads in groups)
     return [layout for layout in described if layout is not None]
 
 

@@ -1,8 +1,9 @@
 """One small least-recently-used cache for the host-side work a step would otherwise redo.
 
-Layouts (``flat_runs``), launch tables (``tensor_table``) and the controller's overlap check
-(``tritonscale/grads/grad_groups.py``) are each found from the gradients' memory and used again on the
-next step, when the gradients are usually the same. Each keeps at most a few entries here.
+Layouts (``flat_runs``) and the overlap check (``grad_groups.py``) are each found from the
+gradients' memory and used again on the next step, when the gradients are usually the same. Each
+keeps at most a few entries here. (The kernels' launch tables, a pure function of their key, use
+``functools.lru_cache`` in ``kernels/tensor_table.py``: kernels/ imports nothing of the package.)
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ class BoundedCache(Generic[V]):
     ``size`` drops the least recent one.
 
     Sound only where every entry is a pure function of its key (the same key always means the same
-    answer, whatever happened to the memory in between: ``tensor_table``'s tables, ``grad_groups``'
-    overlap check), or where an entry is proved again from the arguments on every use before it is
+    answer, whatever happened to the memory in between: ``grad_groups``' overlap check), or where an entry is proved again from the arguments on every use before it is
     trusted (``flat_runs``' layouts). Each cache states its own argument beside it."""
 
     def __init__(self, size: int) -> None:

@@ -217,6 +217,21 @@ def _find_spans(grads: list[torch.Tensor]) -> list[Span] | None:
     return spans if merged else None
 
 
+def one_run(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor covering exactly the elements of ``grads`` (dense, non-overlapping, one dtype):
+    their ``flatten_grads_`` buffer or a single run back to back in a bucket, else None. The Triton
+    launch takes it as one FLAT range (``kernels/tensor_table.describe_grads(..., run=...)``).
+
+    Example::
+
+        (buffer,) = tritonscale.flatten_grads_(params)
+        assert one_run([p.grad for p in params]) is buffer
+    """
+    nonempty = [g for g in grads if g.numel()]
+    runs = flat_runs(nonempty) if nonempty else None
+    return runs[0] if runs is not None and len(runs) == 1 else None
+
+
 def as_runs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """``flat_runs(grads)``, or the gradients themselves (non-empty ones) when nothing merges.
     While Dynamo traces, always the gradients themselves: a traced tensor has no address, and a

@@ -1,4 +1,4 @@
-"""kernels/flat_runs.py: views back to back in one storage become one run, covering exactly the
+"""grads/flat_runs.py: views back to back in one storage become one run, covering exactly the
 group's elements (never another gradient's, never a gap); a flatten_grads_ buffer is one run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_cases import SETTINGS_SMALL
-from tritonscale.kernels.flat_runs import as_runs, flat_runs
+from tritonscale.grads.flat_runs import as_runs, flat_runs
 
 import tritonscale
 

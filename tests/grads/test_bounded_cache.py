@@ -1,11 +1,11 @@
-"""kernels/bounded_cache.py: least-recently-used eviction, against a plain-list model of it."""
+"""grads/bounded_cache.py: least-recently-used eviction, against a plain-list model of it."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from tritonscale.kernels.bounded_cache import BoundedCache
+from tritonscale.grads.bounded_cache import BoundedCache
 
 
 class _ListModel:
