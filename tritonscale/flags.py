@@ -38,3 +38,8 @@ def read_found_inf(flags: Iterable[torch.Tensor]) -> bool:
     device's, with the same answer). False for none."""
     found_inf = summed_flag(flags)
     return found_inf is not None and bool(found_inf.item())
+
+
+def read_flag(flag: torch.Tensor) -> bool:
+    """One flag read on the host (one read): whether it is set. Example: ``if read_flag(skip): ...``."""
+    return bool(flag.item())

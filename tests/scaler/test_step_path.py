@@ -104,3 +104,59 @@ def test_each_stage_module_is_visited_once(call, optimizer_kind):
     assert visits, "the profiler saw the controller call nothing"
     returns = {m for i, m in enumerate(visits) if m in visits[:i]}
     assert returns <= EXPECTED_RETURNS[call], f"{call} goes back to {returns - EXPECTED_RETURNS[call]}: {visits}"
+
+
+#: A newcomer following one step() reads at most this many of the package's stage modules (the
+#: kernels' folder and the leaf helpers aside: the launcher is where the kernel family begins).
+MAX_STAGE_MODULES = 12
+#: ... and every module whose Python runs, the kernels' launchers and tables and the leaves included.
+MAX_MODULES = 19
+
+
+def step_walk(call) -> list[str]:
+    """Every tritonscale module whose Python runs during ``call()``, in first-visit order. Triton
+    device code (a kernel body the interpreter runs on the CPU, and the helpers it calls) is not
+    counted: on a GPU it is not Python."""
+
+    def device_code(frame) -> bool:
+        caller = frame.f_back
+        while caller is not None and _module(caller.f_code) is None:
+            if "/triton/" in Path(caller.f_code.co_filename).as_posix():
+                return True
+            caller = caller.f_back
+        return False
+
+    seen: dict[str, None] = {}
+
+    def profile(frame, event, arg):
+        if event == "call":
+            module = _module(frame.f_code)
+            if module is not None and module not in seen and not device_code(frame):
+                seen[module] = None
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return list(seen)
+
+
+@pytest.mark.parametrize("optimizer_kind", ["fused", "plain"])
+def test_one_step_reads_through_few_modules(optimizer_kind):
+    """One step() of a second iteration on the Triton backend (the interpreter here), unscaling
+    itself: the modules it runs, counted as docs/controller.md counts them."""
+    params = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]
+    optimizer = torch.optim.AdamW(params, fused=True) if optimizer_kind == "fused" else torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu", backend="triton")
+    walks = []
+    for _ in range(2):  # the second iteration: what every step after the first runs
+        scaler.scale(sum(p.sum() for p in params)).backward()
+        walks.append(step_walk(lambda: scaler.step(optimizer)))
+        scaler.update()
+        optimizer.zero_grad()
+    walk = walks[-1]
+    assert "kernels/apply_pass.py" in walk or "kernels/check_pass.py" in walk, f"no kernel launched: {walk}"
+    stages = [m for m in walk if not m.startswith("kernels/") and "/" in m]
+    assert len(stages) <= MAX_STAGE_MODULES, stages
+    assert len(walk) <= MAX_MODULES, walk

@@ -8,6 +8,7 @@ checked before any kernel runs, so a bad gradient raises with nothing modified.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -16,17 +17,14 @@ from typing import Any
 import torch
 
 from ..kernels.supported import is_supported_grad
-from .bounded_cache import BoundedCache
 from .flat_grads import known_run, remember_run
 from .flat_runs import one_run
 from .grad_checks import FP16_REFUSED, check_for_torch_ops, where, where_is
-from .grad_sharding import ShardLayouts, any_marked, mesh_group
+from . import grad_sharding
+from .grad_sharding import ShardLayouts, mesh_group
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
 
-#: Gradient layouts already found free of overlaps, keyed by each gradient's (address, bytes): the
-#: check reads nothing else, so a hit is its answer for the memory as it is now.
-_NO_OVERLAP: BoundedCache[bool] = BoundedCache(16)
 _NBYTES = attrgetter("nbytes")
 
 
@@ -146,7 +144,7 @@ def _remembered_run(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> Grads
     (flat_grads.py), or None. Only for the norms the kernels compute: a norm of partial norms is
     the norm for 1, 2 and inf, not for 0 or negative orders, which also count the buffer's padding.
     Never once mark_replicated was called: the marks are on the parameters, which only a walk sees."""
-    run = known_run(optimizer) if not any_marked() else None
+    run = known_run(optimizer) if not grad_sharding.marked_any else None
     if run is None:
         return None
     if not allow_fp16 and run.dtype is torch.float16:
@@ -165,11 +163,14 @@ class _Found:
         self.dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         self.dense_where: dict[torch.device, list[str]] | None = defaultdict(list) if traced else None
         self.to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]] = []
-        self.layouts = ShardLayouts()
+        self.layouts: ShardLayouts | None = None  # made at the first gradient that needs it
+        self.first_plain: tuple[int, int] | None = None  # the first plain, unmarked gradient's place
         self.split_replicas = split_replicas
 
     def local(self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int) -> tuple[torch.Tensor, _Sorter]:
         """The DTensor/replica step: the gradient's rank-local tensor and where it is sorted."""
+        if self.layouts is None:
+            self.layouts = ShardLayouts(self.first_plain)
         grad, counted_here = self.layouts.local(param, grad, g_index, p_index)
         return grad, self.counted if counted_here or not self.split_replicas else self.replicas
 
@@ -186,7 +187,8 @@ class _Found:
                 [g for grads in self.dense.values() for g in grads],
                 [w for d in self.dense for w in self.dense_where[d]],
             )
-        result.mesh, result.marked_replicas = self.layouts.mesh, self.layouts.marked
+        if self.layouts is not None:
+            result.mesh, result.marked_replicas = self.layouts.mesh, self.layouts.marked
         result.replicas = self.replicas.grads(takes_norm) if self.replicas else None
         return result
 
@@ -198,19 +200,21 @@ def _sort_every_grad(
     so the common case (a plain dense float32/bfloat16 gradient after the first) is the first test
     and calls nothing outside this module: plain tensors need no layout work once one was seen
     (unless mark_replicated was ever called)."""
-    plain_fast, plain_seen = not any_marked(), False
+    plain_fast = not grad_sharding.marked_any  # then a plain tensor needs no layout work at all
     dense, dense_where = found.dense, found.dense_where
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):
             grad = param.grad
             if grad is None:
                 continue
-            plain = type(grad) is torch.Tensor
-            if plain and plain_seen:
+            if plain_fast and type(grad) is torch.Tensor:
                 into = found.counted
+                if found.first_plain is None:  # kept for the check that no DTensor joins plain tensors
+                    found.first_plain = (g_index, p_index)
+                    if found.layouts is not None:
+                        found.local(param, grad, g_index, p_index)
             else:
                 grad, into = found.local(param, grad, g_index, p_index)
-                plain_seen = plain_seen or (plain and plain_fast)
             if not allow_fp16 and grad.dtype is torch.float16:
                 raise ValueError(FP16_REFUSED)
             if kernels and is_supported_grad(grad):
@@ -239,14 +243,10 @@ def _check_no_overlaps_now(optimizer: torch.optim.Optimizer, dense: dict[torch.d
 def _check_no_overlap(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
     """Raise naming two parameters whose gradients' memory overlaps. A layout seen before (gradients
     kept between steps, flat buffers) costs one tuple lookup; a new one, one sort."""
-    key = (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(_NBYTES, grads)))
-    if _NO_OVERLAP.get(key):
-        return
-    pair = first_overlap(*key)
+    pair = _first_overlap_seen(tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(_NBYTES, grads)))
     if pair is not None:
         first = where_is(optimizer, grads[pair[0]])
         raise shared_memory_error(first, where_is(optimizer, grads[pair[1]], besides=first))
-    _NO_OVERLAP.put(key, True)
 
 
 def _coalesce(to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]]) -> None:
@@ -287,6 +287,12 @@ def first_overlap(starts: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int,
         if end > reach:
             reach, reach_owner = end, i
     return None
+
+
+#: ``first_overlap`` for the layouts seen last (gradients kept between steps, flat buffers): a pure
+#: function of each gradient's (address, bytes), the only things the check reads, so a hit is its
+#: answer for the memory as it is now.
+_first_overlap_seen = functools.lru_cache(maxsize=16)(first_overlap)
 
 
 def shared_memory_error(first: str, second: str) -> ValueError:

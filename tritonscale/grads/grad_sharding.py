@@ -43,19 +43,20 @@ def mark_replicated(params: Iterable[torch.nn.Parameter], group: Any) -> None:
         scaler = tritonscale.GradScaler("cuda", process_group=model_parallel_group)
     """
     check_process_group(group, "group", optional=False)
-    global _marked
+    global marked_any
     for param in params:
         setattr(param, REPLICATED_OVER_ATTR, group)
-        _marked = True
+        marked_any = True
 
 
-_marked = False
+#: Whether mark_replicated was ever called in this process (the flat-buffer shortcut then walks
+#: every parameter, to see the marks; read as ``grad_sharding.marked_any`` on the per-step path).
+marked_any = False
 
 
 def any_marked() -> bool:
-    """Whether mark_replicated was ever called in this process (the flat-buffer shortcut then
-    walks every parameter, to see the marks)."""
-    return _marked
+    """Whether mark_replicated was ever called in this process. Example: ``if not any_marked(): ...``."""
+    return marked_any
 
 
 def replica_group(param: torch.Tensor) -> Any:
@@ -124,10 +125,12 @@ class ShardLayouts:
         local, counted = layouts.local(param, param.grad, 0, 0)  # plain, unmarked: (param.grad, True)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, first_plain: tuple[int, int] | None = None) -> None:
         self.seen: dict[Any, tuple[int, int]] = {}  # mesh (None: plain tensors) -> first parameter's place
         self.mesh: Any = None
         self.marked = False
+        if first_plain is not None:  # a plain gradient the caller sorted before it needed this
+            self._add(None, *first_plain)
 
     def local(self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int) -> tuple[torch.Tensor, bool]:
         """The gradient's rank-local tensor, and whether this rank counts it in the norm."""

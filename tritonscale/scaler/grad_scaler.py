@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..flags import read_found_inf
+from ..flags import read_flag, read_found_inf
 from ..grads.grad_groups import Grads, collect_grads
 from ..passes import step_protocols
 from ..passes.backends import check_backend_name
@@ -260,9 +260,9 @@ class GradScaler:
             if record.stage is OptState.READY:
                 self._flags_pass(inner, record, scale, unscale=True)  # with a group: the collective
             skip = self._skip_flag(record, scale.device)
-            retval = step_protocols.step_unless(
-                optimizer, inner, skip, self._ranks.read_skip, args, kwargs, on_device=False
-            )
+            # The one host read; where a rank mismatch is pending, reading the skip raises it.
+            read_skip = read_flag if self._ranks.pending is None else self._ranks.read_skip
+            retval = step_protocols.step_unless(optimizer, inner, skip, read_skip, args, kwargs, on_device=False)
         record.stage = OptState.STEPPED
         return retval
 
@@ -272,7 +272,8 @@ class GradScaler:
         found_inf = record.found_inf_on(device, required)
         norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
-        record.skip = self._ranks.skip(skip_decision(found_inf, norm, self._tensors.norm_stats))  # 0-dim flags
+        skip = skip_decision(found_inf, norm, self._tensors.norm_stats)  # a 0-dim flag
+        record.skip = skip if self._ranks.pending is None else self._ranks.skip(skip)  # forced on by a mismatch
         return record.skip
 
     # ---------------------------------------------------------------- update
