@@ -2,8 +2,8 @@
 
 The stages, in the order a step runs them: ``kernels`` (the Triton passes) < ``grads`` (which
 gradients, in which layout) < ``policy`` (the rule and its state) < ``passes`` (check, finalize,
-combine across ranks, apply or fold) < ``scaler`` (the controller) < ``shapes`` and
-``integrations`` (other frameworks' APIs over the controller). Leaf modules at the package's top
+combine across ranks, apply or fold) < ``scaler`` (the controller) < ``framework_apis`` (other
+frameworks' APIs over the controller; ``shapes`` is its old name) and ``integrations``. Leaf modules at the package's top
 (``flags.py``, ``process_groups.py``, ``host_reads.py``, ``errors.py``) import no stage, and every
 stage but the kernels may import them (the kernels know nothing of the package around them). Every import counts: at module level, inside a function, and under
 ``if TYPE_CHECKING:`` (a reader follows those too). ``tritonscale/__init__.py`` gathers the public
@@ -22,7 +22,8 @@ import tritonscale
 
 PACKAGE = Path(tritonscale.__file__).parent
 KERNELS = Path(importlib.import_module("tritonscale.kernels").__file__).parent
-ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4, "shapes": 5, "integrations": 5}
+ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4}
+ORDER |= {"framework_apis": 5, "shapes": 5, "integrations": 5}
 LEAVES = {"flags", "process_groups", "host_reads", "errors"}
 
 

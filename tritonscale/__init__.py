@@ -16,9 +16,10 @@ from .grads.grad_sharding import mark_replicated
 from .policy.loss_scale_policy import LossScalePolicy
 from .scaler.diagnostics import ScaleHistory, nonfinite_grads
 from .scaler.grad_scaler import GradScaler, OptState
-from .shapes.loss_scale_optimizer import LossScaleOptimizer
-from .shapes.scale_managers import DynamicLossScaleManager, ExponentialUpdateLossScaleManager, FixedLossScaleManager
-from .shapes.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
+from .framework_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron
+from .framework_apis.loss_scale_optimizer import LossScaleOptimizer
+from .framework_apis.scale_managers import DynamicLossScaleManager, ExponentialUpdateLossScaleManager, FixedLossScaleManager
+from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 
 __all__ = [
     "DataFeedExhausted",
@@ -36,6 +37,9 @@ __all__ = [
     "Updater",
     "UpdaterError",
     "flatten_grads_",
+    "from_apex",
+    "from_deepspeed",
+    "from_megatron",
     "mark_replicated",
     "nonfinite_grads",
 ]

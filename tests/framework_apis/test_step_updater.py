@@ -20,7 +20,7 @@ from scaler_twins import Snapshot, bits, same_bits
 
 import tritonscale
 from tritonscale import DataFeedExhausted, GradScaler, LossScalePolicy, Updater, UpdaterError
-from tritonscale.shapes.step_updater import CALLBACK_NAMES
+from tritonscale.framework_apis.step_updater import CALLBACK_NAMES
 
 # Batches with an inf make inf * 0 inside the interpreter's check pass, as the subtract that
 # pyproject.toml already silences; numpy warns about both.

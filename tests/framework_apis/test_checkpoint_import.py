@@ -2,7 +2,7 @@
 
 Each test runs the framework's reference rule (tests/test_policies.py) for a while, builds that
 framework's checkpoint from the reference's state in the framework's own key layout, loads it into
-a GradScaler through tritonscale.shapes.checkpoint_import, and checks the two continue identically.
+a GradScaler through tritonscale.framework_apis.checkpoint_import, and checks the two continue identically.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from scale_references import ApexRef, DeepSpeedRef, Loop, MegatronRef, overflow_pattern
 
 from tritonscale import GradScaler, ScalerConfigError
-from tritonscale.shapes.checkpoint_import import from_apex, from_deepspeed, from_megatron
+from tritonscale.framework_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron
 
 
 def continue_together(state_dict, ref, pattern):
