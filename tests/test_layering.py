@@ -3,10 +3,11 @@
 The stages, in the order a step runs them: ``kernels`` (the Triton passes) < ``grads`` (which
 gradients, in which layout) < ``policy`` (the rule and its state) < ``passes`` (check, finalize,
 combine across ranks, apply or fold) < ``scaler`` (the controller) < ``framework_apis`` (other
-frameworks' APIs over the controller; ``shapes`` is its old name) and ``integrations``. Leaf modules at the package's top
-(``flags.py``, ``process_groups.py``, ``host_reads.py``, ``errors.py``) import no stage, and every
-stage but the kernels may import them (the kernels know nothing of the package around them). Every import counts: at module level, inside a function, and under
-``if TYPE_CHECKING:`` (a reader follows those too). ``tritonscale/__init__.py`` gathers the public
+frameworks' APIs over the controller; ``shapes`` is its old name) and ``integrations``. Leaf
+modules at the package's top (``flags.py``, ``process_groups.py``, ``host_reads.py``,
+``errors.py``) import no stage, and every stage but the kernels may import them (the kernels know
+nothing of the package around them). Every import counts: at module level, inside a function,
+and under ``if TYPE_CHECKING:`` (a reader follows those too). ``tritonscale/__init__.py`` gathers the public
 names from every stage and is the one exception.
 """
 

@@ -11,15 +11,19 @@ The Triton kernels are ``tritonscale.kernels``; in the source tree that package 
 """
 
 from .errors import RankMismatchError, ScalerConfigError
+from .framework_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron
+from .framework_apis.loss_scale_optimizer import LossScaleOptimizer
+from .framework_apis.scale_managers import (
+    DynamicLossScaleManager,
+    ExponentialUpdateLossScaleManager,
+    FixedLossScaleManager,
+)
+from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 from .grads.flat_grads import flatten_grads_
 from .grads.grad_sharding import mark_replicated
 from .policy.loss_scale_policy import LossScalePolicy
 from .scaler.diagnostics import ScaleHistory, nonfinite_grads
 from .scaler.grad_scaler import GradScaler, OptState
-from .framework_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron
-from .framework_apis.loss_scale_optimizer import LossScaleOptimizer
-from .framework_apis.scale_managers import DynamicLossScaleManager, ExponentialUpdateLossScaleManager, FixedLossScaleManager
-from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 
 __all__ = [
     "DataFeedExhausted",

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_cases import SETTINGS_SMALL
-from tritonscale.grads.flat_runs import as_runs, flat_runs
 
 import tritonscale
+from tritonscale.grads.flat_runs import as_runs, flat_runs
 
 
 def covered(runs: list[torch.Tensor]) -> set[tuple[int, int]]:

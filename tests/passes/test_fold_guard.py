@@ -1,4 +1,4 @@
-"""The guard on a fused optimizer whose clip was folded into its step (``passes/fold.py``).
+"""The guard on a fused optimizer whose clip was folded into its step (``passes/step_protocols.py``).
 
 After ``scaler.clip_grad_norm_(opt)`` with a fused optimizer the gradients still hold the loss
 scale: only ``scaler.step(opt)`` hands the optimizer ``scale / clip_coef`` to divide by. A direct

@@ -318,8 +318,8 @@ def test_step_with_a_plain_optimizer_reads_found_inf_once(backend, monkeypatch):
 
 # --------------------------------------------------------------- launches
 def count_launches(monkeypatch):
-    import tritonscale.passes.backends.triton_backend as tb
     import tritonscale.passes.backends.custom_ops as ops
+    import tritonscale.passes.backends.triton_backend as tb
 
     calls = []
     for module, name in ((tb, "check_pass"), (tb, "finalize"), (tb, "apply_factor_"), (ops, "apply_factor_")):

@@ -1,6 +1,7 @@
 """torch.amp.GradScaler's private members and protocols, with torch's scaler as the oracle.
 
-Covers torch's private names (the last section of grad_scaler.py) and wrapper optimizers (passes/step_protocols.py): the step(grad_scaler=...) protocol of apex /
+Covers torch's private names (the last section of grad_scaler.py) and wrapper optimizers
+(passes/step_protocols.py): the step(grad_scaler=...) protocol of apex /
 TransformerEngine fused optimizers, wrapper optimizers (Accelerate, Fabric) unscaled exactly once,
 and each private member a framework reads.
 """

@@ -34,11 +34,11 @@ from typing import Any, Literal
 
 import torch
 
-from ..passes.step_protocols import unwrap_optimizer
 from ..passes.rank_combine import GradAllReduce
+from ..passes.step_protocols import unwrap_optimizer
+from ..scaler.checkpoint_codec import ScalerSnapshot
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
-from ..scaler.checkpoint_codec import ScalerSnapshot
 from .updater_config import (
     CALLBACK_NAMES,  # noqa: F401  (read here by users and tests)
     Callback,

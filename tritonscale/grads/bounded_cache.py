@@ -19,9 +19,9 @@ class BoundedCache(Generic[V]):
     """At most ``size`` entries; a hit or a put makes its entry the most recent, and a put past
     ``size`` drops the least recent one.
 
-    Sound only where every entry is a pure function of its key (the same key always means the same
-    answer, whatever happened to the memory in between: ``grad_groups``' overlap check), or where an entry is proved again from the arguments on every use before it is
-    trusted (``flat_runs``' layouts). Each cache states its own argument beside it."""
+    Sound only where an entry is proved again from the arguments on every use before it is trusted
+    (``flat_runs``' layouts; a pure function of its key needs no such cache: ``functools.lru_cache``,
+    as ``grad_groups``' overlap check has). Each cache states its own argument beside it."""
 
     def __init__(self, size: int) -> None:
         self.size = size

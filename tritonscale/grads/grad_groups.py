@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from ..kernels.supported import is_supported_grad
+from . import grad_sharding
 from .flat_grads import known_run, remember_run
 from .flat_runs import one_run
 from .grad_checks import FP16_REFUSED, check_for_torch_ops, where, where_is
-from . import grad_sharding
 from .grad_sharding import ShardLayouts, mesh_group
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
@@ -167,7 +167,9 @@ class _Found:
         self.first_plain: tuple[int, int] | None = None  # the first plain, unmarked gradient's place
         self.split_replicas = split_replicas
 
-    def local(self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int) -> tuple[torch.Tensor, _Sorter]:
+    def local(
+        self, param: torch.Tensor, grad: torch.Tensor, g_index: int, p_index: int
+    ) -> tuple[torch.Tensor, _Sorter]:
         """The DTensor/replica step: the gradient's rank-local tensor and where it is sorted."""
         if self.layouts is None:
             self.layouts = ShardLayouts(self.first_plain)

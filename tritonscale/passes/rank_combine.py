@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 
-from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 from ..flags import combine_flags
 from ..process_groups import Group, check_process_group
+from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 from .rank_checks import AGREED, RESULTS, Agreement, RankChecks, digest, layout_digest, on_device
+
 
 def gradient_group(call_group: Group, scaler_group: Group, mesh_group: Group) -> Group:
     """The group the gradients are split across: the call's, else the scaler's, else their mesh's."""

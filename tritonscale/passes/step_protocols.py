@@ -82,8 +82,8 @@ def _hint(given: Any) -> str:
 class StepProtocol(enum.Enum):
     """How a step is handed the loss scale and the skip. Example::
 
-        protocol = StepProtocol.of(optimizer, unwrap_optimizer(optimizer))
-        protocol.clip_folds(fold_into_optimizer=True)  # True for torch's fused AdamW
+    protocol = StepProtocol.of(optimizer, unwrap_optimizer(optimizer))
+    protocol.clip_folds(fold_into_optimizer=True)  # True for torch's fused AdamW
     """
 
     #: torch's fused optimizers (and any with ``_step_supports_amp_scaling``): they divide by the

@@ -3,8 +3,8 @@
 What counts as a number (any real number torch takes: Python's and numpy's ints and floats, not a
 bool), a finite one (an int past the float range is not), an int that fits the int32 device
 counters, and a value float32 (where the scale lives) still holds: the
-policy's knobs and setters (``loss_scale_policy.py``, ``torch_private_api.py``), the state's loader
-(``scaler_state.py``) and the scale managers' arguments (``loss_scale_manager.py``) all check
+policy's knobs and setters (``loss_scale_policy.py``, ``scaler/grad_scaler.py``), the state's loader
+(``scaler/checkpoint_codec.py``) and the scale managers' arguments (``loss_scale_manager.py``) all check
 with these. The policy's messages are torch's wording; a manager's name the class and the argument
 as the original framework spells it. What they return is a plain Python float or int, whatever
 real number came in: torch keeps a numpy knob as given, and its state_dict then holds numpy

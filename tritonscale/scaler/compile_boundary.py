@@ -57,9 +57,8 @@ def runs_eagerly(fn: _F) -> _F:
 
 
 # Every runs_eagerly wrapper shares one code object: Dynamo runs its frames as they are.
-_frames.set_code_exec_strategy(
-    runs_eagerly(lambda: None).__code__, _frames._FrameExecStrategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT)
-)
+_SKIP_THIS_FRAME = _frames._FrameExecStrategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT)
+_frames.set_code_exec_strategy(runs_eagerly(lambda: None).__code__, _SKIP_THIS_FRAME)
 
 
 @runs_eagerly

@@ -14,9 +14,9 @@ import torch
 
 from ..grads.grad_groups import Grads, collect_grads
 from ..passes.clip_args import ClipRequest, kernels_compute
-from ..passes.step_protocols import step_unless
 from ..passes.grad_passes import clip_grads
 from ..passes.rank_checks import Agreement, RankChecks
+from ..passes.step_protocols import step_unless
 
 
 def clip_unscaled(

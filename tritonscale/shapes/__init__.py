@@ -32,4 +32,5 @@ MODULES = (
     "updater_errors",
 )
 for _name in MODULES:
-    globals()[_name] = sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"tritonscale.framework_apis.{_name}")
+    _module = importlib.import_module(f"tritonscale.framework_apis.{_name}")
+    globals()[_name] = sys.modules[f"{__name__}.{_name}"] = _module

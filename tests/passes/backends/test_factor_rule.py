@@ -1,4 +1,4 @@
-""""The factor is 1 on overflow" has one home, ``base.gradient_factor``: its host and device forms
+""" "The factor is 1 on overflow" has one home, ``base.gradient_factor``: its host and device forms
 give the same bits, its overflowed step under a policy that goes ahead is torch's unscale, and the
 kernels' finalize (which cannot call Python) computes the same factor from its own results."""
 
