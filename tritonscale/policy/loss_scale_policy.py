@@ -87,18 +87,11 @@ class HostCheck(IntFlag):
 
 
 def past_skip_limit(in_a_row: Any, limit: int) -> Any:
-    """The consecutive-skip limit, the one home of its rule: ``in_a_row`` skipped steps are too many
-    once they are more than ``limit`` (MindSpore's ``bad_step > bad_step_max``). ``in_a_row`` is an
-    int, or an int tensor on the device (the answer is then a bool tensor, read nowhere).
-
-    Checked in two places, both counting with the state's ``consecutive_skips``: inside the update
-    (``LossScalePolicy.max_consecutive_skips``: the raising update changes nothing) and after it
-    (``ConsecutiveSkipLimit``, MindSpore's order: the update is applied, then it raises).
-
-    Example::
-
-        past_skip_limit(4, 3)  # True: 4 in a row is more than 3
-    """
+    """The consecutive-skip limit's one rule: ``in_a_row`` skipped steps (an int, or an int device
+    tensor) are too many once more than ``limit`` (MindSpore's ``bad_step > bad_step_max``). Checked
+    inside the update (``LossScalePolicy.max_consecutive_skips``: the raising update changes
+    nothing) and after it (``ConsecutiveSkipLimit``: MindSpore's order, the update applied).
+    Example: ``past_skip_limit(4, 3)`` is True."""
     return in_a_row > limit
 
 

@@ -197,8 +197,8 @@ class GradScaler:
         if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
             group_of = functools.partial(self._group, process_group=process_group)
             agreement = self._agreement(inner, "clip", max_norm, norm_type)
-            norm, skip = clip_unscaled(inner, max_norm, norm_type, group_of, self._backend_name, agreement)
-            self._per_optimizer_states[id(inner)].skip = skip
+            norm, found_inf = clip_unscaled(inner, max_norm, norm_type, group_of, self._backend_name, agreement)
+            self._per_optimizer_states[id(inner)].skip = self._ranks.skip(found_inf)  # forced on by a mismatch
             return norm
         scale = self._state_for("clip_grad_norm_").scale
         record = self._per_optimizer_states[id(inner)].not_stepped("clip_grad_norm_")
@@ -236,7 +236,8 @@ class GradScaler:
         if not self._enabled:  # torch's plain step, unless the clip_grad_norm_ before it found inf/NaN
             record = self._per_optimizer_states.pop(id(inner), None)
             self._disabled_skip = record.skip if record is not None else None  # for last_step_skipped()
-            return step_unscaled(optimizer, inner, self._disabled_skip, self._ranks, args, kwargs)
+            self._ranks.next_iteration()  # a bf16 loop may never call update(): its step ends the iteration
+            return step_unscaled(optimizer, inner, self._disabled_skip, self._ranks.read_skip, args, kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale = self._state_for("step").scale

@@ -15,7 +15,7 @@ import torch
 from ..grads.grad_groups import Grads, collect_grads
 from ..passes.clip_args import ClipRequest, kernels_compute
 from ..passes.grad_passes import clip_grads
-from ..passes.rank_checks import Agreement, RankChecks
+from ..passes.rank_checks import Agreement
 from ..passes.step_protocols import step_unless
 
 
@@ -28,27 +28,26 @@ def clip_unscaled(
     agreement: Agreement,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain clipping (float16 gradients included) with the inf/NaN check; returns the total norm
-    and the skip flag the next step() takes. ``group_of``: the process group for the gradients;
-    ``agreement``: what the ranks' rows must agree on (rank_checks.py)."""
+    and the found_inf flag the next step() skips on. ``group_of``: the process group for the
+    gradients; ``agreement``: what the ranks' rows must agree on (rank_checks.py)."""
     grads = collect_grads(
         optimizer, allow_fp16=True, kernels=kernels_compute(norm_type), split_replicas=True, takes_norm=True
     )
     request = ClipRequest(max_norm, norm_type)
     _, result = clip_grads(grads, None, request, backend=backend, group=group_of(grads), agreement=agreement)
-    return result.norm, agreement.ranks.skip(result.found_inf)
+    return result.norm, result.found_inf
 
 
 def step_unscaled(
     optimizer: Any,
     inner: torch.optim.Optimizer,
     skip: torch.Tensor | None,
-    ranks: RankChecks,
+    read_skip: Callable[[torch.Tensor], bool],
     args: tuple,
     kwargs: dict,
 ) -> Any:
-    """torch's plain step, unless ``skip`` (the clip's finding, if a clip ran) is set. The step ends
-    the iteration for the rank checks: a bf16 loop may never call update()."""
-    ranks.next_iteration()
+    """torch's plain step, unless ``skip`` (the clip's finding, if a clip ran) is set: on the device
+    for an optimizer that takes ``found_inf``, else ``read_skip(skip)`` on the host."""
     if skip is None:
         return optimizer.step(*args, **kwargs)
-    return step_unless(optimizer, inner, skip, ranks.read_skip, args, kwargs)
+    return step_unless(optimizer, inner, skip, read_skip, args, kwargs)
