@@ -20,8 +20,8 @@ import tritonscale
 from tritonscale import GradScaler
 
 PACKAGE = Path(tritonscale.__file__).parent
-#: The controller: one class, torch's private names a section of it.
-CONTROLLER_FILES = {"grad_scaler.py"}
+#: The controller: one class, and the views of its fields it binds (field_views.py).
+CONTROLLER_FILES = {"grad_scaler.py", "field_views.py"}
 _ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
 
 

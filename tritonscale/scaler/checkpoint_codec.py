@@ -48,6 +48,21 @@ class ScalerSnapshot(NamedTuple):
         return to_state_dict(self.policy, self.host) if self.policy is not None else {}
 
 
+def check_picklable(process_group: Any, mid_iteration: bool) -> None:
+    """A scaler may be pickled without a process group (groups do not travel) and, like torch's,
+    only between iterations (``mid_iteration``: an enabled scaler with records). torch's message."""
+    if process_group is not None:
+        raise TypeError(
+            "a GradScaler with a process_group cannot be pickled (process groups do not travel); "
+            "save state_dict() and load it into a scaler made with the group"
+        )
+    if mid_iteration:
+        raise AssertionError(
+            "A GradScaler instance may only be pickled at the beginning "
+            "of an iteration, or at the end after scaler.update()."
+        )
+
+
 def to_state_dict(policy: LossScalePolicy, host: HostState) -> dict[str, Any]:
     """torch's five entries, then the other policy knobs, the counters and the norm statistics."""
     return {

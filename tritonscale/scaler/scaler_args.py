@@ -79,3 +79,11 @@ def set_scale_(scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
     if new_scale.device.type != scale.device.type or new_scale.numel() != 1 or new_scale.requires_grad:
         raise AssertionError(reason)
     scale.copy_(new_scale.reshape(()))
+
+
+def missing_state_error(funcname: str) -> AssertionError:
+    """torch's error for a call that needs the scale before any scale() made it."""
+    return AssertionError(
+        f"Attempted {funcname} but _scale is None.  This may indicate your script did not use "
+        "scaler.scale(loss or outputs) earlier in the iteration."
+    )
