@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from ..errors import ScalerConfigError
-from ..policy.knob_checks import check_count, check_factor, check_loss_scale, is_number, plain_number
 from ..policy.host_checks import ConsecutiveSkipLimit
+from ..policy.knob_checks import check_count, check_factor, check_loss_scale, is_number, plain_number
 from ..policy.loss_scale_policy import LossScalePolicy, as_float32
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
