@@ -313,3 +313,146 @@ def test_constructor_checks():
         LossScaleOptimizer(inner, max_norm=-1.0)
     with pytest.raises(TypeError, match="minimize"):
         LossScaleOptimizer(inner).minimize(torch.ones(()))
+
+
+# ------------------------------------ which gradients a step uses (issue 28, item 6)
+def fresh_grads_snapshot(model, optimizer):
+    """snapshot() plus the pending flag, for the steps that may leave gradients None."""
+    return (*snapshot(model, optimizer), optimizer._backward_since_step)
+
+
+def test_minimize_steps_on_fresh_gradients_as_keras_does(backend):
+    # Keras's minimize computes this loss's gradients only: from v = 5 with SGD(lr=2), each
+    # minimize(lambda: v.sum()) subtracts lr * 1 (torch's SGD rule p - lr * g, g fresh).
+    v = torch.nn.Parameter(torch.tensor([5.0]))
+    optimizer = LossScaleOptimizer(torch.optim.SGD([v], lr=2.0), backend=backend)
+    expected = v.detach().clone()
+    for _ in range(3):
+        optimizer.minimize(lambda: v.sum())
+        expected = expected - 2.0 * torch.ones_like(expected)
+        assert same_bits(bits(v.detach()), bits(expected))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["sgd", "sgd-momentum"])
+def test_minimize_equals_a_plain_torch_loop_with_zero_grad(backend, momentum):
+    # The oracle: torch's own loop, zero_grad() before each backward; no scaling at all (every
+    # scale here is a power of two and no step overflows, so the unscaled gradients are exact).
+    model, _ = make(backend=backend)
+    twin = copy.deepcopy(model)
+    optimizer = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), backend=backend)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=momentum)
+    for step in range(4):
+        optimizer.minimize(lambda step=step: loss_of(model, step))
+        twin_opt.zero_grad()
+        loss_of(twin, step).backward()
+        twin_opt.step()
+        assert same_bits([bits(p) for p in model.parameters()], [bits(p) for p in twin.parameters()]), step
+
+
+class GradScalerLoop:
+    """The oracle for minimize on make(True, backend, max_norm=0.5): the same model and fused AdamW
+    driven through tritonscale.GradScaler by hand, zero_grad() before each backward."""
+
+    def __init__(self, backend: str):
+        self.model, _ = make(True, backend)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, fused=True)
+        self.scaler = tritonscale.GradScaler("cpu", backend=backend)
+
+    def step(self, step: int, poison: bool = False) -> None:
+        self.optimizer.zero_grad()
+        self.scaler.scale(loss_of(self.model, step, poison)).backward()
+        self.scaler.clip_grad_norm_(self.optimizer, 0.5)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def agrees_with(self, model, optimizer) -> bool:
+        ours = [bits(p) for p in model.parameters()], [bits(p.grad) for p in model.parameters()]
+        theirs = [bits(p) for p in self.model.parameters()], [bits(p.grad) for p in self.model.parameters()]
+        return same_bits(ours, theirs) and optimizer.loss_scale == self.scaler.get_scale()
+
+
+def test_minimize_with_a_fused_inner_equals_the_gradscaler_loop_with_zero_grad(backend):
+    # The fold path leaves the gradients scaled after the step; a poisoned step leaves inf in them.
+    # Neither may reach the next minimize.
+    model, optimizer = make(True, backend, max_norm=0.5)
+    oracle = GradScalerLoop(backend)
+    for step in range(5):
+        poison = step == 2
+        optimizer.minimize(lambda step=step, poison=poison: loss_of(model, step, poison))
+        oracle.step(step, poison)
+        assert optimizer.last_step_applied() is not poison, step
+        assert oracle.agrees_with(model, optimizer), step
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_backward_and_step_accumulates_as_torch_gradscaler_loop_does(fused):
+    # Kept on purpose: backward_and_step is torch's scale/backward/step/update in one call, and
+    # accumulates into .grad as that loop does (a scaled_backward before it is a micro-batch of the
+    # same step; without zero_grad the leftover gradients are added). The oracle is torch's own loop
+    # with the same calls: it mixes scales alike.
+    model, optimizer = make(fused)
+    twin, _ = make(fused)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=fused)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer.scaled_backward(loss_of(model, 0))
+    scaler.scale(loss_of(twin, 0)).backward()
+    for step in range(1, 4):  # no zero_grad anywhere
+        optimizer.backward_and_step(loss_of(model, step))
+        scaler.scale(loss_of(twin, step)).backward()
+        scaler.step(twin_opt)
+        scaler.update()
+        assert optimizer.loss_scale == scaler.get_scale(), step
+        assert same_bits([bits(p.grad) for p in model.parameters()], [bits(p.grad) for p in twin.parameters()])
+        assert same_bits([bits(p) for p in model.parameters()], [bits(p) for p in twin.parameters()]), step
+
+
+@pytest.mark.parametrize("then", ["step", "zero_grad"])
+def test_minimize_with_a_scaled_backward_pending_is_an_error_with_nothing_changed(backend, then):
+    model, optimizer = make(True, backend, max_norm=0.5)
+    twin, twin_optimizer = make(True, backend, max_norm=0.5)
+    for m, o in ((model, optimizer), (twin, twin_optimizer)):
+        o.minimize(lambda m=m: loss_of(m, 0))  # some state, and gradients left in .grad
+        o.scaled_backward(loss_of(m, 1))  # a split-form step begun
+    before = fresh_grads_snapshot(model, optimizer)
+    with pytest.raises(RuntimeError, match="scaled_backward.*pending") as raised:
+        optimizer.minimize(lambda: loss_of(model, 2))
+    assert "step()" in str(raised.value) and "zero_grad()" in str(raised.value)
+    assert same_bits(fresh_grads_snapshot(model, optimizer), before)
+    # What the error says works: the twin never called minimize while the step was pending.
+    for o in (optimizer, twin_optimizer):
+        getattr(o, then)()
+    for m, o in ((model, optimizer), (twin, twin_optimizer)):
+        o.minimize(lambda m=m: loss_of(m, 2))
+    assert same_bits(fresh_grads_snapshot(model, optimizer), fresh_grads_snapshot(twin, twin_optimizer))
+
+
+def _raising_hook(grad):
+    raise ValueError("a backward hook raised")
+
+
+@pytest.mark.parametrize("where", ["loss_fn", "backward-start", "backward-midway"])
+def test_minimize_that_raises_changes_nothing_and_the_next_is_fresh(backend, where):
+    # The gradients are cleared only once loss_fn() has returned, and given back if the backward
+    # raises (midway: the last layer's gradients were already written when the hook raised).
+    model, optimizer = make(True, backend, max_norm=0.5)
+    oracle = GradScalerLoop(backend)
+    optimizer.minimize(lambda: loss_of(model, 0))  # leftover (still scaled) gradients to protect
+    oracle.step(0)
+
+    def failing():
+        if where == "loss_fn":
+            raise ValueError("loss_fn raised")
+        if where == "backward-start":
+            return loss_of(model, 1).detach()  # backward(): "does not require grad"
+        x, y = batch(1)
+        hidden = model[0](x)
+        hidden.register_hook(_raising_hook)
+        return torch.nn.functional.mse_loss(model[2](model[1](hidden)), y)
+
+    before = fresh_grads_snapshot(model, optimizer)
+    with pytest.raises((ValueError, RuntimeError)):
+        optimizer.minimize(failing)
+    assert same_bits(fresh_grads_snapshot(model, optimizer), before)
+    optimizer.minimize(lambda: loss_of(model, 2))  # then steps on its own loss only
+    oracle.step(2)
+    assert oracle.agrees_with(model, optimizer)

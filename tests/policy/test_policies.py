@@ -27,7 +27,7 @@ from scale_references import (
 
 import tritonscale
 from tritonscale import GradScaler, LossScalePolicy, ScalerConfigError
-from tritonscale.policy.loss_scale_policy import ConsecutiveSkipLimit
+from tritonscale.policy.host_checks import ConsecutiveSkipLimit
 
 
 # ------------------------------------------------------------------ harness

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from tritonscale import LossScalePolicy, host_reads
 from tritonscale.passes.backends import clip_coefficient, inverse_scale
+from tritonscale.policy.host_checks import host_check_flags
+from tritonscale.policy.policy_counters import count_step_
 from tritonscale.policy.policy_forms import ON_DEVICE, ON_HOST, SCALE_FLOOR, as_float32
 from tritonscale.policy.policy_state import HostState
 
@@ -40,13 +42,20 @@ def policies(draw) -> LossScalePolicy:
     min_scale, max_scale = draw(OPTIONAL_SCALE), draw(OPTIONAL_SCALE)
     if min_scale is not None and max_scale is not None and min_scale > max_scale:
         min_scale, max_scale = max_scale, min_scale
+    hysteresis = draw(st.integers(1, 3))
+    # fairseq's tolerance (a float64 share of overflowed updates: 1/3 and 0.1 are not exact) excludes hysteresis.
+    tolerance = 0.0 if hysteresis > 1 else draw(st.sampled_from([0.0, 0.0, 0.25, 1 / 3, 0.1, 0.5, 1.0]))
     return LossScalePolicy(
         growth_factor=draw(GROWTH),
         backoff_factor=draw(BACKOFF),
         growth_interval=draw(st.integers(1, 4)),
         dynamic=draw(st.booleans()),
         skip_on_overflow=draw(st.booleans()),
-        hysteresis=draw(st.integers(1, 3)),
+        hysteresis=hysteresis,
+        overflow_tolerance=tolerance,
+        growth_delay=draw(st.sampled_from([0, 0, 1, 2])),
+        # fairseq's error scale: near the starting scales below, and one (1e-4) not a float32 number.
+        raise_at_scale=draw(st.one_of(st.none(), st.sampled_from([1e-4, 0.5, 1.0, 2.0**-21, 3.0]))),
         consecutive_hysteresis=draw(st.booleans()),
         hysteresis_refill_on_backoff=draw(st.booleans()),
         min_scale=min_scale,
@@ -89,7 +98,7 @@ def test_host_form_equals_device_form(policy, steps, scale):
         outcome = []
         for state, form in zip(states, (ON_DEVICE, ON_HOST)):
             skipped = policy.skip_decision(found_inf, norm, state.norm_stats, form=form)
-            flags = policy.host_check_flags(state.scale, state.counters, found_inf, skipped, form=form)
+            flags = host_check_flags(policy, state.scale, state.counters, found_inf, skipped, form=form)
             policy.update_(
                 state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm,
                 form=form,
@@ -111,8 +120,8 @@ def test_host_form_equals_device_form(policy, steps, scale):
 def test_count_step_forms_agree(policy, skipped):
     counters = [HostState.initial(1.0, policy).to_device(torch.device("cpu")).counters for _ in range(2)]
     for flag in skipped:
-        LossScalePolicy.count_step_(counters[0], torch.tensor(flag), ON_DEVICE)
-        LossScalePolicy.count_step_(counters[1], flag, ON_HOST)
+        count_step_(counters[0], torch.tensor(flag), ON_DEVICE)
+        count_step_(counters[1], flag, ON_HOST)
         assert counters[0].tolist() == counters[1].tolist()
 
 

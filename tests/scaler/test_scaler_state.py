@@ -14,7 +14,8 @@ import torch
 
 import tritonscale
 from tritonscale.passes.step_protocols import step_with_amp_attributes, takes_amp_scaling
-from tritonscale.policy.loss_scale_policy import COUNTER_NAMES, LossScalePolicy
+from tritonscale.policy.loss_scale_policy import LossScalePolicy
+from tritonscale.policy.policy_counters import COUNTER_NAMES
 from tritonscale.policy.policy_state import HostState
 from tritonscale.scaler.checkpoint_codec import STATE_KEYS, from_state_dict, to_state_dict
 from tritonscale.scaler.optimizer_record import OptimizerRecord, OptState
@@ -45,7 +46,7 @@ def test_host_and_device_state_round_trip_in_place(hysteresis):
     assert device.to_host() == initial
     tensors = (device.scale, device.growth_tracker, device.counters, device.norm_stats)
     addresses = [t.data_ptr() for t in tensors]
-    loaded = HostState(scale=8.0, growth_tracker=5, counters=[1, 2, 3, 1, 9], norm_stats=[0.5, 4.0])
+    loaded = HostState(scale=8.0, growth_tracker=5, counters=[1, 2, 3, 1, 9, 4, 6], norm_stats=[0.5, 4.0])
     device.load_(loaded)
     assert device.to_host() == loaded
     assert addresses == [
@@ -55,11 +56,11 @@ def test_host_and_device_state_round_trip_in_place(hysteresis):
 
 def test_from_state_dict_changes_nothing_it_is_given():
     policy = LossScalePolicy(hysteresis=2)
-    saved = to_state_dict(policy, HostState(4.0, 3, [1, 0, 2, 0, 7], [1.5, 2.0]))
+    saved = to_state_dict(policy, HostState(4.0, 3, [1, 0, 2, 0, 7, 0, 0], [1.5, 2.0]))
     snapshot = repr(saved)
     new_policy, host = from_state_dict(saved, LossScalePolicy())
     assert repr(saved) == snapshot and new_policy == policy and new_policy is not policy
-    assert host == HostState(4.0, 3, [1, 0, 2, 0, 7], [1.5, 2.0])
+    assert host == HostState(4.0, 3, [1, 0, 2, 0, 7, 0, 0], [1.5, 2.0])
 
 
 def test_optimizer_record_serves_torchs_keys_only():

@@ -42,6 +42,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     overflow, + the scale update. With a fused inner optimizer (``fused=True``) the unscale and the
     clip fold into its step: no gradient write, no host sync.
 
+    Gradients left from a step are unscaled, or still scaled where the unscale folded into a fused
+    step, so they must never meet the next scaled backward. ``minimize`` (Keras's) steps on its own
+    loss's gradients only; ``backward_and_step`` and ``scaled_backward`` accumulate into ``.grad``
+    as torch's loop does, so call ``zero_grad()`` once per iteration with them.
+
     Example::
 
         optimizer = tritonscale.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=1.0)
@@ -129,7 +134,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's zero_grad; it also drops a pending ``scaled_backward``, whose
+        gradients it discards (``step()`` then wants a new one)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._backward_since_step = False
 
     def __repr__(self) -> str:
         return f"LossScaleOptimizer({self.optimizer!r}, max_norm={self.max_norm})"
@@ -155,8 +163,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         if not self._backward_since_step:
             raise RuntimeError(
-                "LossScaleOptimizer.step() without scaled_backward(loss) since the last step: "
-                "gradients from a plain loss.backward() would be divided by the loss scale"
+                "LossScaleOptimizer.step() without scaled_backward(loss) since the last step or "
+                "zero_grad(): gradients from a plain loss.backward() would be divided by the loss scale"
             )
         norm = None
         if self.max_norm is not None:
@@ -171,17 +179,58 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self.step()
 
     def backward_and_step(self, loss: torch.Tensor) -> torch.Tensor | None:
-        """``scaled_backward(loss)`` then ``step()``: one call per iteration."""
+        """``scaled_backward(loss)`` then ``step()``: torch's ``scaler.scale(loss).backward();
+        scaler.step(optimizer); scaler.update()`` in one call.
+
+        Like torch's loop it accumulates into ``.grad``: a ``scaled_backward`` before it adds its
+        micro-batch to this step, and leftover gradients are added too, so call ``zero_grad()``
+        each iteration (``set_to_none=False`` where gradients are views of a flat buffer, which
+        clearing them here would cut loose). ``minimize`` clears them itself. Example::
+
+            optimizer.zero_grad()
+            optimizer.backward_and_step(loss_fn(model(x), y))
+        """
         self.scaled_backward(loss)
         return self.step()
 
     def minimize(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Compute the loss with ``loss_fn()``, then a whole scaled step; returns the loss."""
+        """Keras's ``minimize``: compute the loss with ``loss_fn()``, then a whole scaled step on the
+        gradients of this loss only (fresh, as Keras's tape computes them); returns the loss.
+
+        The wrapped optimizer's gradients are set to None (as ``zero_grad()`` does) after
+        ``loss_fn()`` returns and before the scaled backward; if ``loss_fn`` or the backward
+        raises, the gradients are as before. A pending ``scaled_backward`` is an error (its
+        gradients would be lost): ``step()`` or ``zero_grad()`` first. After the step the
+        gradients stay in ``.grad`` (unscaled; still scaled where the unscale folded into a fused
+        step) for inspection, as after ``step()``. Example::
+
+            optimizer.minimize(lambda: loss_fn(model(x), y))  # no zero_grad() needed
+        """
         if not callable(loss_fn):
             raise TypeError(f"minimize() takes a function returning the loss, got {type(loss_fn).__name__}")
+        if self._backward_since_step:
+            raise RuntimeError(
+                "LossScaleOptimizer.minimize() with a scaled_backward(loss) pending: minimize() steps on "
+                "fresh gradients of its own loss and would discard the accumulated ones; call step() to "
+                "take that step first, or zero_grad() to discard them"
+            )
         loss = loss_fn()
-        self.backward_and_step(loss)
+        self._fresh_scaled_backward(loss)
+        self.step()
         return loss
+
+    def _fresh_scaled_backward(self, loss: torch.Tensor) -> None:
+        """``scaled_backward(loss)`` into gradients set to None first; if it raises, each parameter
+        gets its previous gradient back (the same tensor: a set-to-None backward never writes it)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        left = [p.grad for p in params]
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            self.scaled_backward(loss)
+        except BaseException:
+            for param, grad in zip(params, left):
+                param.grad = grad
+            raise
 
     # ----------------------------------------------------------- what it says
     @property

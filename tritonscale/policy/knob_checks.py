@@ -82,10 +82,10 @@ def check_scale_value(name: str, value: float) -> float:
     return float(value)
 
 
-def check_counter(name: str, value: int, limit: int = INT32_LIMIT) -> int:
-    """A tracker kept in an int32 device counter: an int in [0, limit)."""
-    if not is_count(value, 0, limit):
-        raise ScalerConfigError(f"{name} must be an int in [0, {limit}), got {value!r}")
+def check_counter(name: str, value: int, limit: int = INT32_LIMIT, minimum: int = 0) -> int:
+    """A tracker kept in an int32 device counter: an int in [minimum, limit)."""
+    if not is_count(value, minimum, limit):
+        raise ScalerConfigError(f"{name} must be an int in [{minimum}, {limit}), got {value!r}")
     return int(value)
 
 

@@ -14,6 +14,11 @@ Every policy other frameworks ship is a setting of these knobs (README, "Policie
   behaviour) allows scales below 1, but a backoff never below 2**-126 (torch's can reach 0);
 * ``max_consecutive_skips`` (MindSpore's ``bad_step_max``): raise when more than that many steps in
   a row were skipped;
+* ``growth_delay`` (DeepSpeed's ``stable_interval``): the first growth after an overflow, and at the
+  start, waits that many more good steps;
+* ``overflow_tolerance`` (fairseq's ``fp16_scale_tolerance``): back off only when the share of
+  overflowed updates since the scale last changed reaches it; ``raise_at_scale`` (fairseq's
+  ``min_loss_scale``): an overflow that leaves the scale at or below it raises FloatingPointError;
 * a fixed scale (``dynamic=False``; TensorFlow's and MindSpore's FixedLossScaleManager) that never
   changes, with ``skip_on_overflow`` choosing whether an overflow skips the step (MindSpore's
   ``drop_overflow_update``) or the step goes ahead;
@@ -27,15 +32,14 @@ GPU, and the update can be compiled and captured in a CUDA graph), or, on the CP
 value waits for nothing, on Python numbers read from the state and written back -- bit for bit the
 same state, at a fraction of the cost of ~10-40 tiny tensor ops. Every tensor is updated in place
 at a fixed address. On the device, only the opt-in checks that must stop training ("warn"/"raise"
-at the floor, ``max_consecutive_skips``) read one device value per update on the host.
+at the floor, ``max_consecutive_skips``, ``raise_at_scale``; ``host_checks.py``) read one device
+value per update on the host. Each peer's rule as these knobs, by the peer's own argument names:
+``peer_presets.py``.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from enum import IntFlag
 from typing import Any
 
 import torch
@@ -47,77 +51,21 @@ from .knob_checks import (
     check_growth_interval,
     check_optional_scale,
     check_positive_int,
+    is_count,
+    is_finite,
     is_number,
+)
+from .policy_counters import (
+    HYSTERESIS_LEFT,
+    NORM_AVERAGE,
+    NORM_COUNT,
+    OVERFLOWS_SINCE_BACKOFF,
+    UPDATES_SINCE_RESCALE,
+    count_step_,
 )
 from .policy_forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
 
 ON_MIN_SCALE = ("clamp", "warn", "raise")
-
-# Slots of the int32 counters tensor.
-HYSTERESIS_LEFT, CONSECUTIVE_SKIPS, SKIPPED_STEPS, LAST_SKIPPED, UPDATES = range(5)
-COUNTER_NAMES = ("hysteresis_left", "consecutive_skips", "skipped_steps", "last_skipped", "updates")
-# count_step_ as counters * keep + add, per counter (in the order above): consecutive_skips +1 on a
-# skip and 0 after a step; skipped_steps +1 on a skip; last_skipped the flag; updates +1;
-# hysteresis_left kept.
-_KEEP_STEPPED, _KEEP_SKIPPED = (1, 0, 1, 0, 1), (1, 1, 1, 0, 1)
-_ADD_STEPPED, _ADD_SKIPPED = (0, 0, 0, 0, 1), (0, 1, 1, 1, 1)
-# Constants per device, never written: a pure function of the key.
-_count_vector_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-
-
-def _count_vectors(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(keep if stepped, keep if skipped, add if stepped, add if skipped) as int32 tensors on ``device``."""
-    if device not in _count_vector_cache:
-        _count_vector_cache[device] = tuple(
-            torch.tensor(v, dtype=torch.int32, device=device)
-            for v in (_KEEP_STEPPED, _KEEP_SKIPPED, _ADD_STEPPED, _ADD_SKIPPED)
-        )
-    return _count_vector_cache[device]
-
-
-# Slots of the float32 norm statistics tensor.
-NORM_AVERAGE, NORM_COUNT = range(2)
-
-
-class HostCheck(IntFlag):
-    """Bits of ``LossScalePolicy.host_check_flags``: the opt-in conditions that stop or warn."""
-
-    AT_MIN_SCALE = 1  # an overflow would back off a scale already at min_scale
-    TOO_MANY_SKIPS = 2  # this skip makes more than max_consecutive_skips in a row
-
-
-def past_skip_limit(in_a_row: Any, limit: int) -> Any:
-    """The consecutive-skip limit's one rule: ``in_a_row`` skipped steps (an int, or an int device
-    tensor) are too many once more than ``limit`` (MindSpore's ``bad_step > bad_step_max``). Checked
-    inside the update (``LossScalePolicy.max_consecutive_skips``: the raising update changes
-    nothing) and after it (``ConsecutiveSkipLimit``: MindSpore's order, the update applied).
-    Example: ``past_skip_limit(4, 3)`` is True."""
-    return in_a_row > limit
-
-
-class ConsecutiveSkipLimit:
-    """MindSpore's ``bad_step_max``: after an update, raise once more than ``limit`` steps in a row
-    were skipped, that update applied (``DynamicLossScaleManager``); the rule is ``past_skip_limit``.
-
-    The counter (on the device) is read only when it could have passed the limit: ``bound`` is an
-    upper bound on it, raised by one per update and set to the count by each read (or a load).
-    """
-
-    def __init__(self, limit: int, in_a_row: int = 0) -> None:
-        self.limit = limit
-        self.bound = in_a_row
-
-    def after_update(self, read_in_a_row: Callable[[], int], read_scale: Callable[[], float]) -> None:
-        """Count one update; raise if the count ``read_in_a_row()`` (a host read) is past the limit."""
-        self.bound += 1
-        if not past_skip_limit(self.bound, self.limit):
-            return
-        in_a_row = self.bound = read_in_a_row()  # the one host read, once per ~limit updates
-        if past_skip_limit(in_a_row, self.limit):
-            raise RuntimeError(
-                f"Dynamic loss scale: {in_a_row} overflows in a row, more than bad_step_max={self.limit} "
-                f"(MindSpore's limit); the loss scale is now {read_scale():g}"
-            )
 
 
 @dataclass
@@ -143,6 +91,9 @@ class LossScalePolicy:
     max_scale: float | None = None
     on_min_scale: str = "clamp"
     max_consecutive_skips: int | None = None
+    growth_delay: int = 0
+    overflow_tolerance: float = 0.0
+    raise_at_scale: float | None = None
     skip_norm_above: float | None = None
     skip_norm_factor: float | None = None
     norm_average_decay: float = 0.99
@@ -169,10 +120,28 @@ class LossScalePolicy:
         self.skip_norm_factor = None if self.skip_norm_factor is None else float(self.skip_norm_factor)
         self.norm_average_decay = float(self.norm_average_decay)
         self.norm_warmup_steps = check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
+        self._validate_peer_knobs()
         for flag in ("dynamic", "skip_on_overflow", "consecutive_hysteresis", "hysteresis_refill_on_backoff"):
             if not isinstance(getattr(self, flag), bool):
                 raise ScalerConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         return self
+
+    def _validate_peer_knobs(self) -> None:
+        """The knobs one peer each needs: DeepSpeed's growth delay, fairseq's tolerance and error scale."""
+        if not is_count(self.growth_delay, 0, 2**30):
+            raise ScalerConfigError(f"growth_delay must be an int >= 0, got {self.growth_delay!r}")
+        self.growth_delay = int(self.growth_delay)
+        if not (is_finite(self.overflow_tolerance) and self.overflow_tolerance >= 0):
+            raise ScalerConfigError(f"overflow_tolerance must be a finite number >= 0, got {self.overflow_tolerance!r}")
+        self.overflow_tolerance = float(self.overflow_tolerance)
+        if self.overflow_tolerance > 0 and self.hysteresis > 1:
+            raise ScalerConfigError(
+                "overflow_tolerance (fairseq's rule) and hysteresis > 1 (Megatron's, DeepSpeed's) both decide "
+                "which overflows back the scale off: set one of them"
+            )
+        if self.raise_at_scale is not None and not (is_finite(self.raise_at_scale) and self.raise_at_scale >= 0):
+            raise ScalerConfigError(f"raise_at_scale must be a finite number >= 0 or None, got {self.raise_at_scale!r}")
+        self.raise_at_scale = None if self.raise_at_scale is None else float(self.raise_at_scale)
 
     def check_scale_in_bounds(self, name: str, scale: float) -> float:
         """``scale`` within [min_scale, max_scale]: a scale outside would be used as is until the
@@ -244,82 +213,60 @@ class LossScalePolicy:
         return SCALE_FLOOR if self.min_scale is None else max(SCALE_FLOOR, self.min_scale)
 
     def needs_host_check(self) -> bool:
-        """True when an update must read one device value: "warn"/"raise" at the floor, or a skip limit."""
+        """True when an update must read one device value (``host_checks.py``): "warn"/"raise" at
+        the floor, a skip limit, or fairseq's error scale."""
         floor_check = self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp"
-        return floor_check or self.max_consecutive_skips is not None
+        return (
+            floor_check or self.max_consecutive_skips is not None or (self.dynamic and self.raise_at_scale is not None)
+        )
 
-    def _backs_off(self, overflow: Any, counters: Any) -> Any:
-        """This overflow backs the scale off (with hysteresis, once the budget is spent)."""
-        return overflow if self.hysteresis == 1 else overflow & (counters[HYSTERESIS_LEFT] <= 1)
+    def backs_off(self, overflow: Any, counters: Any, form: RuleForm = ON_DEVICE) -> Any:
+        """This overflow backs the scale off: with hysteresis, once the budget is spent; with an
+        overflow tolerance, once the share of overflowed updates since the scale last changed
+        (counting this one, in float64 as fairseq's Python floats) reaches it."""
+        back_off = overflow
+        if self.hysteresis > 1:
+            back_off = back_off & (counters[HYSTERESIS_LEFT] <= 1)
+        if self.overflow_tolerance > 0:
+            share = form.ratio(counters[OVERFLOWS_SINCE_BACKOFF] + 1, counters[UPDATES_SINCE_RESCALE] + 1)
+            back_off = back_off & (share >= self.overflow_tolerance)
+        return back_off
 
-    def _hysteresis_update_(
+    def backed_off(self, scale: torch.Tensor, form: RuleForm = ON_DEVICE) -> Any:
+        """The scale one backoff leaves (torch's float64 product rounded once, then the floor)."""
+        lowered = form.times_factor(form.read(scale), self.backoff_factor)
+        return form.at_least(lowered, self.backoff_floor())
+
+    def _gated_backoff_(
         self, growth_tracker: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor, form: RuleForm
     ) -> torch.Tensor:
-        """Spend or refill the hysteresis budget; return the float32 flag "back off now"."""
+        """Spend or refill the hysteresis budget, count toward the tolerance; return the float32
+        flag "back off now"."""
         read = form.read(counters)
-        left, tracker = read[HYSTERESIS_LEFT], form.read(growth_tracker)
+        tracker = form.read(growth_tracker)
         overflow = form.read(found_inf) > 0
-        back_off = self._backs_off(overflow, read)
+        back_off = self.backs_off(overflow, read, form)
         grow = form.not_(overflow) & (tracker + 1 == self.growth_interval)
-        # Megatron refills the budget when the scale grows; DeepSpeed's consecutive_hysteresis on
-        # every good step; TensorFlow also after each backoff.
-        refill = form.not_(overflow) if self.consecutive_hysteresis else grow
-        spent = form.at_least(left - 1, 0)
-        if self.hysteresis_refill_on_backoff:
-            spent = form.where(back_off, self.hysteresis, spent)
-        new_left = form.where(overflow, spent, form.where(refill, self.hysteresis, left))
-        # An overflow the budget absorbs still restarts the growth count: -1 here, +1 in the update.
-        new_tracker = form.where(overflow & form.not_(back_off), -1, tracker)
-        form.store(counters, HYSTERESIS_LEFT, new_left, left)
-        form.store(growth_tracker, (), new_tracker, tracker)
+        if self.hysteresis > 1:
+            left = read[HYSTERESIS_LEFT]
+            # Megatron refills the budget when the scale grows; DeepSpeed's consecutive_hysteresis on
+            # every good step; TensorFlow also after each backoff.
+            refill = form.not_(overflow) if self.consecutive_hysteresis else grow
+            spent = form.at_least(left - 1, 0)
+            if self.hysteresis_refill_on_backoff:
+                spent = form.where(back_off, self.hysteresis, spent)
+            form.store(
+                counters, HYSTERESIS_LEFT, form.where(overflow, spent, form.where(refill, self.hysteresis, left)), left
+            )
+        if self.overflow_tolerance > 0:
+            # fairseq: an overflow counts until a backoff; any change of the scale restarts the updates.
+            overflows, since = read[OVERFLOWS_SINCE_BACKOFF], read[UPDATES_SINCE_RESCALE]
+            counted = form.where(back_off, 0, form.where(overflow, overflows + 1, overflows))
+            form.store(counters, OVERFLOWS_SINCE_BACKOFF, counted, overflows)
+            form.store(counters, UPDATES_SINCE_RESCALE, form.where(back_off | grow, 0, since + 1), since)
+        # An overflow that does not back off still restarts the growth count: -1 here, +1 in the update.
+        form.store(growth_tracker, (), form.where(overflow & form.not_(back_off), -1, tracker), tracker)
         return form.flag(back_off, found_inf.device)
-
-    def host_check_flags(
-        self,
-        scale: torch.Tensor,
-        counters: torch.Tensor,
-        found_inf: torch.Tensor,
-        skipped: torch.Tensor,
-        form: RuleForm = ON_DEVICE,
-    ) -> Any:
-        """``HostCheck`` bits (an int, or an integer 0-dim tensor on the device) computed before the
-        update: AT_MIN_SCALE is DeepSpeed's raise_error_at_min_scale condition, TOO_MANY_SKIPS
-        MindSpore's bad_step_max condition."""
-        read = form.read(counters)
-        flags = 0
-        if self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp":
-            at_floor = self._backs_off(form.read(found_inf) > 0, read) & (
-                form.read(scale) <= as_float32(self.min_scale)
-            )
-            flags = flags + form.where(at_floor, int(HostCheck.AT_MIN_SCALE), 0)
-        if self.max_consecutive_skips is not None:
-            # Counted with this update's skip, before the update.
-            limit = (form.read(skipped) > 0) & past_skip_limit(read[CONSECUTIVE_SKIPS] + 1, self.max_consecutive_skips)
-            flags = flags + form.where(limit, int(HostCheck.TOO_MANY_SKIPS), 0)
-        return flags
-
-    def act_on_host_checks(self, flags: HostCheck, scale: torch.Tensor, counters: torch.Tensor) -> None:
-        """Raise or warn for the conditions in ``flags`` (read once on the host, before the update).
-
-        The warning points at the caller of ``GradScaler.update()``.
-        """
-        if not flags:
-            return
-        step = int(counters[UPDATES].item())
-        if flags & HostCheck.TOO_MANY_SKIPS:
-            in_a_row = int(counters[CONSECUTIVE_SKIPS].item()) + 1
-            raise RuntimeError(
-                f"{in_a_row} consecutive steps were skipped, more than "
-                f"max_consecutive_skips={self.max_consecutive_skips}; loss scale {scale.item():g} at step {step}"
-            )
-        if flags & HostCheck.AT_MIN_SCALE:
-            message = (
-                f"overflow at step {step} with the loss scale already at min_scale={self.min_scale:g} "
-                f"(scale {scale.item():g}): it cannot back off further"
-            )
-            if self.on_min_scale == "raise":
-                raise RuntimeError(message)
-            warnings.warn(message + "; holding it there and skipping the step", RuntimeWarning, stacklevel=4)
 
     def update_(
         self,
@@ -340,20 +287,21 @@ class LossScalePolicy:
         to the same bits)::
 
             if dynamic:
-                if found_inf (and, with hysteresis, the hysteresis is used up):
+                if found_inf (and, with hysteresis or a tolerance, that allows it):
                     scale = max(scale * backoff_factor, floor); tracker = 0
                 elif tracker + 1 == growth_interval:
                     scale = scale * growth_factor (unless that is inf); tracker = 0
                 else:
                     tracker += 1
                 scale = min(max(scale, min_scale), max_scale)
+                if found_inf: tracker = -growth_delay
             count the step: skipped or not, consecutive skips
             if a norm came and the step was not skipped: average = decayed average with norm
         """
         if self.dynamic:
             back_off = found_inf
-            if self.hysteresis > 1:
-                back_off = self._hysteresis_update_(growth_tracker, counters, found_inf, form)
+            if self.hysteresis > 1 or self.overflow_tolerance > 0:
+                back_off = self._gated_backoff_(growth_tracker, counters, found_inf, form)
             # The growth/backoff arithmetic is torch's own kernel (one launch): torch's rule by
             # construction, float32 scale times float64 factor rounded once, non-finite growth kept out.
             torch._amp_update_scale_(
@@ -363,30 +311,26 @@ class LossScalePolicy:
                 form.raise_to_(scale, SCALE_FLOOR, form.read(back_off) > 0)  # never to 0, unlike torch
             if self.min_scale is not None or self.max_scale is not None:
                 scale.clamp_(min=self.min_scale, max=self.max_scale)
+            if self.growth_delay:  # DeepSpeed: the good steps after an overflow count from -delay
+                tracker = form.read(growth_tracker)
+                form.store(
+                    growth_tracker, (), form.where(form.read(found_inf) > 0, -self.growth_delay, tracker), tracker
+                )
         was_skipped = form.read(skipped) > 0
-        self.count_step_(counters, was_skipped, form)
+        count_step_(counters, was_skipped, form)
         if norm is not None and self.skip_norm_factor is not None:
-            value = form.read(norm.to(scale.device, torch.float32))
-            stats = form.read(norm_stats)
-            average, count = stats[NORM_AVERAGE], stats[NORM_COUNT]
-            take = form.not_(was_skipped) & form.isfinite(value)
-            # Bias-corrected start: the first norm is the average, then an exponential average.
-            decay = form.where(count > 0, form.full_like(count, as_float32(self.norm_average_decay)), 0.0)
-            moved = form.f32(form.f32(decay * average) + form.f32(form.f32(1 - decay) * value))
-            form.store(norm_stats, NORM_AVERAGE, form.where(take, moved, average), average)
-            form.store(norm_stats, NORM_COUNT, form.where(take, form.f32(count + 1), count), count)
+            self._average_norm_(norm_stats, norm.to(scale.device, torch.float32), was_skipped, form)
 
-    @staticmethod
-    def count_step_(counters: torch.Tensor, skipped: Any, form: RuleForm = ON_DEVICE) -> None:
-        """The skip counters of one finished iteration, in place (also when the scale was set by hand).
-
-        ``skipped``: a bool 0-dim tensor (ON_DEVICE) or a bool (ON_HOST). Two vector ops, whose
-        operands are picked by the flag: ``counters <- counters * keep + add``.
-        """
-        keep_stepped, keep_skipped, add_stepped, add_skipped = _count_vectors(counters.device)
-        counters.mul_(form.where(skipped, keep_skipped, keep_stepped)).add_(
-            form.where(skipped, add_skipped, add_stepped)
-        )
+    def _average_norm_(self, norm_stats: torch.Tensor, norm: torch.Tensor, was_skipped: Any, form: RuleForm) -> None:
+        """Fold a stepped iteration's finite norm into the running average (``skip_norm_factor``)."""
+        value, stats = form.read(norm), form.read(norm_stats)
+        average, count = stats[NORM_AVERAGE], stats[NORM_COUNT]
+        take = form.not_(was_skipped) & form.isfinite(value)
+        # Bias-corrected start: the first norm is the average, then an exponential average.
+        decay = form.where(count > 0, form.full_like(count, as_float32(self.norm_average_decay)), 0.0)
+        moved = form.f32(form.f32(decay * average) + form.f32(form.f32(1 - decay) * value))
+        form.store(norm_stats, NORM_AVERAGE, form.where(take, moved, average), average)
+        form.store(norm_stats, NORM_COUNT, form.where(take, form.f32(count + 1), count), count)
 
     def knobs(self) -> dict:
         return asdict(self)

@@ -96,6 +96,21 @@ class OnDevice:
         return value  # float32 tensor ops round already
 
     @staticmethod
+    def as_float64(value: torch.Tensor) -> torch.Tensor:
+        """``value`` exactly, compared or divided in float64 (as a peer's Python floats are)."""
+        return value.double()
+
+    @staticmethod
+    def ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        """numerator / denominator of two integer counts, in float64 (Python's ``int / int``)."""
+        return numerator.double() / denominator.double()
+
+    @staticmethod
+    def times_factor(scale: torch.Tensor, factor: float) -> torch.Tensor:
+        """float32 ``scale`` times a float64 ``factor``, rounded once to float32: torch's update kernel."""
+        return (scale.double() * factor).float()
+
+    @staticmethod
     def flag(condition: torch.Tensor, device: torch.device) -> torch.Tensor:
         """float32 0/1 tensor on ``device``."""
         return condition.float()
@@ -137,6 +152,18 @@ class OnHost:
     isfinite = staticmethod(math.isfinite)
     at_least = staticmethod(max)
     f32 = staticmethod(rounded_to_float32)
+
+    @staticmethod
+    def as_float64(value: float) -> float:
+        return value
+
+    @staticmethod
+    def ratio(numerator: int, denominator: int) -> float:
+        return numerator / denominator
+
+    @staticmethod
+    def times_factor(scale: float, factor: float) -> float:
+        return rounded_to_float32(scale * factor)
 
     @staticmethod
     def at_most(value: float, ceiling: float) -> float:

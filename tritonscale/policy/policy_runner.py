@@ -17,7 +17,9 @@ import torch
 
 from .. import host_reads
 from ..flags import combine_flags, flags_on
-from .loss_scale_policy import HostCheck, LossScalePolicy
+from .host_checks import HostCheck, act_on_host_checks, host_check_flags
+from .loss_scale_policy import LossScalePolicy
+from .policy_counters import count_step_
 from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
 from .policy_state import DeviceState
 
@@ -85,8 +87,8 @@ class PolicyRunner:
         norm = _last_norm(outcome, device)
         if policy.needs_host_check():
             # Opt-in checks that must stop or warn: one host read, before anything changes.
-            flags = policy.host_check_flags(state.scale, state.counters, found_inf, skipped, form=self.form(device))
-            policy.act_on_host_checks(HostCheck(int(flags)), state.scale, state.counters)
+            flags = host_check_flags(policy, state.scale, state.counters, found_inf, skipped, form=self.form(device))
+            act_on_host_checks(policy, HostCheck(int(flags)), state.scale, state.counters)
         self.rule(policy, "update_", device)(
             state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm
         )
@@ -103,7 +105,7 @@ class PolicyRunner:
         if found_inf is None:
             return None, None
         form = self.form(state.counters.device)
-        policy.count_step_(state.counters, form.read(skipped) > 0, form)
+        count_step_(state.counters, form.read(skipped) > 0, form)
         return found_inf, _last_norm(outcome, state.scale.device)
 
     def _flags(

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .loss_scale_policy import COUNTER_NAMES, LossScalePolicy
+from .loss_scale_policy import LossScalePolicy
+from .policy_counters import COUNTER_NAMES
 
 
 @dataclass
@@ -27,8 +28,9 @@ class HostState:
 
     @classmethod
     def initial(cls, scale: float, policy: LossScalePolicy) -> HostState:
-        """Where a fresh scaler starts: a full hysteresis budget, every other tracker at zero."""
-        return cls(scale, 0, [policy.hysteresis] + [0] * (len(COUNTER_NAMES) - 1), [0.0, 0.0])
+        """Where a fresh scaler starts: a full hysteresis budget, the growth count at -growth_delay
+        (DeepSpeed counts the start as an overflow), every other tracker at zero."""
+        return cls(scale, -policy.growth_delay, [policy.hysteresis] + [0] * (len(COUNTER_NAMES) - 1), [0.0, 0.0])
 
     def copy(self) -> HostState:
         return HostState(self.scale, self.growth_tracker, list(self.counters), list(self.norm_stats))

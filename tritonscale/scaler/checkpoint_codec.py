@@ -16,7 +16,8 @@ import torch
 
 from ..errors import ScalerConfigError
 from ..policy.knob_checks import INT32_LIMIT, check_counter, check_scale_value, is_int, is_number
-from ..policy.loss_scale_policy import (
+from ..policy.loss_scale_policy import LossScalePolicy, as_float32
+from ..policy.policy_counters import (
     CONSECUTIVE_SKIPS,
     COUNTER_NAMES,
     HYSTERESIS_LEFT,
@@ -24,8 +25,6 @@ from ..policy.loss_scale_policy import (
     NORM_AVERAGE,
     NORM_COUNT,
     SKIPPED_STEPS,
-    LossScalePolicy,
-    as_float32,
 )
 from ..policy.policy_state import HostState
 from .scaler_args import TORCH_KNOBS
@@ -105,8 +104,11 @@ def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScal
     # also one at or past growth_interval (our own state_dict after set_growth_interval lowered it):
     # torch's rule grows when the count *equals* the interval, so such a tracker counts on without
     # growing, and ours continues the same way (the rule is torch's own op).
+    # A growth delay (DeepSpeed's) starts the count after an overflow at -growth_delay.
     host.growth_tracker = check_counter(
-        "state_dict['_growth_tracker']", _as_int(state_dict["_growth_tracker"], "_growth_tracker")
+        "state_dict['_growth_tracker']",
+        _as_int(state_dict["_growth_tracker"], "_growth_tracker"),
+        minimum=-policy.growth_delay,
     )
     host.counters = _counters_from(state_dict, policy, host.counters)
     host.norm_stats = _norm_stats_from(state_dict)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..policy.loss_scale_policy import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
+from ..policy.policy_counters import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
 
 #: stats() of a scaler made with enabled=False: what it cannot report, and what to log instead.
 NO_STATS_WHEN_DISABLED = (

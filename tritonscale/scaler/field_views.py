@@ -29,7 +29,8 @@ from ..grads.grad_groups import collect_grads
 from ..passes.grad_passes import PerDevice, torch_unscale_
 from ..passes.step_protocols import StepProtocol, unwrap_optimizer
 from ..policy.knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
-from ..policy.loss_scale_policy import LAST_SKIPPED, LossScalePolicy
+from ..policy.loss_scale_policy import LossScalePolicy
+from ..policy.policy_counters import LAST_SKIPPED
 from .compile_boundary import runs_eagerly
 from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats
 from .optimizer_record import OptimizerRecord, OptState

@@ -1,0 +1,128 @@
+"""The opt-in checks that must stop training (or warn): the only host reads of a policy update.
+
+Three of the peers' rules end a run from inside the scale update, and a device value cannot raise:
+
+* DeepSpeed's ``raise_error_at_min_scale`` (``on_min_scale="raise"`` / ``"warn"``): an overflow
+  that would back off a scale already at ``min_scale``;
+* MindSpore's ``bad_step_max`` (``max_consecutive_skips``): more than that many skips in a row;
+* fairseq's ``min_loss_scale`` (``raise_at_scale``): an overflow that leaves the scale at or below it
+  raises ``FloatingPointError``.
+
+``host_check_flags`` computes the conditions before the update, in either form of the rule (on the
+device: one integer tensor); the runner reads that one value and ``act_on_host_checks`` raises or
+warns. A raising update changes nothing. Example: ``flags = host_check_flags(policy, scale,
+counters, found_inf, skipped)``, then ``act_on_host_checks(policy, HostCheck(int(flags)), scale, counters)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from enum import IntFlag
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .policy_counters import CONSECUTIVE_SKIPS, UPDATES
+from .policy_forms import ON_DEVICE, RuleForm, as_float32
+
+if TYPE_CHECKING:
+    from .loss_scale_policy import LossScalePolicy
+
+
+class HostCheck(IntFlag):
+    """Bits of ``host_check_flags``: the opt-in conditions that stop or warn."""
+
+    AT_MIN_SCALE = 1  # an overflow would back off a scale already at min_scale
+    TOO_MANY_SKIPS = 2  # this skip makes more than max_consecutive_skips in a row
+    AT_RAISE_SCALE = 4  # this overflow leaves the scale at or below raise_at_scale
+
+
+def past_skip_limit(in_a_row: Any, limit: int) -> Any:
+    """The consecutive-skip limit's one rule: ``in_a_row`` skipped steps (an int, or an int device
+    tensor) are too many once more than ``limit`` (MindSpore's ``bad_step > bad_step_max``). Checked
+    inside the update (``LossScalePolicy.max_consecutive_skips``: the raising update changes
+    nothing) and after it (``ConsecutiveSkipLimit``: MindSpore's order, the update applied).
+    Example: ``past_skip_limit(4, 3)`` is True."""
+    return in_a_row > limit
+
+
+class ConsecutiveSkipLimit:
+    """MindSpore's ``bad_step_max``: after an update, raise once more than ``limit`` steps in a row
+    were skipped, that update applied (``DynamicLossScaleManager``); the rule is ``past_skip_limit``.
+
+    The counter (on the device) is read only when it could have passed the limit: ``bound`` is an
+    upper bound on it, raised by one per update and set to the count by each read (or a load).
+    """
+
+    def __init__(self, limit: int, in_a_row: int = 0) -> None:
+        self.limit = limit
+        self.bound = in_a_row
+
+    def after_update(self, read_in_a_row: Callable[[], int], read_scale: Callable[[], float]) -> None:
+        """Count one update; raise if the count ``read_in_a_row()`` (a host read) is past the limit."""
+        self.bound += 1
+        if not past_skip_limit(self.bound, self.limit):
+            return
+        in_a_row = self.bound = read_in_a_row()  # the one host read, once per ~limit updates
+        if past_skip_limit(in_a_row, self.limit):
+            raise RuntimeError(
+                f"Dynamic loss scale: {in_a_row} overflows in a row, more than bad_step_max={self.limit} "
+                f"(MindSpore's limit); the loss scale is now {read_scale():g}"
+            )
+
+
+def host_check_flags(
+    policy: LossScalePolicy,
+    scale: torch.Tensor,
+    counters: torch.Tensor,
+    found_inf: torch.Tensor,
+    skipped: torch.Tensor,
+    form: RuleForm = ON_DEVICE,
+) -> Any:
+    """``HostCheck`` bits (an int, or an integer 0-dim tensor on the device) computed before the update."""
+    read = form.read(counters)
+    overflow = form.read(found_inf) > 0
+    flags = 0
+    if policy.dynamic and policy.min_scale is not None and policy.on_min_scale != "clamp":
+        at_floor = policy.backs_off(overflow, read, form) & (form.read(scale) <= as_float32(policy.min_scale))
+        flags = flags + form.where(at_floor, int(HostCheck.AT_MIN_SCALE), 0)
+    if policy.max_consecutive_skips is not None:
+        # Counted with this update's skip, before the update.
+        limit = (form.read(skipped) > 0) & past_skip_limit(read[CONSECUTIVE_SKIPS] + 1, policy.max_consecutive_skips)
+        flags = flags + form.where(limit, int(HostCheck.TOO_MANY_SKIPS), 0)
+    if policy.dynamic and policy.raise_at_scale is not None:
+        after = form.where(policy.backs_off(overflow, read, form), policy.backed_off(scale, form), form.read(scale))
+        too_low = overflow & (form.as_float64(after) <= policy.raise_at_scale)  # fairseq compares Python floats
+        flags = flags + form.where(too_low, int(HostCheck.AT_RAISE_SCALE), 0)
+    return flags
+
+
+def act_on_host_checks(policy: LossScalePolicy, flags: HostCheck, scale: torch.Tensor, counters: torch.Tensor) -> None:
+    """Raise or warn for the conditions in ``flags`` (read once on the host, before the update).
+
+    The warning points at the caller of ``GradScaler.update()``.
+    """
+    if not flags:
+        return
+    step = int(counters[UPDATES].item())
+    if flags & HostCheck.TOO_MANY_SKIPS:
+        in_a_row = int(counters[CONSECUTIVE_SKIPS].item()) + 1
+        raise RuntimeError(
+            f"{in_a_row} consecutive steps were skipped, more than "
+            f"max_consecutive_skips={policy.max_consecutive_skips}; loss scale {scale.item():g} at step {step}"
+        )
+    if flags & HostCheck.AT_RAISE_SCALE:
+        raise FloatingPointError(
+            f"Minimum loss scale reached: the overflow at step {step} would leave the loss scale (now "
+            f"{scale.item():g}) at or below raise_at_scale={policy.raise_at_scale:g} (fairseq's min_loss_scale). "
+            "The loss is probably exploding: lower the learning rate, clip the gradients or grow the batch"
+        )
+    if flags & HostCheck.AT_MIN_SCALE:
+        message = (
+            f"overflow at step {step} with the loss scale already at min_scale={policy.min_scale:g} "
+            f"(scale {scale.item():g}): it cannot back off further"
+        )
+        if policy.on_min_scale == "raise":
+            raise RuntimeError(message)
+        warnings.warn(message + "; holding it there and skipping the step", RuntimeWarning, stacklevel=4)

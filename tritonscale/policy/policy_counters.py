@@ -1,0 +1,71 @@
+"""The policy's trackers beside the scale: an int32 counter vector and the float32 norm statistics.
+
+The counters are one small device tensor, so that a step updates them in place at a fixed address
+(a CUDA graph can capture it) and ``state_dict()`` names each slot (``COUNTER_NAMES``):
+
+* ``hysteresis_left``: overflows the hysteresis budget still absorbs (Megatron-LM, DeepSpeed, apex);
+* ``consecutive_skips``, ``skipped_steps``, ``last_skipped``, ``updates``: what ``stats()`` reports
+  and what ``max_consecutive_skips`` (MindSpore's ``bad_step_max``) counts;
+* ``overflows_since_backoff``, ``updates_since_rescale``: fairseq's overflow tolerance (the share of
+  overflowed updates since the scale last changed); they stay 0 unless ``overflow_tolerance`` is set.
+
+Example: ``counters[SKIPPED_STEPS]`` is the number of optimizer steps skipped so far.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .policy_forms import ON_DEVICE, RuleForm
+
+# Slots of the int32 counters tensor.
+(
+    HYSTERESIS_LEFT,
+    CONSECUTIVE_SKIPS,
+    SKIPPED_STEPS,
+    LAST_SKIPPED,
+    UPDATES,
+    OVERFLOWS_SINCE_BACKOFF,
+    UPDATES_SINCE_RESCALE,
+) = range(7)
+COUNTER_NAMES = (
+    "hysteresis_left",
+    "consecutive_skips",
+    "skipped_steps",
+    "last_skipped",
+    "updates",
+    "overflows_since_backoff",
+    "updates_since_rescale",
+)
+# count_step_ as counters * keep + add, per counter (in the order above): consecutive_skips +1 on a
+# skip and 0 after a step; skipped_steps +1 on a skip; last_skipped the flag; updates +1; the
+# hysteresis budget and the tolerance's counts kept (the rule updates them).
+_KEEP_STEPPED, _KEEP_SKIPPED = (1, 0, 1, 0, 1, 1, 1), (1, 1, 1, 0, 1, 1, 1)
+_ADD_STEPPED, _ADD_SKIPPED = (0, 0, 0, 0, 1, 0, 0), (0, 1, 1, 1, 1, 0, 0)
+# Constants per device, never written: a pure function of the key.
+_count_vector_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+# Slots of the float32 norm statistics tensor.
+NORM_AVERAGE, NORM_COUNT = range(2)
+
+
+def _count_vectors(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(keep if stepped, keep if skipped, add if stepped, add if skipped) as int32 tensors on ``device``."""
+    if device not in _count_vector_cache:
+        _count_vector_cache[device] = tuple(
+            torch.tensor(v, dtype=torch.int32, device=device)
+            for v in (_KEEP_STEPPED, _KEEP_SKIPPED, _ADD_STEPPED, _ADD_SKIPPED)
+        )
+    return _count_vector_cache[device]
+
+
+def count_step_(counters: torch.Tensor, skipped: Any, form: RuleForm = ON_DEVICE) -> None:
+    """The skip counters of one finished iteration, in place (also when the scale was set by hand).
+
+    ``skipped``: a bool 0-dim tensor (ON_DEVICE) or a bool (ON_HOST). Two vector ops, whose
+    operands are picked by the flag: ``counters <- counters * keep + add``.
+    """
+    keep_stepped, keep_skipped, add_stepped, add_skipped = _count_vectors(counters.device)
+    counters.mul_(form.where(skipped, keep_skipped, keep_stepped)).add_(form.where(skipped, add_skipped, add_stepped))
