@@ -479,13 +479,17 @@ RULES: dict[str, Callable] = {
 
 
 # ------------------------------------------------------------------------------- the harness
-def follow(scaler, rule, overflows, backend, no_host_reads=contextlib.nullcontext) -> list[float]:
+def follow(scaler, rule, overflows, backend, no_host_reads=None) -> list[float]:
     """Drive ``scaler`` through its real API (tests/scale_references.py's Loop: backward, inf
     injected, step, update) and ``rule`` side by side; after every update assert the same float32
     scale bits, the same skip (the parameters unchanged exactly when skipped) and the same raise
     (then stop, as training does). ``no_host_reads``: a context that forbids device reads around
-    each step. Returns the scales seen."""
+    each step; the optimizer is then a fused SGD, which takes the skip flag on the device (a plain
+    one must read it, as with torch's GradScaler). Returns the scales seen."""
     loop, scales = Loop(scaler, backend), []
+    if no_host_reads is not None:
+        loop.opt = torch.optim.SGD([loop.param], lr=1e-3, fused=True)
+    no_host_reads = no_host_reads or contextlib.nullcontext
     for i, overflow in enumerate(overflows):
         before = loop.param.detach().clone()
         ours = theirs = None

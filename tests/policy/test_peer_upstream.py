@@ -100,6 +100,16 @@ def test_issue_deepspeed_grows_one_step_later_than_torch(backend, peer, peer_arg
     assert scales == ([256.0, 256.0, 512.0, 512.0] if late else [256.0, 512.0, 512.0, 1024.0])
 
 
+@pytest.mark.parametrize("optimizer", ["zero", "fp16"])
+def test_deepspeed_zero_raises_at_min_scale_fp16_optimizer_does_not(backend, optimizer):
+    # deepspeed/runtime/fp16/loss_scaler.py @ edaa7221, DynamicLossScaler.update_scale: an overflow with
+    # the scale already at min_scale raises (raise_error_at_min_scale, True in ZeRO); FP16_Optimizer's
+    # _update_scale clamps. Training stops at the raise (follow stops there).
+    args = dict(initial_scale_power=1, min_loss_scale=1, hysteresis=1, optimizer=optimizer)
+    _, scales = run("deepspeed", [True, True, True], backend, **args)
+    assert scales == ([1.0, 1.0] if optimizer == "zero" else [1.0, 1.0, 1.0])
+
+
 # ------------------------------------------------------------------------------------ Megatron
 def test_issue_megatron_multiplies_float32_tensors(backend):
     # Issue 28, item 3: growth 1.1, backoff 0.9, hysteresis 2, floor 1, init 3, two overflows: Megatron
