@@ -154,7 +154,9 @@ class DeepSpeedZeroRule:
         if overflow:
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:
                 if (self.cur_scale == self.min_scale) and self.raise_error_at_min_scale:
-                    raise Exception("Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
+                    raise Exception(
+                        "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
+                    )
                 self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
             else:
                 self.cur_hysteresis -= 1

@@ -69,8 +69,9 @@ def megatron_args(draw):
     initial_scale = draw(st.sampled_from([3.0, 1000.0, 2.0**16, 2.0**32, 1.0]))
     args = dict(initial_scale=initial_scale, min_scale=draw(st.sampled_from([1.0, 0.5, 2.0**-10, 3.0, 0.1])))
     args["min_scale"] = min(args["min_scale"], initial_scale)  # Megatron asserts min_scale <= initial_scale
+    loss_scale = draw(st.one_of(st.none(), st.sampled_from([1024.0, 3.0])))  # ConstantGradScaler
     args.update(growth_factor=draw(GROWTH), backoff_factor=draw(BACKOFF), growth_interval=draw(INTERVAL),
-                hysteresis=draw(st.integers(1, 3)), loss_scale=draw(st.one_of(st.none(), st.sampled_from([1024.0, 3.0]))))  # fmt: skip
+                hysteresis=draw(st.integers(1, 3)), loss_scale=loss_scale)  # fmt: skip
     return args
 
 

@@ -265,9 +265,13 @@ TF1_CASES = {
     "test_decrease_every_n_steps": ([False] * 6, [1024, 512, 512, 256, 256, 128], 1024, 2, 2),
     "test_keep_decreasing_until_one": ([False] * 10, [16, 8, 8, 4, 4, 2, 2, 1, 1, 1], 16, 2, 2),
     "test_incr_bad_step_clear_good_step": ([True, True, True, False, True], [1, 2, 2, 2, 2], 1, 2, 2),
-    "test_incr_good_step_does_not_clear_bad_step": ([True, True, True, False, True, False], [1, 2, 2, 2, 2, 1], 1, 2, 2),
+    "test_incr_good_step_does_not_clear_bad_step": (
+        [True, True, True, False, True, False], [1, 2, 2, 2, 2, 1], 1, 2, 2,
+    ),
     "test_trigger_loss_scale_update_each_step": ([True] * 3 + [False, True, True], [2, 4, 8, 4, 8, 16], 1, 1, 1),
-    "test_alternating_good_and_bad_gradients_trigger_each_step": ([True, False] * 4 + [True], [2, 1] * 4 + [2], 1, 1, 1),
+    "test_alternating_good_and_bad_gradients_trigger_each_step": (
+        [True, False] * 4 + [True], [2, 1] * 4 + [2], 1, 1, 1,
+    ),
     "test_alternating_good_and_bad_gradients_trigger_incr_every_2steps": (
         [True, False] * 3 + [True], [32, 16, 16, 8, 8, 4, 4], 32, 2, 1,
     ),
@@ -306,4 +310,3 @@ def test_a_preset_name_gives_the_peers_defaults(name):
 def test_init_scale_overrides_the_presets():
     scaler = GradScaler("cpu", init_scale=512.0, policy=presets.deepspeed(loss_scale_window=2), backend="torch")
     follow(scaler, RULES["deepspeed"](initial_scale_power=9, loss_scale_window=2), [False] * 4 + [True], "torch")
-
