@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -255,19 +256,25 @@ PRESETS: dict[str, Callable[..., PeerPreset]] = {
 
 
 def preset(name: str, **peer_args: Any) -> PeerPreset:
-    """The preset named ``name`` with the peer's own arguments. Example: ``preset("deepspeed", hysteresis=4)``."""
-    if name not in PRESETS:
+    """The preset named ``name`` (any case; ``_`` or ``-``) with the peer's own arguments.
+    Example: ``preset("deepspeed", hysteresis=4)``, ``preset("TF_Keras")``."""
+    key = name.lower().replace("_", "-") if isinstance(name, str) else name
+    if key not in PRESETS:
         raise ScalerConfigError(f"unknown preset {name!r}; the presets are {sorted(PRESETS)}")
-    return PRESETS[name](**peer_args)
+    return PRESETS[key](**peer_args)
 
 
 def _preset(name: str, init_scale: float, policy: LossScalePolicy, source: str) -> PeerPreset:
-    return PeerPreset(name, float(init_scale), policy.validate(), source)
+    """The preset, its policy validated: a bad argument is named with the peer it was given for."""
+    try:
+        return PeerPreset(name, float(init_scale), policy.validate(), source)
+    except ScalerConfigError as error:
+        raise ScalerConfigError(f"presets {name!r}: {error}") from None
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """ "0.17.1" -> (0, 17, 1); a clear error for anything else."""
-    try:
-        return tuple(int(part) for part in str(version).split(".")[:3])
-    except ValueError:
-        raise ScalerConfigError(f"version must be a DeepSpeed release such as '0.16.9', got {version!r}") from None
+    """A release's first three numbers: "0.17.1" -> (0, 17, 1), "0.16.9+cu121" -> (0, 16, 9)."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(version))
+    if found is None:
+        raise ScalerConfigError(f"version must be a DeepSpeed release such as '0.16.9', got {version!r}")
+    return tuple(int(part or 0) for part in found.groups())
