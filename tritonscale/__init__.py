@@ -11,7 +11,7 @@ The Triton kernels are ``tritonscale.kernels``; in the source tree that package 
 """
 
 from .errors import RankMismatchError, ScalerConfigError
-from .framework_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron
+from .framework_apis.checkpoint_import import from_apex, from_deepspeed, from_fairseq, from_megatron
 from .framework_apis.loss_scale_optimizer import LossScaleOptimizer
 from .framework_apis.scale_managers import (
     DynamicLossScaleManager,
@@ -21,7 +21,9 @@ from .framework_apis.scale_managers import (
 from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 from .grads.flat_grads import flatten_grads_
 from .grads.grad_sharding import mark_replicated
+from .policy import peer_presets as presets
 from .policy.loss_scale_policy import LossScalePolicy
+from .policy.peer_presets import PeerPreset
 from .scaler.diagnostics import ScaleHistory, nonfinite_grads
 from .scaler.grad_scaler import GradScaler, OptState
 
@@ -34,6 +36,7 @@ __all__ = [
     "LossScaleOptimizer",
     "LossScalePolicy",
     "OptState",
+    "PeerPreset",
     "RankMismatchError",
     "ScaleHistory",
     "ScalerConfigError",
@@ -43,8 +46,10 @@ __all__ = [
     "flatten_grads_",
     "from_apex",
     "from_deepspeed",
+    "from_fairseq",
     "from_megatron",
     "mark_replicated",
     "nonfinite_grads",
+    "presets",
 ]
 __version__ = "0.2.0"

@@ -244,6 +244,24 @@ def test_policy_knobs_and_trackers_survive_state_dict(backend):
     assert a.state_dict() == b.state_dict()
 
 
+def test_older_checkpoints_load_the_tolerance_counters_as_zero_and_a_delay_bounds_the_tracker():
+    # A state_dict from before fairseq's counters existed (or torch's, which has no counters at all).
+    old = GradScaler("cpu", overflow_tolerance=0.5).state_dict()
+    old["counters"] = {
+        k: v for k, v in old["counters"].items() if k not in ("overflows_since_backoff", "updates_since_rescale")
+    }
+    loaded = GradScaler("cpu", overflow_tolerance=0.5)
+    loaded.load_state_dict(old)
+    assert loaded.state_dict()["counters"]["updates_since_rescale"] == 0
+    # DeepSpeed's count starts at -growth_delay: such a tracker loads where the delay allows it.
+    delayed = GradScaler("cpu", policy="deepspeed").state_dict()
+    assert delayed["_growth_tracker"] == -1
+    GradScaler("cpu").load_state_dict(delayed)  # the checkpoint's policy comes with it
+    del delayed["policy"]
+    with pytest.raises(ScalerConfigError, match=r"_growth_tracker'\] must be an int in \[0, "):
+        GradScaler("cpu").load_state_dict(delayed)
+
+
 def test_torch_state_dict_loads_with_configured_knobs():
     theirs = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
     ours = GradScaler("cpu", hysteresis=2, min_scale=1.0)
@@ -265,6 +283,9 @@ def test_numpy_policy_knobs_are_their_python_values(backend):
         "skip_norm_factor": np.float32(8.0),
         "norm_average_decay": np.float32(0.5),
         "norm_warmup_steps": np.int64(3),
+        "growth_delay": np.int64(1),
+        "overflow_tolerance": np.float32(0.0),  # a tolerance and hysteresis exclude each other
+        "raise_at_scale": np.float64(2.0**-20),
     }
     plain = {name: value.item() for name, value in numbers.items()}
     ours = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend=backend, **numbers)
@@ -292,6 +313,13 @@ def test_numpy_policy_knobs_are_their_python_values(backend):
         ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
         ({"skip_norm_factor": 0.5}, "skip_norm_factor"),
         ({"dynamic": "yes"}, "dynamic"),
+        ({"growth_delay": -1}, "growth_delay must be an int >= 0"),
+        ({"growth_delay": 1.5}, "growth_delay"),
+        ({"overflow_tolerance": -0.1}, "overflow_tolerance must be a finite number >= 0"),
+        ({"overflow_tolerance": math.nan}, "overflow_tolerance"),
+        ({"overflow_tolerance": 0.25, "hysteresis": 2}, "set one of them"),
+        ({"raise_at_scale": -1.0}, "raise_at_scale"),
+        ({"raise_at_scale": math.inf}, "raise_at_scale"),
     ],
     ids=lambda v: str(v) if isinstance(v, dict) else "",
 )
@@ -345,6 +373,8 @@ COMPILED_KNOBS = {
     "megatron+spike": dict(init_scale=2.0**8, growth_interval=3, min_scale=1.0, hysteresis=2, skip_norm_factor=4.0,
                            norm_warmup_steps=2),
     "floor": dict(init_scale=2.0**16, backoff_factor=1e-20, growth_interval=2),  # backs off to 2**-126
+    # DeepSpeed's delayed growth and fairseq's tolerance (a float64 share of the counters)
+    "peers": dict(init_scale=2.0**8, growth_interval=2, growth_delay=1, overflow_tolerance=0.3),
 }  # fmt: skip
 
 

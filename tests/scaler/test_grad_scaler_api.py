@@ -89,6 +89,57 @@ def test_same_constructor_defaults_as_torch():
     assert {k: ours.state_dict()[k] for k in TORCH_KEYS} == theirs.state_dict()
 
 
+# ------------------------------------------------------------ peers' presets
+def test_a_presets_name_is_its_call_with_the_peers_defaults():
+    for name in tritonscale.presets.PRESETS:
+        if name == "tf1":  # its manager has required arguments: the name alone is refused, naming them
+            with pytest.raises(ScalerConfigError, match="init_loss_scale and incr_every_n_steps"):
+                GradScaler("cpu", policy=name)
+            continue
+        preset = tritonscale.presets.preset(name)
+        by_name, by_call = GradScaler("cpu", policy=name), GradScaler("cpu", policy=preset)
+        assert by_name.state_dict() == by_call.state_dict()
+        assert by_name.get_scale() == preset.init_scale and by_name.get_policy() == preset.policy
+
+
+def test_init_scale_given_overrides_the_presets_even_when_it_is_torchs_value():
+    # The default init_scale is torch's 2**16; a preset's own scale applies only where none was given.
+    assert GradScaler("cpu", policy="keras").get_scale() == 2.0**15
+    assert GradScaler("cpu", policy="keras", init_scale=2.0**16).get_scale() == 2.0**16
+    assert GradScaler("cpu", policy="keras", init_scale=8.0).get_scale() == 8.0
+    assert GradScaler("cpu", 2.0**16, policy="megatron").get_scale() == 2.0**16  # positionally too
+    assert type(GradScaler("cpu").state_dict()["scale"]) is float  # the default's marker stays out
+
+
+def test_a_preset_takes_our_knobs_over_its_own_but_not_torchs_three():
+    scaler = GradScaler("cpu", policy="megatron", hysteresis=3, min_scale=2.0)
+    expected = tritonscale.presets.megatron().policy
+    expected.hysteresis, expected.min_scale = 3, 2.0
+    assert scaler.get_policy() == expected
+    with pytest.raises(ScalerConfigError, match="inside the policy"):
+        GradScaler("cpu", growth_interval=10, policy="megatron")
+
+
+@pytest.mark.parametrize(
+    "policy, error, match",
+    [
+        ("deep-speed", ScalerConfigError, r"unknown preset 'deep-speed'; the presets are \['apex'"),
+        ({"hysteresis": 2}, TypeError, "a peer's preset .* or a preset's name"),
+        (tritonscale.presets.deepspeed, TypeError, "got function"),
+    ],
+    ids=["misspelt", "dict", "uncalled"],
+)
+def test_a_policy_that_is_not_one_is_named(policy, error, match):
+    with pytest.raises(error, match=match):
+        GradScaler("cpu", policy=policy)
+
+
+def test_loss_scale_optimizer_takes_a_preset_with_its_initial_scale():
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = tritonscale.LossScaleOptimizer(torch.optim.SGD([param], lr=0.1), tritonscale.presets.tf_keras())
+    assert optimizer.loss_scale == 2.0**15 and optimizer.scaler.get_policy().min_scale == 1.0
+
+
 # -------------------------------------------------------------------- misuse
 def test_misuse_errors_match_torch(backend):
     # Run each misuse against torch's scaler and ours; both must raise the same type and message.
@@ -278,6 +329,14 @@ def test_update_with_new_scale():
 POLICIES = {
     "torch": {},
     "megatron+spike": {"hysteresis": 2, "min_scale": 1.0, "skip_norm_factor": 5.0, "norm_warmup_steps": 1},
+    # Peers' rules with no check that must stop the run: DeepSpeed's FP16_Optimizer (its growth one
+    # step later), fairseq's tolerance without its error scale, Megatron's float32 factors.
+    "deepspeed-fp16": {"policy": tritonscale.presets.deepspeed(initial_scale_power=16, optimizer="fp16")},
+    "fairseq-tolerance": {
+        "policy": tritonscale.presets.fairseq(2**16, 4, 0.5, min_loss_scale=0.0),
+        "raise_at_scale": None,
+    },
+    "megatron-1.1": {"policy": tritonscale.presets.megatron(2.0**16, 1.0, 1.1, 0.9, 3, 1)},
 }
 
 
@@ -298,8 +357,10 @@ def test_unscale_clip_step_update_never_read_device_values(backend, forbid_host_
         forbid_host_reads.on = False
         for p in params:
             p.grad = None
-    expected = 2.0**16 if policy == "megatron+spike" else 2.0**15  # hysteresis 2 absorbs one overflow
-    assert scaler.get_scale() == expected  # found_inf reached update()
+    # found_inf reached update(): the scale is the rule's for (good, overflow, good); hysteresis 2 absorbs one.
+    megatron = (torch.tensor([2.0**16]) * torch.tensor([0.9])).item()  # Megatron's float32 tensors
+    expected = {"megatron+spike": 2.0**16, "megatron-1.1": megatron}.get(policy, 2.0**15)
+    assert scaler.get_scale() == expected
     assert fused.state[params[0]]["step"] == 2  # and the optimizer skipped that step on the device
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ..passes.clip_args import check_max_norm, check_norm_type
 from ..policy.loss_scale_policy import LossScalePolicy
+from ..policy.peer_presets import PeerPreset
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
 from ..scaler.scaler_args import TORCH_INIT_SCALE
@@ -58,7 +59,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        policy: LossScalePolicy | None = None,
+        policy: LossScalePolicy | PeerPreset | str | None = None,
         *,
         max_norm: float | None = None,
         norm_type: float = 2.0,

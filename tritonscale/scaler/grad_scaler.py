@@ -25,6 +25,7 @@ from ..passes.rank_checks import Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
 from ..passes.step_protocols import StepProtocol, unwrap_optimizer
 from ..policy.loss_scale_policy import LossScalePolicy
+from ..policy.peer_presets import PeerPreset
 from ..policy.policy_runner import PolicyRunner
 from ..policy.policy_state import DeviceState, HostState
 from ..process_groups import check_process_group
@@ -38,6 +39,7 @@ from .scaler_args import (
     checked_init_scale,
     cuda_missing,
     missing_state_error,
+    peer_policy,
     policy_from_torch_args,
     set_scale_,
 )
@@ -49,7 +51,9 @@ __all__ = ["GradScaler", "OptState"]
 class GradScaler:
     """Dynamic loss scaling with a fused unscale / inf-check / clip pass and no host sync.
 
-    torch's constructor, methods and state_dict, plus :meth:`clip_grad_norm_` and ``backend``
+    torch's constructor (``init_scale`` defaults to 2**16, or to a preset's), methods and state_dict, plus
+    ``policy=`` (a ``LossScalePolicy``, or a peer's preset: ``tritonscale.presets.deepspeed(...)``,
+    "megatron", ...), :meth:`clip_grad_norm_` and ``backend``
     ("auto", "triton", "torch"). ``process_group``: the group across which ranks hold parts of the
     gradients (ZeRO, pipeline stages; DTensors bring their mesh's, DDP replicas need none).
 
@@ -74,7 +78,7 @@ class GradScaler:
         enabled: bool = True,
         *,
         backend: str = "auto",
-        policy: LossScalePolicy | None = None,
+        policy: LossScalePolicy | PeerPreset | str | None = None,
         fold_into_optimizer: bool = True,
         compile_policy: bool | None = None,
         process_group: Any = None,
@@ -87,7 +91,9 @@ class GradScaler:
         self._process_group = check_process_group(process_group)
         self._rules = PolicyRunner(compile_policy)
         self._enabled = False if cuda_missing(device, enabled) else enabled  # torch disables it then, too
+        policy, policy_init_scale = peer_policy(policy)  # a peer's preset brings its initial scale
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
+        init_scale = policy_init_scale if init_scale is TORCH_INIT_SCALE else init_scale
         # Like torch, a disabled scaler keeps its arguments unchecked.
         init_scale = checked_init_scale(init_scale, self._policy) if self._enabled else init_scale
         # The scale and the policy's trackers: Python numbers until the first scale(), then tensors.

@@ -14,9 +14,21 @@ import torch
 from ..errors import ScalerConfigError
 from ..policy.knob_checks import check_scale_value
 from ..policy.loss_scale_policy import LossScalePolicy
+from ..policy.peer_presets import PRESETS, PeerPreset, preset
+
+
+class DefaultInitScale(float):
+    """The type of the constructor's default ``init_scale``: torch's 2**16 (and equal to it, so the
+    signature reads as torch's), told apart from an explicit ``init_scale=65536.0`` by identity --
+    a peer's preset then brings its own initial scale (``peer_policy``). Only the default object
+    itself is ever of this type; the scaler keeps plain floats."""
+
+    def __repr__(self) -> str:
+        return "65536.0"
+
 
 #: torch.amp.GradScaler's default ``init_scale`` (its other defaults are LossScalePolicy's).
-TORCH_INIT_SCALE = 2.0**16
+TORCH_INIT_SCALE = DefaultInitScale(2.0**16)
 #: The knobs torch's constructor and state_dict carry themselves (not inside ``policy``).
 TORCH_KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
 
@@ -29,6 +41,24 @@ def cuda_missing(device: str, enabled: bool) -> bool:
     return False
 
 
+def peer_policy(policy: LossScalePolicy | PeerPreset | str | None) -> tuple[LossScalePolicy | None, float]:
+    """``policy=`` as a policy and the initial scale that goes with it (used where ``init_scale`` is
+    the default ``TORCH_INIT_SCALE``): a ``LossScalePolicy`` (or None) with torch's 2**16; a peer's
+    preset (``tritonscale.presets.deepspeed(...)``) or a preset's name ("deepspeed": the peer's
+    defaults) with the peer's initial scale.
+    Example: ``peer_policy("keras")`` is Keras 3's policy and 32768.0."""
+    if isinstance(policy, str):
+        policy = preset(policy)
+    if isinstance(policy, PeerPreset):
+        return policy.policy, policy.init_scale
+    if policy is None or isinstance(policy, LossScalePolicy):
+        return policy, float(TORCH_INIT_SCALE)
+    raise TypeError(
+        "policy must be a tritonscale.LossScalePolicy, a peer's preset (tritonscale.presets.deepspeed(...)) "
+        f"or a preset's name (one of {sorted(PRESETS)}), got {type(policy).__name__}"
+    )
+
+
 def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy) -> float:
     """An enabled scaler's ``init_scale``: a number (or a 1-element tensor, as torch takes), finite
     and nonzero in float32, within the policy's [min_scale, max_scale]; the policy validated too."""
@@ -39,7 +69,7 @@ def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy
 
 
 def policy_from_torch_args(
-    policy: LossScalePolicy | None,
+    policy: LossScalePolicy | None,  # peer_policy's
     knobs: dict[str, Any],
     growth_factor: float,
     backoff_factor: float,
@@ -56,8 +86,6 @@ def policy_from_torch_args(
     torch_knobs = {"growth_factor": growth_factor, "backoff_factor": backoff_factor, "growth_interval": growth_interval}
     if policy is None:
         return LossScalePolicy(**torch_knobs, **knobs)
-    if not isinstance(policy, LossScalePolicy):
-        raise TypeError(f"policy must be a tritonscale.LossScalePolicy, got {type(policy).__name__}")
     defaults = {name: getattr(LossScalePolicy, name) for name in TORCH_KNOBS}
     if torch_knobs != defaults:
         raise ScalerConfigError("with policy=..., set growth_factor/backoff_factor/growth_interval inside the policy")
