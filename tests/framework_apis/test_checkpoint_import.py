@@ -1,8 +1,9 @@
 """Importing Megatron-LM, DeepSpeed and apex loss-scaler state: the trajectory continues as theirs would.
 
-Each test runs the framework's reference rule (tests/test_policies.py) for a while, builds that
-framework's checkpoint from the reference's state in the framework's own key layout, loads it into
-a GradScaler through tritonscale.framework_apis.checkpoint_import, and checks the two continue identically.
+Each test runs the framework's rule (tests/peer_rules.py, tests/scale_references.py) for a while,
+builds that framework's checkpoint from the rule's state in the framework's own key layout, loads it
+into a GradScaler built with another policy (torch's) through tritonscale.framework_apis.checkpoint_import,
+and checks the two continue identically: the checkpoint brings the peer's rule with it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import types
 
 import pytest
 import torch
-from scale_references import ApexRef, DeepSpeedRef, Loop, MegatronRef, overflow_pattern
+from peer_rules import DeepSpeedFP16Rule, DeepSpeedZeroRule, FairseqRule
+from scale_references import ApexRef, Loop, MegatronRef, overflow_pattern
 
-from tritonscale import GradScaler, ScalerConfigError
+from tritonscale import GradScaler, ScalerConfigError, from_fairseq
 from tritonscale.framework_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron
 
 
@@ -38,21 +40,49 @@ def test_megatron_checkpoint(seed):
     continue_together(from_megatron(saved, growth_interval=5), ref, pattern[37:])
 
 
-@pytest.mark.parametrize("zero", [False, True], ids=["fp16_optimizer", "zero"])
-def test_deepspeed_checkpoint(zero):
-    pattern = overflow_pattern(3, steps=80, p=0.4)
-    ref = DeepSpeedRef(2.0**12, scale_window=4, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False)
+@pytest.mark.parametrize("seed", [3, 5])
+@pytest.mark.parametrize("version", ["0.16.9", None], ids=["zero-0.16.9", "zero-now"])
+def test_deepspeed_zero_checkpoint(seed, version):
+    pattern = overflow_pattern(seed, steps=80, p=0.4)
+    ref = DeepSpeedZeroRule(2.0**40, 4, 1.0, delayed_shift=3, consecutive_hysteresis=False,
+                            stable_interval=version is None)  # fmt: skip
     for overflow in pattern[:41]:
         ref.update(overflow)
-    fields = {"cur_scale": ref.scale, "cur_iter": ref.cur_iter, "last_overflow_iter": ref.last_overflow_iter,
-              "scale_factor": 2.0, "scale_window": 4, "cur_hysteresis": ref.cur_hysteresis}  # fmt: skip
-    if zero:  # ZeRO pickles the scaler object itself
-        obj = types.SimpleNamespace(**fields, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False)
-        saved = {"loss_scaler": obj, "dynamic_loss_scale": True}
-    else:
-        saved = {"dynamic_loss_scale": True, **fields}
-    # FP16_Optimizer does not save delayed_shift: it comes from the (default) configured hysteresis=2.
+    # ZeRO pickles the scaler object itself: its hysteresis, floor and flags come with it.
+    saved = {"loss_scaler": types.SimpleNamespace(**vars(ref)), "dynamic_loss_scale": True}
+    continue_together(from_deepspeed(saved, version=version), ref, pattern[41:])
+
+
+@pytest.mark.parametrize("seed", [3, 5])
+def test_deepspeed_fp16_optimizer_checkpoint_has_no_hysteresis(seed):
+    pattern = overflow_pattern(seed, steps=80, p=0.4)
+    ref = DeepSpeedFP16Rule(2.0**12, 4, 1.0)
+    for overflow in pattern[:41]:
+        ref.update(overflow)
+    saved = {"dynamic_loss_scale": True, "cur_scale": ref.cur_scale, "cur_iter": ref.cur_iter,
+             "last_overflow_iter": ref.last_overflow_iter, "scale_factor": 2.0, "scale_window": 4}  # fmt: skip
     continue_together(from_deepspeed(saved), ref, pattern[41:])
+
+
+def test_the_issues_fp16_optimizer_checkpoint_backs_off_at_the_first_overflow():
+    saved = {"dynamic_loss_scale": True, "cur_scale": 1024.0, "cur_iter": 3, "last_overflow_iter": -1,
+             "scale_factor": 2.0, "scale_window": 1000}  # fmt: skip
+    ref = DeepSpeedFP16Rule(1024.0, 1000, 1.0)
+    ref.cur_iter = 3
+    continue_together(from_deepspeed(saved), ref, [True, False, False])
+    assert ref.scale == 512.0
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.25])
+def test_fairseq_checkpoint_restarts_its_counters_as_fairseq_does(tolerance):
+    pattern = overflow_pattern(6, steps=60, p=0.3)
+    ref = FairseqRule(2.0**10, 2.0, 3, tolerance, None, 1e-4)
+    for overflow in pattern[:25]:
+        ref.update(overflow)
+    # fairseq saves only the scale; its loader puts it into a fresh DynamicLossScaler.
+    saved = {"loss_scale": ref.loss_scale, "state": {}, "param_groups": []}
+    restarted = FairseqRule(ref.loss_scale, 2.0, 3, tolerance, None, 1e-4)
+    continue_together(from_fairseq(saved, fp16_scale_window=3, fp16_scale_tolerance=tolerance), restarted, pattern[25:])
 
 
 def test_apex_checkpoint():
@@ -71,3 +101,9 @@ def test_malformed_checkpoints_are_named():
         from_apex({"loss_scaler": {}})
     with pytest.raises(ScalerConfigError, match="DeepSpeed.*cur_iter"):
         from_deepspeed({"cur_scale": 2.0, "scale_window": 10})
+    with pytest.raises(ScalerConfigError, match="fairseq.*loss_scale"):
+        from_fairseq({"state": {}})
+    with pytest.raises(ScalerConfigError, match="scale_factor=3.0; DeepSpeed's rule is 2"):
+        from_deepspeed(
+            {"cur_scale": 2.0, "cur_iter": 0, "last_overflow_iter": -1, "scale_window": 10, "scale_factor": 3.0}
+        )
