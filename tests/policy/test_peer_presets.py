@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peer_rules import RULES, follow
 
-from tritonscale import GradScaler, presets
+from tritonscale import GradScaler, ScalerConfigError, presets
 
 PRESETS = {
     "torch": presets.torch,
@@ -218,3 +218,32 @@ def test_tf_keras_preset(request, backend, paths, peer_args, overflows):
 @given(peer_args=tf1_args(), overflows=OVERFLOWS)
 def test_tf1_preset(request, backend, paths, peer_args, overflows):
     check(request, "tf1", peer_args, overflows, backend, paths)
+
+
+# ------------------------------------------------------------------ the presets' own arguments
+def test_a_presets_name_is_taken_as_a_user_writes_it():
+    assert presets.preset("TF_Keras") == presets.preset("tf-keras") == presets.tf_keras()
+    assert GradScaler("cpu", policy="DeepSpeed").get_policy() == presets.deepspeed().policy
+
+
+@pytest.mark.parametrize("version, delayed", [("0.16.9+cu121", False), ("0.17.1", True), ("0.18", True), (None, True)])
+def test_a_deepspeed_version_as_pip_reports_it_picks_the_rule(version, delayed):
+    assert presets.deepspeed(version=version).policy.growth_delay == int(delayed)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: presets.deepspeed(loss_scale_window=0), r"presets 'deepspeed': The growth interval"),
+        (lambda: presets.deepspeed(version="latest"), "version must be a DeepSpeed release such as '0.16.9'"),
+        (lambda: presets.deepspeed(optimizer="zero3"), "'zero' .* or 'fp16'"),
+        (lambda: presets.megatron(growth_factor=1.00000001), r"presets 'megatron': The growth factor must be > 1"),
+        (lambda: presets.tf_keras(dynamic=False), '"initial_scale" must be specified'),
+        (lambda: presets.tf1(), "init_loss_scale and incr_every_n_steps"),
+        (lambda: presets.fairseq(fp16_scale_tolerance=0.5, min_loss_scale=-1.0), "presets 'fairseq': raise_at_scale"),
+    ],
+    ids=["window", "version", "optimizer", "megatron-float32-growth", "tf-keras-fixed", "tf1", "fairseq"],
+)
+def test_a_bad_peer_argument_is_named_with_its_preset(make, match):
+    with pytest.raises(ScalerConfigError, match=match):
+        make()
