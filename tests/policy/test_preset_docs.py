@@ -8,6 +8,7 @@ returns, so the table cannot drift from the code. Run this file as a script to r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tritonscale import LossScalePolicy, PeerPreset, presets
@@ -82,6 +83,15 @@ def test_the_presets_table_is_the_presets():
 def test_every_preset_has_a_row():
     shown = {_made(call).name for _, call in ROWS}
     assert shown == set(presets.PRESETS)
+
+
+def test_every_preset_the_docs_name_exists():
+    # Prose tables (docs/coming-from.md, the README) write calls with "...": each name must be a preset.
+    pages = [DOC.parents[1] / "README.md", *sorted(DOC.parent.glob("*.md"))]
+    named = {name for page in pages for name in re.findall(r"presets\.(\w+)\(", page.read_text())}
+    assert named and named <= {"preset", *(f.__name__ for f in presets.PRESETS.values())}, named
+    quoted = {name for page in pages for name in re.findall(r'policy="([\w-]+)"', page.read_text())}
+    assert quoted and quoted <= set(presets.PRESETS), quoted
 
 
 if __name__ == "__main__":
