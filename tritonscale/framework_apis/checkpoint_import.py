@@ -104,11 +104,14 @@ def from_deepspeed(
     if not fields.get("dynamic_loss_scale", True) or "scale_window" not in fields:
         return _state(peer_presets.deepspeed(loss_scale=scale, optimizer=optimizer), scale, 0)
     _require(fields, ("cur_iter", "last_overflow_iter", "scale_window"), "DeepSpeed dynamic loss-scaler state")
+    window = int(fields["scale_window"])
+    if window < 1:
+        raise ScalerConfigError(f"DeepSpeed loss-scaler state has scale_window={window}; it must be >= 1")
     factor = float(fields.get("scale_factor", 2.0))
     if factor != 2.0:
         raise ScalerConfigError(f"DeepSpeed loss-scaler state has scale_factor={factor}; DeepSpeed's rule is 2")
     preset = peer_presets.deepspeed(
-        loss_scale_window=int(fields["scale_window"]),
+        loss_scale_window=window,
         hysteresis=int(fields.get("delayed_shift", hysteresis)),
         consecutive_hysteresis=bool(fields.get("consecutive_hysteresis", consecutive_hysteresis)),
         min_loss_scale=float(fields.get("min_scale", min_loss_scale)),
