@@ -48,6 +48,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     loss's gradients only; ``backward_and_step`` and ``scaled_backward`` accumulate into ``.grad``
     as torch's loop does, so call ``zero_grad()`` once per iteration with them.
 
+    ``policy``: a ``LossScalePolicy`` (torch's rule by default), or a peer's preset with its initial
+    scale -- ``tritonscale.presets.keras()`` for Keras 3's, ``presets.tf_keras()`` for tf.keras 2's.
+
     Example::
 
         optimizer = tritonscale.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=1.0)
