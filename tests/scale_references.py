@@ -2,9 +2,10 @@
 
 Each class restates one framework's rule in plain Python, independently of tritonscale, in the
 arithmetic the original does it in: Python numbers where the original keeps the scale in Python
-(Megatron-LM, DeepSpeed, apex, MindSpore's manager), float32 where it keeps it in a float32 variable
-(TensorFlow). tests/policy/test_policies.py and tests/framework_apis/test_scale_managers.py check tritonscale's scale
-against them step for step, on the overflow patterns of ``overflow_pattern``.
+(Megatron-LM's older rule, apex, MindSpore's manager), float32 where it keeps it in a float32
+variable (TensorFlow). tests/policy/test_policies.py and tests/framework_apis/test_scale_managers.py
+check tritonscale's scale against them step for step, on the overflow patterns of
+``overflow_pattern``. The peers' presets have their transcriptions in tests/peer_rules.py.
 """
 
 from __future__ import annotations
@@ -48,36 +49,6 @@ class MegatronRef:  # megatron/core/optimizer/grad_scaler.py, DynamicGradScaler.
                 self.growth_tracker = 0
                 self.hysteresis_tracker = self.hysteresis
                 self.scale = self.scale * self.growth_factor
-
-
-class DeepSpeedRef:  # deepspeed/runtime/fp16/loss_scaler.py, DynamicLossScaler.update_scale
-    # The growth test is the one DeepSpeed shipped for years: (cur_iter - last_overflow_iter) %
-    # scale_window == 0, i.e. after every scale_window good steps. Newer releases test
-    # stable_interval = that - 1 > 0, which delays the first growth after an overflow by one step.
-    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis, raise_at_min=False):
-        self.scale, self.scale_factor, self.scale_window, self.min_scale = init_scale, 2.0, scale_window, min_scale
-        self.raise_at_min = raise_at_min
-        self.delayed_shift, self.cur_hysteresis = delayed_shift, delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.cur_iter, self.last_overflow_iter = 0, -1
-
-    def update(self, overflow):
-        if overflow:
-            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.scale == self.min_scale and self.raise_at_min:
-                    raise RuntimeError("at min scale")  # raise_error_at_min_scale
-                self.scale = max(self.scale / self.scale_factor, self.min_scale)
-            else:
-                self.cur_hysteresis -= 1
-            self.last_overflow_iter = self.cur_iter
-        else:
-            if self.consecutive_hysteresis:
-                self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                if not self.consecutive_hysteresis:
-                    self.cur_hysteresis = self.delayed_shift
-                self.scale *= self.scale_factor
-        self.cur_iter += 1
 
 
 class TensorFlowExponentialRef:

@@ -21,18 +21,6 @@ from peer_rules import RULES, follow
 
 from tritonscale import GradScaler, ScalerConfigError, presets
 
-PRESETS = {
-    "torch": presets.torch,
-    "megatron": presets.megatron,
-    "deepspeed": presets.deepspeed,
-    "apex": presets.apex,
-    "apex-hysteresis": presets.apex_hysteresis,
-    "fairseq": presets.fairseq,
-    "keras": presets.keras,
-    "tf-keras": presets.tf_keras,
-    "tf1": presets.tf1,
-}
-
 #: Overflow sequences as bursts (so hysteresis budgets, tolerances and windows are spent and refilled).
 OVERFLOWS = st.lists(st.tuples(st.booleans(), st.integers(1, 3)), min_size=1, max_size=8).map(
     lambda bursts: [flag for flag, length in bursts for _ in range(length)][:12]
@@ -48,7 +36,7 @@ PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[Healt
 
 def check(request, name, peer_args, overflows, backend, paths):
     """The preset ``name`` and its peer's rule, built from the same peer arguments, side by side."""
-    preset = PRESETS[name](**peer_args)
+    preset = presets.PRESETS[name](**peer_args)
     assert presets.preset(name, **peer_args) == preset
     scaler = GradScaler("cpu", policy=preset, backend=backend)
     no_host_reads = None
@@ -157,67 +145,30 @@ def tf1_args(draw):
     )
 
 
-@PATHS
-@PROPERTY
-@given(peer_args=torch_args(), overflows=OVERFLOWS)
-def test_torch_preset(request, backend, paths, peer_args, overflows):
-    check(request, "torch", peer_args, overflows, backend, paths)
+#: Each preset's random peer arguments, within the peer's valid ranges.
+PEER_ARGS = {
+    "torch": torch_args(),
+    "megatron": megatron_args(),
+    "deepspeed": deepspeed_args(),
+    "apex": apex_args(),
+    "apex-hysteresis": apex_hysteresis_args(),
+    "fairseq": fairseq_args(),
+    "keras": keras_args(),
+    "tf-keras": tf_keras_args(),
+    "tf1": tf1_args(),
+}
+
+
+def test_every_preset_has_its_property_test():
+    assert set(PEER_ARGS) == set(presets.PRESETS)
 
 
 @PATHS
+@pytest.mark.parametrize("name", list(PEER_ARGS))
 @PROPERTY
-@given(peer_args=megatron_args(), overflows=OVERFLOWS)
-def test_megatron_preset(request, backend, paths, peer_args, overflows):
-    check(request, "megatron", peer_args, overflows, backend, paths)
-
-
-@PATHS
-@PROPERTY
-@given(peer_args=deepspeed_args(), overflows=OVERFLOWS)
-def test_deepspeed_preset(request, backend, paths, peer_args, overflows):
-    check(request, "deepspeed", peer_args, overflows, backend, paths)
-
-
-@PATHS
-@PROPERTY
-@given(peer_args=apex_args(), overflows=OVERFLOWS)
-def test_apex_preset(request, backend, paths, peer_args, overflows):
-    check(request, "apex", peer_args, overflows, backend, paths)
-
-
-@PATHS
-@PROPERTY
-@given(peer_args=apex_hysteresis_args(), overflows=OVERFLOWS)
-def test_apex_hysteresis_preset(request, backend, paths, peer_args, overflows):
-    check(request, "apex-hysteresis", peer_args, overflows, backend, paths)
-
-
-@PATHS
-@PROPERTY
-@given(peer_args=fairseq_args(), overflows=OVERFLOWS)
-def test_fairseq_preset(request, backend, paths, peer_args, overflows):
-    check(request, "fairseq", peer_args, overflows, backend, paths)
-
-
-@PATHS
-@PROPERTY
-@given(peer_args=keras_args(), overflows=OVERFLOWS)
-def test_keras_preset(request, backend, paths, peer_args, overflows):
-    check(request, "keras", peer_args, overflows, backend, paths)
-
-
-@PATHS
-@PROPERTY
-@given(peer_args=tf_keras_args(), overflows=OVERFLOWS)
-def test_tf_keras_preset(request, backend, paths, peer_args, overflows):
-    check(request, "tf-keras", peer_args, overflows, backend, paths)
-
-
-@PATHS
-@PROPERTY
-@given(peer_args=tf1_args(), overflows=OVERFLOWS)
-def test_tf1_preset(request, backend, paths, peer_args, overflows):
-    check(request, "tf1", peer_args, overflows, backend, paths)
+@given(data=st.data(), overflows=OVERFLOWS)
+def test_the_preset_follows_its_peers_rule(request, backend, paths, name, data, overflows):
+    check(request, name, data.draw(PEER_ARGS[name], label="peer_args"), overflows, backend, paths)
 
 
 # ------------------------------------------------------------------ the presets' own arguments

@@ -18,22 +18,10 @@ from scale_references import Loop
 from tritonscale import GradScaler, presets
 from tritonscale.policy.policy_forms import SCALE_FLOOR
 
-PRESETS = {
-    "torch": presets.torch,
-    "megatron": presets.megatron,
-    "deepspeed": presets.deepspeed,
-    "apex": presets.apex,
-    "apex-hysteresis": presets.apex_hysteresis,
-    "fairseq": presets.fairseq,
-    "keras": presets.keras,
-    "tf-keras": presets.tf_keras,
-    "tf1": presets.tf1,
-}
-
 
 def run(name, overflows, backend, **peer_args):
     """The preset ``name`` with the peer's arguments, beside the peer's rule: the scale after each update."""
-    scaler = GradScaler("cpu", policy=PRESETS[name](**peer_args), backend=backend)
+    scaler = GradScaler("cpu", policy=presets.PRESETS[name](**peer_args), backend=backend)
     return scaler, follow(scaler, RULES[name](**peer_args), overflows, backend)
 
 
@@ -299,12 +287,12 @@ def test_tf1_fixed_loss_scale_manager(backend):
 
 
 # ------------------------------------------------------------------------------ the peers' defaults
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != "tf1"])  # TF 1.x has no default scale or interval
+@pytest.mark.parametrize("name", [n for n in presets.PRESETS if n != "tf1"])  # TF 1.x has no default scale or interval
 def test_a_preset_name_gives_the_peers_defaults(name):
     overflows = [True, False, True, True, False]
     scaler = GradScaler("cpu", policy=name, backend="torch")
     follow(scaler, RULES[name](), overflows, "torch")
-    assert presets.preset(name) == PRESETS[name]()
+    assert presets.preset(name) == presets.PRESETS[name]()
 
 
 def test_init_scale_overrides_the_presets():

@@ -15,9 +15,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from peer_rules import DeepSpeedZeroRule
 from scale_references import (
     ApexRef,
-    DeepSpeedRef,
     Loop,
     MegatronRef,
     MindSporeRef,
@@ -60,7 +60,9 @@ def test_deepspeed_dynamic_loss_scaler(seed, consecutive):
         "cpu", init_scale=2.0**10, growth_interval=3, min_scale=1.0, hysteresis=2,
         consecutive_hysteresis=consecutive, backend="torch",
     )  # fmt: skip
-    ref = DeepSpeedRef(2.0**10, scale_window=3, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=consecutive)
+    # ZeRO's rule before 0.17.1 (the growth test torch's), without its error at the floor.
+    ref = DeepSpeedZeroRule(2.0**10, 3, 1.0, 2, consecutive, stable_interval=False)
+    ref.raise_error_at_min_scale = False
     follow(scaler, ref, overflow_pattern(seed), "torch")
 
 
@@ -354,13 +356,13 @@ def test_deepspeed_raise_error_at_min_scale(seed):
     # DeepSpeed raises when an overflow would back off a scale already at min_scale.
     scaler = GradScaler("cpu", init_scale=8.0, growth_interval=3, min_scale=1.0, hysteresis=2, on_min_scale="raise",
                         backend="torch")  # fmt: skip
-    ref = DeepSpeedRef(8.0, scale_window=3, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False,
-                       raise_at_min=True)  # fmt: skip
+    ref = DeepSpeedZeroRule(8.0, 3, 1.0, 2, consecutive_hysteresis=False, stable_interval=False)
     loop = Loop(scaler, "torch")
     for overflow in overflow_pattern(seed, p=0.7):
         try:
             ref.update(overflow)
-        except RuntimeError:
+        except Exception as error:  # DeepSpeed raises a bare Exception
+            assert "already at minimum" in str(error)
             with pytest.raises(RuntimeError, match="already at min_scale"):
                 loop.step(overflow)
             return
