@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from tritonscale import GradScaler, LossScaleOptimizer, Updater
+from tritonscale import GradScaler, LossScaleOptimizer, Updater, presets
 from tritonscale.passes.backends import inverse_scale
 
 STEPS = 10
@@ -51,14 +51,18 @@ def api_step(shape: str, model, optimizer, scaler):
     return lambda loss: updater.update().norm
 
 
-def training_run(backend: str, compiler: str | None, shape: str = "GradScaler") -> dict:
+def training_run(backend: str, compiler: str | None, shape: str = "GradScaler", policy=None) -> dict:
     """STEPS scaled steps of a small model, the step compiled by ``compiler`` (a torch.compile
-    backend), or eager with None."""
+    backend), or eager with None; ``policy``: a peer's preset instead of torch's rule."""
     torch._dynamo.reset()  # the step function's code is shared by every run: no cache carried over
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend=backend)
+    scaler = (
+        GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend=backend)
+        if policy is None
+        else GradScaler("cpu", policy=policy, backend=backend)
+    )
     traced_steps = []  # the fused optimizer's own step must run eagerly inside scaler.step
     optimizer.register_step_pre_hook(lambda *_: traced_steps.append(torch.compiler.is_compiling()))
     api = api_step(shape, model, optimizer, scaler)
@@ -119,6 +123,22 @@ def test_compiled_step_equals_eager(request, backend, paths):
 
 def test_compiled_step_equals_eager_with_inductor(forbid_host_reads):
     assert_same_run(training_run("torch", "inductor"), training_run("torch", None), exact=False)
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [
+        # DeepSpeed's ZeRO rule: its error at the minimum scale reads the host, so update() stays eager.
+        presets.deepspeed(initial_scale_power=8, loss_scale_window=2),
+        # Megatron-LM's float32 factors, traced into the caller's graph with no host read.
+        presets.megatron(initial_scale=2.0**8, growth_factor=1.1, backoff_factor=0.9, growth_interval=2, hysteresis=1),
+    ],
+    ids=["deepspeed", "megatron"],
+)
+def test_a_peers_preset_compiled_equals_eager(request, preset):
+    if not preset.policy.needs_host_check():
+        request.getfixturevalue("forbid_host_reads")
+    assert_same_run(training_run("torch", "aot_eager", policy=preset), training_run("torch", None, policy=preset))
 
 
 @pytest.mark.parametrize("shape", ["LossScaleOptimizer", "Updater"])

@@ -13,13 +13,16 @@ fairseq's FloatingPointError).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peer_rules import RULES, follow
+from scale_references import Loop
 
 from tritonscale import GradScaler, ScalerConfigError, presets
+from tritonscale.policy.policy_forms import SCALE_FLOOR
 
 #: Overflow sequences as bursts (so hysteresis budgets, tolerances and windows are spent and refilled).
 OVERFLOWS = st.lists(st.tuples(st.booleans(), st.integers(1, 3)), min_size=1, max_size=8).map(
@@ -198,3 +201,26 @@ def test_a_deepspeed_version_as_pip_reports_it_picks_the_rule(version, delayed):
 def test_a_bad_peer_argument_is_named_with_its_preset(make, match):
     with pytest.raises(ScalerConfigError, match=match):
         make()
+
+
+# ------------------------------------------------ the edges where a peer and its preset part (docs/policies.md)
+@pytest.mark.parametrize("name", ["keras", "megatron"])
+def test_past_float32s_max_the_peer_goes_to_inf_and_the_preset_keeps_its_scale(backend, name):
+    args = {"keras": dict(initial_scale=2.0**127, dynamic_growth_steps=1),
+            "megatron": dict(initial_scale=2.0**127, growth_interval=1, hysteresis=1)}[name]  # fmt: skip
+    peer, scaler = RULES[name](**args), GradScaler("cpu", policy=presets.preset(name, **args), backend=backend)
+    peer.update(False)
+    Loop(scaler, backend).step(False)
+    assert math.isinf(peer.scale)  # every later step overflows there
+    assert scaler.get_scale() == 2.0**127  # torch's rule: a growth that is not finite is not taken
+
+
+def test_below_2_to_the_minus_126_keras_goes_subnormal_and_the_preset_stops(backend):
+    peer = RULES["keras"](initial_scale=2.0**-125)
+    scaler = GradScaler("cpu", policy=presets.keras(initial_scale=2.0**-125), backend=backend)
+    loop = Loop(scaler, backend)
+    for _ in range(3):
+        peer.update(True)
+        loop.step(True)
+    assert peer.scale == 2.0**-128  # a float32 subnormal
+    assert scaler.get_scale() == SCALE_FLOOR == 2.0**-126
