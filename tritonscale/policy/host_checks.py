@@ -12,6 +12,12 @@ Three of the peers' rules end a run from inside the scale update, and a device v
 device: one integer tensor); the runner reads that one value and ``act_on_host_checks`` raises or
 warns. A raising update changes nothing. Example: ``flags = host_check_flags(policy, scale,
 counters, found_inf, skipped)``, then ``act_on_host_checks(policy, HostCheck(int(flags)), scale, counters)``.
+
+On the device a read waits for the stream, so ``UpdatesWithoutRead`` reads only when a condition
+could hold: from the scale and the skip count of its last read it knows how many updates must pass
+before one can (each update backs off at most once, and adds at most one skip), and it reads again
+once they have passed, or as soon as anything else wrote the state (``update(new_scale)``, a load,
+a knob's setter).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .policy_counters import CONSECUTIVE_SKIPS, UPDATES
-from .policy_forms import ON_DEVICE, RuleForm, as_float32
+from .policy_forms import ON_DEVICE, ON_HOST, RuleForm, as_float32
 
 if TYPE_CHECKING:
     from .loss_scale_policy import LossScalePolicy
@@ -92,7 +98,8 @@ def host_check_flags(
         limit = (form.read(skipped) > 0) & past_skip_limit(read[CONSECUTIVE_SKIPS] + 1, policy.max_consecutive_skips)
         flags = flags + form.where(limit, int(HostCheck.TOO_MANY_SKIPS), 0)
     if policy.dynamic and policy.raise_at_scale is not None:
-        after = form.where(policy.backs_off(overflow, read, form), policy.backed_off(scale, form), form.read(scale))
+        now = form.read(scale)
+        after = form.where(policy.backs_off(overflow, read, form), policy.backed_off(now, form), now)
         too_low = overflow & (form.as_float64(after) <= policy.raise_at_scale)  # fairseq compares Python floats
         flags = flags + form.where(too_low, int(HostCheck.AT_RAISE_SCALE), 0)
     return flags
@@ -126,3 +133,64 @@ def act_on_host_checks(policy: LossScalePolicy, flags: HostCheck, scale: torch.T
         if policy.on_min_scale == "raise":
             raise RuntimeError(message)
         warnings.warn(message + "; holding it there and skipping the step", RuntimeWarning, stacklevel=4)
+
+
+class UpdatesWithoutRead:
+    """How many more updates can pass without reading the host check on the device: none of its
+    conditions can hold before then. Valid only while the rule alone has written the state since
+    it was set: the scale and counter tensors' version counters and the knobs it depends on are
+    compared before each skipped read. Example::
+
+        bound = UpdatesWithoutRead()
+        if not bound.skips_read(policy, state):   # the first update always reads
+            ...read flags, scale, consecutive skips...; bound.set(policy, scale, in_a_row)
+        ...the rule's update...; bound.seen(policy, state)
+    """
+
+    #: Backoffs simulated at most: past that many, the next read comes after this many updates.
+    LOOKAHEAD = 1024
+
+    def __init__(self) -> None:
+        self.left = 0
+        self.witness: tuple | None = None
+
+    @staticmethod
+    def _witness(policy: LossScalePolicy, state: Any) -> tuple:
+        knobs = (policy.dynamic, policy.backoff_factor, policy.min_scale, policy.on_min_scale, policy.raise_at_scale,
+                 policy.max_consecutive_skips)  # fmt: skip
+        return (state.scale, state.scale._version, state.counters, state.counters._version, knobs)
+
+    def skips_read(self, policy: LossScalePolicy, state: Any) -> bool:
+        """True (and one update fewer left) when this update's check cannot fire: no read needed."""
+        if self.left <= 0 or self.witness is None:
+            return False
+        current = self._witness(policy, state)
+        unchanged = all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(current, self.witness))
+        if unchanged:
+            self.left -= 1
+        return unchanged
+
+    def set(self, policy: LossScalePolicy, scale: float, in_a_row: int) -> None:
+        """After a read before an update: ``scale`` and ``in_a_row`` (consecutive skips) as read."""
+        bounds = []
+        if policy.dynamic and policy.min_scale is not None and policy.on_min_scale != "clamp":
+            # Fires at the j-th update from here only if j - 1 backoffs can bring the scale to min_scale.
+            bounds.append(self._backoffs_until(policy, scale, as_float32(policy.min_scale)) - 1)
+        if policy.dynamic and policy.raise_at_scale is not None:
+            # ... only if j backoffs (the j-th one's included) can bring it to raise_at_scale.
+            bounds.append(self._backoffs_until(policy, scale, policy.raise_at_scale) - 2)
+        if policy.max_consecutive_skips is not None:
+            bounds.append(policy.max_consecutive_skips - 1 - in_a_row)  # one skip more per update
+        self.left = max(0, min(bounds, default=0))
+
+    def seen(self, policy: LossScalePolicy, state: Any) -> None:
+        """After the rule's update: the state as the rule left it."""
+        self.witness = self._witness(policy, state)
+
+    def _backoffs_until(self, policy: LossScalePolicy, scale: float, level: float) -> int:
+        """The fewest backoffs from ``scale`` that reach ``level`` or below (LOOKAHEAD at most)."""
+        for count in range(1, self.LOOKAHEAD + 1):
+            scale = policy.backed_off(scale, ON_HOST)
+            if scale <= level:
+                return count
+        return self.LOOKAHEAD

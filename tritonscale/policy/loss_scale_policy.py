@@ -32,9 +32,9 @@ GPU, and the update can be compiled and captured in a CUDA graph), or, on the CP
 value waits for nothing, on Python numbers read from the state and written back -- bit for bit the
 same state, at a fraction of the cost of ~10-40 tiny tensor ops. Every tensor is updated in place
 at a fixed address. On the device, only the opt-in checks that must stop training ("warn"/"raise"
-at the floor, ``max_consecutive_skips``, ``raise_at_scale``; ``host_checks.py``) read one device
-value per update on the host. Each peer's rule as these knobs, by the peer's own argument names:
-``peer_presets.py``.
+at the floor, ``max_consecutive_skips``, ``raise_at_scale``; ``host_checks.py``) read a device value
+on the host, and only in the updates where they could fire. Each peer's rule as these knobs, by the
+peer's own argument names: ``peer_presets.py``.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class LossScalePolicy:
         return SCALE_FLOOR if self.min_scale is None else max(SCALE_FLOOR, self.min_scale)
 
     def needs_host_check(self) -> bool:
-        """True when an update must read one device value (``host_checks.py``): "warn"/"raise" at
+        """True when an update may have to read a device value (``host_checks.py``): "warn"/"raise" at
         the floor, a skip limit, or fairseq's error scale."""
         floor_check = self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp"
         return (
@@ -232,9 +232,10 @@ class LossScalePolicy:
             back_off = back_off & (share >= self.overflow_tolerance)
         return back_off
 
-    def backed_off(self, scale: torch.Tensor, form: RuleForm = ON_DEVICE) -> Any:
-        """The scale one backoff leaves (torch's float64 product rounded once, then the floor)."""
-        lowered = form.times_factor(form.read(scale), self.backoff_factor)
+    def backed_off(self, scale: Any, form: RuleForm = ON_DEVICE) -> Any:
+        """The scale one backoff leaves from ``scale`` (a value the form has read): torch's float64
+        product rounded once, then the floor. Example: ``policy.backed_off(8.0, ON_HOST) == 4.0``."""
+        lowered = form.times_factor(scale, self.backoff_factor)
         return form.at_least(lowered, self.backoff_floor())
 
     def _gated_backoff_(

@@ -17,9 +17,9 @@ import torch
 
 from .. import host_reads
 from ..flags import combine_flags, flags_on
-from .host_checks import HostCheck, act_on_host_checks, host_check_flags
+from .host_checks import HostCheck, UpdatesWithoutRead, act_on_host_checks, host_check_flags
 from .loss_scale_policy import LossScalePolicy
-from .policy_counters import count_step_
+from .policy_counters import CONSECUTIVE_SKIPS, count_step_
 from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
 from .policy_state import DeviceState
 
@@ -46,6 +46,7 @@ class PolicyRunner:
         # id in the key names that policy as long as the entry exists. A knob set later still counts:
         # the eager rule reads it at each call, a compiled one recompiles on Dynamo's guards.
         self._rules: dict[tuple[str, int, RuleForm, bool], Callable[..., Any]] = {}
+        self._unread = UpdatesWithoutRead()  # the host check's reads the device may skip
 
     def _compiles(self, device: torch.device) -> bool:
         return self.compile_policy if self.compile_policy is not None else device.type == "cuda"
@@ -86,13 +87,29 @@ class PolicyRunner:
             raise AssertionError("No inf checks were recorded prior to update.")
         norm = _last_norm(outcome, device)
         if policy.needs_host_check():
-            # Opt-in checks that must stop or warn: one host read, before anything changes.
-            flags = host_check_flags(policy, state.scale, state.counters, found_inf, skipped, form=self.form(device))
-            act_on_host_checks(policy, HostCheck(int(flags)), state.scale, state.counters)
+            self._host_check(policy, state, found_inf, skipped)
         self.rule(policy, "update_", device)(
             state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm
         )
+        self._unread.seen(policy, state)
         return found_inf, norm
+
+    def _host_check(
+        self, policy: LossScalePolicy, state: DeviceState, found_inf: torch.Tensor, skipped: torch.Tensor
+    ) -> None:
+        """The opt-in checks that must stop or warn, before anything changes: on the host form free,
+        on the device one read -- and none while ``UpdatesWithoutRead`` proves they cannot fire."""
+        form = self.form(state.scale.device)
+        if form is ON_HOST:
+            flags = host_check_flags(policy, state.scale, state.counters, found_inf, skipped, form=form)
+        elif self._unread.skips_read(policy, state):
+            return
+        else:
+            flags = host_check_flags(policy, state.scale, state.counters, found_inf, skipped, form=form)
+            values = torch.stack([flags.double(), state.scale.double(), state.counters[CONSECUTIVE_SKIPS].double()])
+            flags, scale, in_a_row = values.tolist()  # the one host read
+            self._unread.set(policy, scale, int(in_a_row))
+        act_on_host_checks(policy, HostCheck(int(flags)), state.scale, state.counters)
 
     def count_only_(
         self, policy: LossScalePolicy, state: DeviceState, outcome: IterationOutcome
@@ -123,7 +140,11 @@ class PolicyRunner:
         return found_inf, self.rule(policy, "skip_decision", device)(found_inf, None, state.norm_stats)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"compile_policy": self.compile_policy, "_rules": {}}  # rules (compiled ones too) are rebuilt on use
+        return {"compile_policy": self.compile_policy}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Rules (compiled ones too) are rebuilt on use; a copy reads its first host check.
+        self.__init__(state["compile_policy"])
 
 
 def _last_norm(outcome: IterationOutcome, device: torch.device) -> torch.Tensor | None:
