@@ -91,13 +91,14 @@ class LossScalePolicy:
     max_scale: float | None = None
     on_min_scale: str = "clamp"
     max_consecutive_skips: int | None = None
-    growth_delay: int = 0
-    overflow_tolerance: float = 0.0
-    raise_at_scale: float | None = None
     skip_norm_above: float | None = None
     skip_norm_factor: float | None = None
     norm_average_decay: float = 0.99
     norm_warmup_steps: int = 10
+    # The peers' own rules (appended: the fields above keep their positions).
+    growth_delay: int = 0
+    overflow_tolerance: float = 0.0
+    raise_at_scale: float | None = None
 
     def validate(self) -> LossScalePolicy:
         """Raise ScalerConfigError naming the first bad knob; return self."""

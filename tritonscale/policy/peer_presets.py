@@ -68,7 +68,7 @@ def megatron(
     ``ConstantGradScaler`` (overflowed steps still skipped). Factors and floor are float32 tensors
     there: rounded to float32 here (growth 1.1 is 1.10000002384...)."""
     source = "NVIDIA/Megatron-LM megatron/core/optimizer/grad_scaler.py @ 00caa53a"
-    if loss_scale is not None:
+    if loss_scale:  # Megatron builds a ConstantGradScaler for a truthy loss_scale
         return _preset("megatron", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source)
     policy = LossScalePolicy(
         growth_factor=as_float32(growth_factor),
