@@ -88,19 +88,23 @@ class DeepSpeedScaler:
     builds them. ZeRO: ``CreateLossScaler`` (DynamicLossScaler or, for ``loss_scale > 0``, LossScaler)
     and ``update_scale(overflow)``, as stage_1_and_2's ``_update_scale``. FP16_Optimizer and
     FP16_UnfusedOptimizer: their ``_update_scale`` called on a stand-in holding a real
-    ``LossScaleConfig`` (their constructors need a GPU). The optimizers skip every overflowed step."""
+    ``LossScaleConfig`` of the engine's profile for that class ("fused", "unfused"; their
+    constructors need a GPU). The optimizers skip every overflowed step."""
 
-    def __init__(self, deepspeed_modules, optimizer, fp16_optimizer_class, **fp16):
-        loss_scaler, config_class = deepspeed_modules
+    def __init__(self, modules, optimizer, fp16_optimizer, **fp16):
+        loss_scaler, config_class = modules
         config = config_class(enabled=True, **fp16)
         args, dynamic = config.dynamic_loss_scale_args(), config.loss_scale == 0
         if optimizer == "zero":
             self.scaler = loss_scaler.CreateLossScaler(torch.half, config.loss_scale, dynamic, args)
             self._update, self._state = self.scaler.update_scale, self.scaler
         else:
-            state = loss_scaler.LossScaleConfig(torch.half, dynamic, config.loss_scale, args)
+            optimizer_class, profile = fp16_optimizer
+            state = loss_scaler.LossScaleConfig(
+                torch.half, dynamic, config.loss_scale, args, profile=loss_scaler.LossScaleProfile(profile)
+            )
             stand_in = SimpleNamespace(loss_scale_config=state, verbose=False)
-            self._update = lambda skip: fp16_optimizer_class._update_scale(stand_in, skip)
+            self._update = lambda skip: optimizer_class._update_scale(stand_in, skip)
             self._state = state
         self.skipped = False
 
@@ -147,10 +151,11 @@ def test_deepspeed_loss_scalers(monkeypatch, backend, data, overflows):
 
     fp16 = data.draw(deepspeed_fp16_config(), label="fp16_config")
     optimizer = data.draw(st.sampled_from(["zero", "fp16"]), label="optimizer")
-    fp16_class = data.draw(st.sampled_from([FP16_Optimizer, FP16_UnfusedOptimizer]), label="fp16_optimizer_class")
-    peer = DeepSpeedScaler(modules, optimizer, fp16_class, **fp16)
+    engine_profiles = [(FP16_Optimizer, "fused"), (FP16_UnfusedOptimizer, "unfused")]  # as DeepSpeedEngine picks
+    fp16_optimizer = data.draw(st.sampled_from(engine_profiles), label="fp16_optimizer")
+    peer = DeepSpeedScaler(modules, optimizer, fp16_optimizer, **fp16)
     preset = presets.deepspeed(**fp16, optimizer=optimizer, version=version)
-    run(preset, peer, overflows, backend, f"deepspeed {version} ({optimizer}, {fp16_class.__name__})")
+    run(preset, peer, overflows, backend, f"deepspeed {version} ({optimizer}, {fp16_optimizer[0].__name__})")
 
 
 # ------------------------------------------------------------------------------------- Megatron-LM
