@@ -13,7 +13,6 @@ fairseq's FloatingPointError).
 from __future__ import annotations
 
 import contextlib
-import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -204,23 +203,40 @@ def test_a_bad_peer_argument_is_named_with_its_preset(make, match):
 
 
 # ------------------------------------------------ the edges where a peer and its preset part (docs/policies.md)
-@pytest.mark.parametrize("name", ["keras", "megatron"])
-def test_past_float32s_max_the_peer_goes_to_inf_and_the_preset_keeps_its_scale(backend, name):
-    args = {"keras": dict(initial_scale=2.0**127, dynamic_growth_steps=1),
-            "megatron": dict(initial_scale=2.0**127, growth_interval=1, hysteresis=1)}[name]  # fmt: skip
+PAST_THE_MAX = {
+    # float32 products with no finiteness check: inf
+    "keras": dict(initial_scale=2.0**127, dynamic_growth_steps=1),
+    "megatron": dict(initial_scale=2.0**127, growth_interval=1, hysteresis=1),
+    # Python floats: past float32's range
+    "deepspeed": dict(initial_scale_power=127, loss_scale_window=1, version="0.16.9"),
+    "fairseq": dict(fp16_init_scale=2.0**127, fp16_scale_window=1),
+}
+
+
+@pytest.mark.parametrize("name", list(PAST_THE_MAX))
+def test_past_float32s_max_the_peer_leaves_float32_and_the_preset_keeps_its_scale(backend, name):
+    args = PAST_THE_MAX[name]
     peer, scaler = RULES[name](**args), GradScaler("cpu", policy=presets.preset(name, **args), backend=backend)
     peer.update(False)
     Loop(scaler, backend).step(False)
-    assert math.isinf(peer.scale)  # every later step overflows there
+    assert peer.scale > 3.4028234663852886e38  # inf, or a Python float past float32's max
     assert scaler.get_scale() == 2.0**127  # torch's rule: a growth that is not finite is not taken
 
 
-def test_below_2_to_the_minus_126_keras_goes_subnormal_and_the_preset_stops(backend):
-    peer = RULES["keras"](initial_scale=2.0**-125)
-    scaler = GradScaler("cpu", policy=presets.keras(initial_scale=2.0**-125), backend=backend)
+@pytest.mark.parametrize("name", ["keras", "apex"])
+def test_below_2_to_the_minus_126_the_peer_goes_on_and_the_preset_stops(backend, name):
+    args = {"keras": dict(initial_scale=2.0**-125), "apex": dict(init_scale=2.0**-125)}[name]
+    peer, scaler = RULES[name](**args), GradScaler("cpu", policy=presets.preset(name, **args), backend=backend)
     loop = Loop(scaler, backend)
     for _ in range(3):
         peer.update(True)
         loop.step(True)
-    assert peer.scale == 2.0**-128  # a float32 subnormal
+    assert peer.scale == 2.0**-128  # a float32 subnormal (Keras), a Python float (apex)
     assert scaler.get_scale() == SCALE_FLOOR == 2.0**-126
+
+
+@pytest.mark.parametrize("preset", [presets.tf_keras(initial_scale=0.5), presets.tf1(0.5, incr_every_n_steps=2)])
+def test_an_initial_scale_below_the_peers_floor_is_refused_where_it_is_set(preset):
+    # tf.keras and TF 1.x would raise it to 1 at the first overflow; here it is refused at once.
+    with pytest.raises(ScalerConfigError, match=r"init_scale=0.5 is below min_scale=1.0"):
+        GradScaler("cpu", policy=preset)
