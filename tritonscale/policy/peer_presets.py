@@ -105,15 +105,10 @@ def deepspeed(
         raise ScalerConfigError(
             f"optimizer must be 'zero' (ZeRO's DynamicLossScaler) or 'fp16' (FP16_Optimizer), got {optimizer!r}"
         )
-    source = (
-        "deepspeedai/DeepSpeed deepspeed/runtime/fp16/"
-        + (
-            "loss_scaler.py DynamicLossScaler.update_scale"
-            if optimizer == "zero"
-            else "fused_optimizer.py _update_scale"
-        )
-        + " @ edaa7221"
+    rule = (
+        "loss_scaler.py DynamicLossScaler.update_scale" if optimizer == "zero" else "fused_optimizer.py _update_scale"
     )
+    source = f"deepspeedai/DeepSpeed deepspeed/runtime/fp16/{rule} @ edaa7221"
     if loss_scale:
         return _preset("deepspeed", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source)
     delayed = optimizer == "fp16" or version is None or _release(version) >= DEEPSPEED_STABLE_INTERVAL
