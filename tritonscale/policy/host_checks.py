@@ -174,10 +174,11 @@ class UpdatesWithoutRead:
         """After a read before an update: ``scale`` and ``in_a_row`` (consecutive skips) as read."""
         bounds = []
         if policy.dynamic and policy.min_scale is not None and policy.on_min_scale != "clamp":
-            # Fires at the j-th update from here only if j - 1 backoffs can bring the scale to min_scale.
+            # Can fire at the j-th update after this one only if the j backoffs before it (this
+            # update's included) can bring the scale to min_scale.
             bounds.append(self._backoffs_until(policy, scale, as_float32(policy.min_scale)) - 1)
         if policy.dynamic and policy.raise_at_scale is not None:
-            # ... only if j backoffs (the j-th one's included) can bring it to raise_at_scale.
+            # ... only if j + 1 backoffs (the j-th update's own included) can bring it to raise_at_scale.
             bounds.append(self._backoffs_until(policy, scale, policy.raise_at_scale) - 2)
         if policy.max_consecutive_skips is not None:
             bounds.append(policy.max_consecutive_skips - 1 - in_a_row)  # one skip more per update
