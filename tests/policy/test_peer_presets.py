@@ -66,14 +66,23 @@ def megatron_args(draw):
 
 
 @st.composite
-def deepspeed_args(draw):
+def deepspeed_fp16_config(draw, min_loss_scales=(1, 0.25, 2.0**-10, 4, 3.0)):
+    """DeepSpeed's ``fp16`` keys (its config itself takes ``min_loss_scale`` as an int: the library
+    test draws ints; the rule takes any positive number)."""
     return dict(
         initial_scale_power=draw(st.one_of(st.integers(2, 4), st.integers(2, 32))),  # reach min_loss_scale too
         loss_scale_window=draw(INTERVAL),
         hysteresis=draw(st.integers(1, 3)),
         consecutive_hysteresis=draw(st.booleans()),
-        min_loss_scale=draw(st.sampled_from([1, 0.25, 2.0**-10, 4, 3.0])),
+        min_loss_scale=draw(st.sampled_from(min_loss_scales)),
         loss_scale=draw(st.sampled_from([0, 0, 0, 128.0])),
+    )
+
+
+@st.composite
+def deepspeed_args(draw):
+    return dict(
+        **draw(deepspeed_fp16_config()),
         optimizer=draw(st.sampled_from(["zero", "fp16"])),
         version=draw(st.sampled_from(["0.14.0", "0.16.9", "0.17.1", "0.19.6"])),
     )
