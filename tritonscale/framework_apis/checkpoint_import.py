@@ -150,25 +150,16 @@ def from_apex(state: dict[str, Any], *, index: int = 0, scale_window: int = 2000
     return _state(preset, _number(state[key]["loss_scale"]), int(state[key]["unskipped"]))
 
 
-def from_fairseq(
-    state: dict[str, Any],
-    *,
-    fp16_scale_window: int | None = None,
-    fp16_scale_tolerance: float = 0.0,
-    threshold_loss_scale: float | None = None,
-    min_loss_scale: float = 1e-4,
-    distributed_world_size: int = 1,
-    update_freq: int = 1,
-) -> dict[str, Any]:
-    """fairseq ``FP16Optimizer.state_dict()`` (its ``loss_scale``; the options are fairseq's
-    ``--fp16-*``, with its defaults). fairseq saves no counters: after a load its scaler counts
-    from the start again, and so does this one.
+def from_fairseq(state: dict[str, Any], **fairseq_options: Any) -> dict[str, Any]:
+    """fairseq ``FP16Optimizer.state_dict()`` (its ``loss_scale``); ``fairseq_options`` are
+    ``presets.fairseq``'s (fairseq's ``--fp16-*`` options with its defaults) but the initial scale,
+    which is the checkpoint's. fairseq saves no counters: after a load its scaler counts from the
+    start again, and so does this one.
 
     Example::
 
-        scaler.load_state_dict(from_fairseq(checkpoint["last_optimizer_state"]))
+        scaler.load_state_dict(from_fairseq(checkpoint["last_optimizer_state"], fp16_scale_window=128))
     """
     _require(state, ("loss_scale",), "fairseq optimizer state")
-    preset = peer_presets.fairseq(1.0, fp16_scale_window, fp16_scale_tolerance, threshold_loss_scale, min_loss_scale,
-                                  distributed_world_size, update_freq)  # fmt: skip
+    preset = peer_presets.fairseq(**{**fairseq_options, "fp16_init_scale": 1.0})
     return _state(preset, _number(state["loss_scale"]), 0, overflows_since_backoff=0, updates_since_rescale=0)
