@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,15 +149,10 @@ def apex_hysteresis(
     growth_interval: int = 2000,
     hysteresis: int = 2,
 ) -> PeerPreset:
-    """apex's ``amp_C.update_scale_hysteresis`` kernel (NeMo's scaler): a hysteresis budget that
-    every good step refills, torch's arithmetic."""
-    policy = LossScalePolicy(
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        consecutive_hysteresis=True,
-    )
+    """apex's ``amp_C.update_scale_hysteresis`` kernel (NeMo's scaler): torch's rule and arithmetic
+    with a hysteresis budget that every good step refills."""
+    rule = torch(init_scale, growth_factor, backoff_factor, growth_interval).policy
+    policy = dataclasses.replace(rule, hysteresis=hysteresis, consecutive_hysteresis=True)
     return _preset("apex-hysteresis", init_scale, policy, "NVIDIA/apex csrc/update_scale_hysteresis.cu @ 16aaa783")
 
 

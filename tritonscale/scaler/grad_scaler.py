@@ -51,9 +51,8 @@ __all__ = ["GradScaler", "OptState"]
 class GradScaler:
     """Dynamic loss scaling with a fused unscale / inf-check / clip pass and no host sync.
 
-    torch's constructor (``init_scale`` defaults to 2**16, or to a preset's), methods and state_dict, plus
-    ``policy=`` (a ``LossScalePolicy``, or a peer's preset: ``tritonscale.presets.deepspeed(...)``,
-    "megatron", ...), :meth:`clip_grad_norm_` and ``backend``
+    torch's constructor, methods and state_dict, plus ``policy=`` (a ``LossScalePolicy``, or a peer's
+    preset with its initial scale: ``presets.deepspeed(...)``, "megatron"), :meth:`clip_grad_norm_` and ``backend``
     ("auto", "triton", "torch"). ``process_group``: the group across which ranks hold parts of the
     gradients (ZeRO, pipeline stages; DTensors bring their mesh's, DDP replicas need none).
 
@@ -91,9 +90,8 @@ class GradScaler:
         self._process_group = check_process_group(process_group)
         self._rules = PolicyRunner(compile_policy)
         self._enabled = False if cuda_missing(device, enabled) else enabled  # torch disables it then, too
-        policy, policy_init_scale = peer_policy(policy)  # a peer's preset brings its initial scale
+        policy, init_scale = peer_policy(policy, init_scale)  # a peer's preset brings its initial scale
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
-        init_scale = policy_init_scale if init_scale is TORCH_INIT_SCALE else init_scale
         # Like torch, a disabled scaler keeps its arguments unchecked.
         init_scale = checked_init_scale(init_scale, self._policy) if self._enabled else init_scale
         # The scale and the policy's trackers: Python numbers until the first scale(), then tensors.

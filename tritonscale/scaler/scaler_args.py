@@ -41,22 +41,26 @@ def cuda_missing(device: str, enabled: bool) -> bool:
     return False
 
 
-def peer_policy(policy: LossScalePolicy | PeerPreset | str | None) -> tuple[LossScalePolicy | None, float]:
-    """``policy=`` as a policy and the initial scale that goes with it (used where ``init_scale`` is
-    the default ``TORCH_INIT_SCALE``): a ``LossScalePolicy`` (or None) with torch's 2**16; a peer's
-    preset (``tritonscale.presets.deepspeed(...)``) or a preset's name ("deepspeed": the peer's
-    defaults) with the peer's initial scale.
-    Example: ``peer_policy("keras")`` is Keras 3's policy and 32768.0."""
+def peer_policy(
+    policy: LossScalePolicy | PeerPreset | str | None, init_scale: float | torch.Tensor
+) -> tuple[LossScalePolicy | None, float | torch.Tensor]:
+    """``policy=`` as a policy, and the initial scale: ``init_scale`` as given, or -- where it is the
+    default ``TORCH_INIT_SCALE`` -- the one that goes with the policy: torch's 2**16 for a
+    ``LossScalePolicy`` (or None), the peer's for a preset (``tritonscale.presets.deepspeed(...)``)
+    or a preset's name ("deepspeed": the peer's defaults).
+    Example: ``peer_policy("keras", TORCH_INIT_SCALE)`` is Keras 3's policy and 32768.0."""
     if isinstance(policy, str):
         policy = preset(policy)
     if isinstance(policy, PeerPreset):
-        return policy.policy, policy.init_scale
-    if policy is None or isinstance(policy, LossScalePolicy):
-        return policy, float(TORCH_INIT_SCALE)
-    raise TypeError(
-        "policy must be a tritonscale.LossScalePolicy, a peer's preset (tritonscale.presets.deepspeed(...)) "
-        f"or a preset's name (one of {sorted(PRESETS)}), got {type(policy).__name__}"
-    )
+        policy, default = policy.policy, policy.init_scale
+    elif policy is None or isinstance(policy, LossScalePolicy):
+        default = float(TORCH_INIT_SCALE)
+    else:
+        raise TypeError(
+            "policy must be a tritonscale.LossScalePolicy, a peer's preset (tritonscale.presets.deepspeed(...)) "
+            f"or a preset's name (one of {sorted(PRESETS)}), got {type(policy).__name__}"
+        )
+    return policy, default if init_scale is TORCH_INIT_SCALE else init_scale
 
 
 def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy) -> float:
