@@ -2,8 +2,9 @@
 
 The stages, in the order a step runs them: ``kernels`` (the Triton passes) < ``grads`` (which
 gradients, in which layout) < ``policy`` (the rule and its state) < ``passes`` (check, finalize,
-combine across ranks, apply or fold) < ``scaler`` (the controller) < ``framework_apis`` (other
-frameworks' APIs over the controller; ``shapes`` is its old name) and ``integrations``. Leaf
+combine across ranks, apply or fold) < ``scaler`` (the controller) < ``loop`` (the loop around it:
+skip-aware schedules, logging) < ``framework_apis`` (other frameworks' APIs over the controller;
+``shapes`` is its old name) and ``integrations``. Leaf
 modules at the package's top (``flags.py``, ``process_groups.py``, ``host_reads.py``,
 ``errors.py``) import no stage, and every stage but the kernels may import them (the kernels know
 nothing of the package around them). Every import counts: at module level, inside a function,
@@ -23,8 +24,8 @@ import tritonscale
 
 PACKAGE = Path(tritonscale.__file__).parent
 KERNELS = Path(importlib.import_module("tritonscale.kernels").__file__).parent
-ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4}
-ORDER |= {"framework_apis": 5, "shapes": 5, "integrations": 5}
+ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4, "loop": 5}
+ORDER |= {"framework_apis": 6, "shapes": 6, "integrations": 6}
 LEAVES = {"flags", "process_groups", "host_reads", "errors"}
 
 
