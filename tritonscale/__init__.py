@@ -23,8 +23,10 @@ from .grads.flat_grads import flatten_grads_
 from .grads.grad_sharding import mark_replicated
 from .policy import peer_presets as presets
 from .policy.loss_scale_policy import LossScalePolicy
+from .loop.scale_history import ScaleHistory
+from .loop.step_log import StepLog
 from .policy.peer_presets import PeerPreset
-from .scaler.diagnostics import ScaleHistory, nonfinite_grads
+from .scaler.diagnostics import nonfinite_grads
 from .scaler.grad_scaler import GradScaler, OptState
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "RankMismatchError",
     "ScaleHistory",
     "ScalerConfigError",
+    "StepLog",
     "UpdateResult",
     "Updater",
     "UpdaterError",

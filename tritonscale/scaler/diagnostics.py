@@ -1,14 +1,13 @@
-"""Diagnostics: per-step statistics as device tensors, the names of non-finite gradients, a history.
+"""Diagnostics: per-step statistics as device tensors and the names of non-finite gradients.
 
 Nothing here runs in the step. ``GradScaler.stats()`` returns device tensors, copies of that step's
-values (reading them is the caller's sync, when it wants one); ``nonfinite_grads`` and
-``ScaleHistory.to_lists``/``plot`` read device values on purpose, on request.
+values (reading them is the caller's sync, when it wants one; ``tritonscale.StepLog`` in the loop
+stage logs them without one); ``nonfinite_grads`` reads device values on purpose, on request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 
@@ -19,7 +18,17 @@ NO_STATS_WHEN_DISABLED = (
     "stats() reports the loss scale and its trackers, and this GradScaler was made with enabled=False "
     "(no loss scale, as in a bf16 run): log clip_grad_norm_'s return value and last_skip_flag() instead"
 )
-STAT_NAMES = ("scale", "norm", "found_inf", "skipped", "skipped_steps", "consecutive_skips", "growth_tracker")
+#: The entries of stats(), in the order a logged row holds them (tritonscale.StepLog).
+STAT_NAMES = (
+    "scale",
+    "norm",
+    "found_inf",
+    "skipped",
+    "skipped_steps",
+    "consecutive_skips",
+    "growth_tracker",
+    "hysteresis_left",
+)
 
 
 def device_stats(
@@ -82,76 +91,3 @@ def _stored_values(grad: torch.Tensor) -> torch.Tensor:
     if grad.layout is not torch.strided:  # sparse CSR / CSC / BSR / BSC
         return grad.values()
     return grad
-
-
-class ScaleHistory:
-    """Records ``GradScaler.stats()`` every step (device copies, no sync) and plots them.
-
-    Example::
-
-        history = tritonscale.ScaleHistory()
-        for batch in loader:
-            ...
-            scaler.update()
-            history.record(scaler)
-        history.plot("out/scale_history.png")
-    """
-
-    def __init__(self) -> None:
-        self._rows: list[torch.Tensor] = []
-
-    def record(self, scaler) -> None:
-        stats = scaler.stats()
-        device = stats["scale"].device
-        # One small device tensor per step; read back only in to_lists().
-        self._rows.append(torch.stack([stats[name].to(device, torch.float32).reshape(()) for name in STAT_NAMES]))
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def to_lists(self) -> dict[str, list[float]]:
-        """All recorded statistics as Python lists (one host sync)."""
-        if not self._rows:
-            return {name: [] for name in STAT_NAMES}
-        table = torch.stack(self._rows).cpu()
-        return {name: table[:, i].tolist() for i, name in enumerate(STAT_NAMES)}
-
-    def plot(self, path: str | Path, title: str = "loss scale, gradient norm and skipped steps") -> Path:
-        """Save a figure of scale, gradient norm (log axes) and skipped steps to ``path`` (PNG).
-
-        Needs matplotlib (``pip install ".[plot]"`` from a clone, or ``pip install matplotlib``).
-        """
-        try:
-            import matplotlib
-        except ModuleNotFoundError as e:
-            raise ModuleNotFoundError("ScaleHistory.plot needs matplotlib: pip install 'tritonscale[plot]'") from e
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        data = self.to_lists()
-        steps = list(range(len(data["scale"])))
-        skipped = [s for s, flag in zip(steps, data["skipped"]) if flag > 0]
-        fig, (ax_scale, ax_norm) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
-        ax_scale.step(steps, data["scale"], where="post", label="loss scale")
-        ax_scale.set_yscale("log", base=2)
-        ax_scale.set_ylabel("loss scale")
-        norms = [(s, n) for s, n in zip(steps, data["norm"]) if n == n and 0 < n < float("inf")]
-        if norms:
-            ax_norm.plot(*zip(*norms), label="grad norm (unscaled)")
-            ax_norm.set_yscale("log")
-        ax_norm.set_ylabel("gradient norm")
-        ax_norm.set_xlabel("step")
-        for ax in (ax_scale, ax_norm):
-            for s in skipped:
-                ax.axvline(s, color="tab:red", alpha=0.3, linewidth=1)
-            ax.grid(True, which="both", alpha=0.3)
-        ax_scale.plot([], [], color="tab:red", alpha=0.5, label=f"skipped step ({len(skipped)})")
-        ax_scale.legend(loc="best")
-        fig.suptitle(title)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path

@@ -1,0 +1,169 @@
+"""Logging without a sync: each step's ``stats()`` copied to host memory in the background and
+handed to the logger a few steps later, with its step number.
+
+A logger that reads ``scaler.stats()`` at once waits for the device every step, which undoes the
+overlap the fused pass buys. ``StepLog.record`` packs the stats into one device row (one stack,
+float64: the counters stay exact integers and the float32 scale and norm bit-exact), starts a
+non-blocking copy of it into a slot of a host ring (pinned memory on an accelerator; on the CPU
+the copy is a plain synchronous copy) and records an event after the copy. ``ready`` hands out the
+rows whose copy has finished (``event.query()``, which never waits) and that are at least
+``delay`` records old; ``flush`` waits for the rest, at the end.
+
+Reading a slot is a host-memory read, not a device read: once the copy's event has completed, the
+slot's bytes are in host memory and are read through ``ctypes`` from the slot's address. That is
+why no ``Tensor.item``/``tolist`` is called (the test suite's host-read guard forbids those, and
+on the CPU, where it makes the GPU paths run, every tensor is a CPU tensor). The values handed
+out are Python numbers, copies: the slot is reused, and a step's values stay that step's.
+
+The ring is allocated once, at the first record, with ``slots`` rows. It never hands out a slot
+still in flight: when every slot is taken, the oldest row is completed first, which on a GPU may
+wait for its copy. With ``ready()`` called each step, ``slots > delay`` leaves room; the default
+adds a few slots of slack for copies still running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..scaler.diagnostics import STAT_NAMES
+
+#: stats() entries handed out as Python ints (counters and trackers); the others are floats.
+INT_STATS = frozenset({"skipped", "skipped_steps", "consecutive_skips", "growth_tracker", "hysteresis_left"})
+SLACK = 4  # default slots beyond ``delay``: copies still running when the row is due
+
+
+@dataclass
+class _Pending:
+    """A row whose copy was started: its step, its host slot, the event after the copy and the
+    device row itself, kept until the copy is done (the allocator must not reuse its memory)."""
+
+    step: int
+    slot: int
+    event: torch.Event | None  # None on the CPU: the copy was synchronous
+    row: torch.Tensor
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class StepLog:
+    """Per-step ``scaler.stats()`` for a logger, with no host read of the device and no wait.
+
+    ``record(scaler, step)`` after ``update()`` never blocks (unless the ring is full, see the
+    module docstring); ``ready()`` returns ``[(step, values), ...]`` in step order for rows that
+    are ``delay`` records old and copied; ``flush()`` returns every row left (it may wait).
+    ``values`` maps each name of ``STAT_NAMES`` to a Python number: ``int`` for the counters,
+    ``float`` for ``scale`` (bit-exact float32), ``norm`` and ``found_inf``. ``on_ready(step,
+    values)``, if given, is called for each row as ``ready()``/``flush()`` hand it out.
+
+    A scaler made with ``enabled=False`` has no stats: ``record`` raises ``stats()``'s error
+    (log ``clip_grad_norm_``'s return value and ``last_skip_flag()`` instead).
+
+    Example::
+
+        log = tritonscale.StepLog(delay=2)
+        for step, batch in enumerate(loader):
+            ...
+            scaler.update()
+            log.record(scaler, step)
+            for s, values in log.ready():
+                writer.add_scalar("loss_scale", values["scale"], s)
+        for s, values in log.flush():
+            writer.add_scalar("loss_scale", values["scale"], s)
+    """
+
+    def __init__(self, delay: int = 1, slots: int | None = None, on_ready: Callable[[int, dict], None] | None = None):
+        self.delay = _count("delay", delay, minimum=0, why="how many later records a row waits for")
+        why = f"a slot for each of the {delay} rows held back and one for the new row; leave it unset for delay + {SLACK}"
+        self.slots = _count("slots", delay + SLACK if slots is None else slots, minimum=self.delay + 1, why=why)
+        self.on_ready = on_ready
+        self._ring: torch.Tensor | None = None  # [slots, len(STAT_NAMES)] float64 on the host
+        self._pending: deque[_Pending] = deque()
+        self._finished: deque[tuple[int, dict]] = deque()  # completed early: the ring was full
+        self._records = 0
+
+    def record(self, scaler, step: int | None = None) -> None:
+        """Start copying this step's ``scaler.stats()`` to the host; ``step`` defaults to the
+        number of rows recorded so far. Raises before any change on bad input."""
+        if isinstance(step, torch.Tensor):
+            raise TypeError("StepLog.record(scaler, step): step must be a Python int, not a tensor (reading it syncs)")
+        step = self._records if step is None else operator.index(step)
+        stats = scaler.stats()  # raises NO_STATS_WHEN_DISABLED for a disabled scaler
+        row = torch.stack([stats[name].reshape(()).to(torch.float64) for name in STAT_NAMES])
+        ring = self._ring_for(row.device)
+        if len(self._pending) == self.slots:
+            self._finish_oldest(wait=True)
+        slot = self._records % self.slots
+        ring[slot].copy_(row, non_blocking=True)
+        event = None
+        if row.device.type != "cpu":
+            event = torch.Event(device=row.device)
+            event.record()
+        self._pending.append(_Pending(step, slot, event, row))
+        self._records += 1
+
+    def ready(self) -> list[tuple[int, dict]]:
+        """The rows at least ``delay`` records old whose copy has finished, oldest first. Never waits."""
+        # The pending rows are the latest records, so the oldest has len(pending) - 1 records after it.
+        while len(self._pending) > self.delay and self._pending[0].done():
+            self._finish_oldest(wait=False)
+        return self._hand_out()
+
+    def flush(self) -> list[tuple[int, dict]]:
+        """Every row not yet handed out, oldest first, whatever its age (waits for their copies)."""
+        while self._pending:
+            self._finish_oldest(wait=True)
+        return self._hand_out()
+
+    def __len__(self) -> int:
+        """Rows recorded and not yet handed out."""
+        return len(self._pending) + len(self._finished)
+
+    def _ring_for(self, device: torch.device) -> torch.Tensor:
+        if self._ring is None:
+            pin = device.type != "cpu"
+            self._ring = torch.empty(self.slots, len(STAT_NAMES), dtype=torch.float64, pin_memory=pin)
+            self._device = device
+        elif device != self._device:
+            raise ValueError(
+                f"StepLog records rows of {self._device}, and this scaler's stats are on {device}: "
+                "use one StepLog per device"
+            )
+        return self._ring
+
+    def _finish_oldest(self, wait: bool) -> None:
+        """Read the oldest pending row into Python values (waiting for its copy if ``wait``)."""
+        pending = self._pending.popleft()
+        if wait and pending.event is not None:
+            pending.event.synchronize()
+        self._finished.append((pending.step, self._read(pending.slot)))
+
+    def _read(self, slot: int) -> dict:
+        """The slot's values as Python numbers: a read of host memory after its copy completed,
+        through ``ctypes`` at the slot's address (no Tensor -> host read: see the module docstring)."""
+        row = self._ring[slot]
+        numbers = (ctypes.c_double * len(STAT_NAMES)).from_address(row.data_ptr())[:]
+        return {name: int(v) if name in INT_STATS else v for name, v in zip(STAT_NAMES, numbers)}
+
+    def _hand_out(self) -> list[tuple[int, dict]]:
+        rows = list(self._finished)
+        self._finished.clear()
+        if self.on_ready is not None:
+            for step, values in rows:
+                self.on_ready(step, values)
+        return rows
+
+
+def _count(name: str, value: int, minimum: int, why: str) -> int:
+    """``value`` as an int of at least ``minimum``, or a TypeError/ValueError that says what works."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"StepLog({name}=...) takes an int ({why}), got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"StepLog({name}={value}): {name} must be at least {minimum} ({why})")
+    return value
