@@ -1,4 +1,4 @@
-"""Diagnostics: device-side stats without syncs, non-finite gradient names, history and plot."""
+"""Diagnostics: device-side stats without syncs, non-finite gradient names (ScaleHistory: tests/loop/)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-import tritonscale
 from tritonscale import GradScaler, ScaleHistory, nonfinite_grads
 
 
@@ -104,20 +103,6 @@ def test_lr_scheduler_stays_in_step_with_skipped_steps(backend):
         if not scaler.last_step_skipped():
             sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** pattern.count(False))
-
-
-def test_history_records_without_sync_and_plots(backend, tmp_path, forbid_host_reads):
-    model, opt, scaler = make(backend, fused=True)  # a fused optimizer: the whole loop is sync-free
-    history = ScaleHistory()
-    forbid_host_reads.on = True
-    run_steps(scaler, model, opt, [False, False, True, False, True, True, False, False], history)
-    forbid_host_reads.on = False
-    data = history.to_lists()
-    assert len(history) == 8 and data["skipped"] == [0, 0, 1, 0, 1, 1, 0, 0]
-    assert data["scale"] == [64.0, 64.0, 32.0, 32.0, 16.0, 8.0, 8.0, 8.0]
-    path = history.plot(tmp_path / "history.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-    assert tritonscale.ScaleHistory is ScaleHistory
 
 
 def _torch_twin(pattern):

@@ -1,0 +1,113 @@
+"""StepLog: each step's stats() reach the logger a few records later, exact, in order, with no host read.
+
+The oracle is the synchronous read: each step's ``scaler.stats()`` read at once (tests/stats_oracle.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from integrations.skip_truth import SKIP_CASES
+from stats_oracle import STEPS, exact, oracle_rows, run_case
+
+import tritonscale
+from tritonscale import StepLog
+from tritonscale.scaler.diagnostics import NO_STATS_WHEN_DISABLED, STAT_NAMES
+
+
+def logged_rows(case: str, log: StepLog, read_each_step: bool, steps: int = STEPS) -> list[tuple[int, dict]]:
+    """The rows ``log`` hands out over ``case``'s run: ready() after each record (or never), then flush()."""
+    rows = []
+
+    def each_step(step, scaler):
+        log.record(scaler, step)
+        if read_each_step:
+            rows.extend(log.ready())
+
+    run_case(case, each_step, steps)
+    return rows + log.flush()
+
+
+@pytest.mark.parametrize("read_each_step", [True, False], ids=["ready-each-step", "flush-at-the-end"])
+@pytest.mark.parametrize("case", SKIP_CASES)
+def test_logged_values_are_those_read_at_once_at_their_step(case, read_each_step):
+    # 3 slots over 14 steps: every slot is reused four times, and with flush at the end the first
+    # rows are handed out 11+ records after their step (a live view would show later values).
+    rows = logged_rows(case, StepLog(delay=2, slots=3), read_each_step)
+    oracle = oracle_rows(case)
+    assert set(oracle[0][1]) == set(STAT_NAMES)  # the row holds every entry of stats()
+    assert exact(rows) == exact(oracle)
+
+
+@pytest.mark.parametrize("delay", [0, 1, 3])
+def test_ready_hands_out_rows_delay_records_old_in_order(delay):
+    log = StepLog(delay=delay)
+    handed_out = []
+
+    def each_step(step, scaler):
+        log.record(scaler, 100 + step)
+        handed_out.append([s for s, _ in log.ready()])
+
+    run_case("sgd", each_step, steps=6)
+    # On the CPU every copy is done at once, so only the delay holds a row back.
+    expected = [[100 + k - delay] if k >= delay else [] for k in range(6)]
+    assert handed_out == expected
+    assert [s for s, _ in log.flush()] == [100 + k for k in range(6 - delay, 6)]
+    assert log.flush() == [] and len(log) == 0
+
+
+def test_flush_returns_every_row_in_order_and_the_callback_sees_each_once():
+    seen = []
+    log = StepLog(delay=3, slots=4, on_ready=lambda step, values: seen.append((step, values)))
+    rows = logged_rows("hysteresis", log, read_each_step=False, steps=9)  # the ring fills twice over
+    assert exact(rows) == exact(oracle_rows("hysteresis", steps=9))
+    assert seen == rows
+
+
+def test_no_host_read_in_a_whole_step_record_and_ready(backend, forbid_host_reads):
+    # A fused optimizer, so the step itself reads nothing on the GPU paths: the whole loop is armed.
+    log, rows = StepLog(delay=1, slots=2), []
+
+    def each_step(step, scaler):
+        log.record(scaler, step)
+        rows.extend(log.ready())
+
+    with forbid_host_reads.armed():
+        run_case("fused_adamw", each_step, backend=backend)
+    assert exact(rows + log.flush()) == exact(oracle_rows("fused_adamw", backend=backend))
+
+
+def test_a_disabled_scaler_is_refused_and_the_log_is_left_as_it_was():
+    log = StepLog(delay=0)
+    run_case("sgd", lambda step, scaler: log.record(scaler, step), steps=1)
+    disabled = tritonscale.GradScaler("cpu", enabled=False)
+    with pytest.raises(RuntimeError) as caught:
+        log.record(disabled, 1)
+    assert str(caught.value) == NO_STATS_WHEN_DISABLED
+    assert exact(log.flush()) == exact(oracle_rows("sgd", steps=1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"delay": -1}, ValueError, "delay must be at least 0"),
+        ({"delay": 1.5}, TypeError, "takes an int"),
+        ({"delay": True}, TypeError, "takes an int"),
+        ({"delay": 3, "slots": 3}, ValueError, "slots must be at least 4"),
+    ],
+    ids=["negative-delay", "float-delay", "bool-delay", "ring-no-larger-than-delay"],
+)
+def test_bad_arguments_say_what_works(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        StepLog(**kwargs)
+
+
+def test_a_tensor_step_is_refused_before_any_change():
+    log = StepLog(delay=0)
+
+    def each_step(step, scaler):
+        with pytest.raises(TypeError, match="Python int, not a tensor"):
+            log.record(scaler, torch.tensor(step))
+        log.record(scaler, step)
+
+    run_case("sgd", each_step, steps=3)
+    assert exact(log.flush()) == exact(oracle_rows("sgd", steps=3))
