@@ -4,6 +4,8 @@ The oracle is the synchronous read: each step's ``scaler.stats()`` read at once 
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 from integrations.skip_truth import SKIP_CASES
@@ -111,3 +113,8 @@ def test_a_tensor_step_is_refused_before_any_change():
 
     run_case("sgd", each_step, steps=3)
     assert exact(log.flush()) == exact(oracle_rows("sgd", steps=3))
+
+
+def test_the_docstring_example_runs():
+    example = textwrap.dedent(StepLog.__doc__.split("::\n", 1)[1])
+    exec(compile(example, "StepLog docstring", "exec"), {})

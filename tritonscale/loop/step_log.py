@@ -65,17 +65,25 @@ class StepLog:
     A scaler made with ``enabled=False`` has no stats: ``record`` raises ``stats()``'s error
     (log ``clip_grad_norm_``'s return value and ``last_skip_flag()`` instead).
 
-    Example::
+    Example (a fused optimizer, so no line of the loop reads the device)::
 
+        import torch
+        import tritonscale
+
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+        scaler = tritonscale.GradScaler("cpu")
         log = tritonscale.StepLog(delay=2)
-        for step, batch in enumerate(loader):
-            ...
+        logged = []  # stands for writer.add_scalar("loss_scale", values["scale"], step)
+        for step in range(5):
+            optimizer.zero_grad()
+            scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+            scaler.step(optimizer)
             scaler.update()
-            log.record(scaler, step)
-            for s, values in log.ready():
-                writer.add_scalar("loss_scale", values["scale"], s)
-        for s, values in log.flush():
-            writer.add_scalar("loss_scale", values["scale"], s)
+            log.record(scaler, step)  # never waits, never reads the device
+            logged += [(s, values["scale"]) for s, values in log.ready()]  # rows 2 records old
+        logged += [(s, values["scale"]) for s, values in log.flush()]  # the rest, at the end
+        assert [s for s, _ in logged] == [0, 1, 2, 3, 4]
     """
 
     def __init__(self, delay: int = 1, slots: int | None = None, on_ready: Callable[[int, dict], None] | None = None):
