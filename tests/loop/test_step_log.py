@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 from integrations.skip_truth import SKIP_CASES
-from stats_oracle import STEPS, exact, oracle_rows, run_case
+from stats_oracle import POISONED, STEPS, exact, oracle_rows, read_at_once, run_case
 
 import tritonscale
 from tritonscale import StepLog
@@ -103,12 +103,14 @@ def test_bad_arguments_say_what_works(kwargs, error, words):
         StepLog(**kwargs)
 
 
-def test_a_tensor_step_is_refused_before_any_change():
+def test_a_tensor_step_or_torchs_scaler_is_refused_before_any_change():
     log = StepLog(delay=0)
 
     def each_step(step, scaler):
         with pytest.raises(TypeError, match="Python int, not a tensor"):
             log.record(scaler, torch.tensor(step))
+        with pytest.raises(TypeError, match="takes a tritonscale.GradScaler"):
+            log.record(torch.amp.GradScaler("cpu"), step)
         log.record(scaler, step)
 
     run_case("sgd", each_step, steps=3)
@@ -118,3 +120,25 @@ def test_a_tensor_step_is_refused_before_any_change():
 def test_the_docstring_example_runs():
     example = textwrap.dedent(StepLog.__doc__.split("::\n", 1)[1])
     exec(compile(example, "StepLog docstring", "exec"), {})
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_rows_come_through_pinned_memory_and_events():
+    # Each step's stats are also read at once (a sync, after the record): the oracle.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    scaler = tritonscale.GradScaler("cuda", init_scale=2.0**10, growth_interval=3)
+    log, rows, oracle = StepLog(delay=2, slots=3), [], []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.randn(4, 64, device="cuda")).sum()).backward()
+        if step in POISONED:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.clip_grad_norm_(optimizer, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        log.record(scaler, step)
+        rows.extend(log.ready())
+        oracle.append((step, read_at_once(scaler)))
+    assert exact(rows + log.flush()) == exact(oracle)

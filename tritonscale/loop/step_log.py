@@ -88,10 +88,11 @@ class StepLog:
 
     def __init__(self, delay: int = 1, slots: int | None = None, on_ready: Callable[[int, dict], None] | None = None):
         self.delay = _count("delay", delay, minimum=0, why="how many later records a row waits for")
-        why = f"a slot for each of the {delay} rows held back and one for the new row; leave it unset for delay + {SLACK}"
+        why = f"a slot for each of the {delay} rows held back and one for the new row; unset, it is delay + {SLACK}"
         self.slots = _count("slots", delay + SLACK if slots is None else slots, minimum=self.delay + 1, why=why)
         self.on_ready = on_ready
         self._ring: torch.Tensor | None = None  # [slots, len(STAT_NAMES)] float64 on the host
+        self._device: torch.device | None = None  # where the rows are stacked (the first record's)
         self._pending: deque[_Pending] = deque()
         self._finished: deque[tuple[int, dict]] = deque()  # completed early: the ring was full
         self._records = 0
@@ -102,6 +103,9 @@ class StepLog:
         if isinstance(step, torch.Tensor):
             raise TypeError("StepLog.record(scaler, step): step must be a Python int, not a tensor (reading it syncs)")
         step = self._records if step is None else operator.index(step)
+        if not callable(getattr(scaler, "stats", None)):
+            kind = type(scaler).__name__
+            raise TypeError(f"StepLog.record takes a tritonscale.GradScaler (it logs its stats()), got a {kind}")
         stats = scaler.stats()  # raises NO_STATS_WHEN_DISABLED for a disabled scaler
         row = torch.stack([stats[name].reshape(()).to(torch.float64) for name in STAT_NAMES])
         ring = self._ring_for(row.device)
