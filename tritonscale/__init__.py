@@ -21,10 +21,10 @@ from .framework_apis.scale_managers import (
 from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 from .grads.flat_grads import flatten_grads_
 from .grads.grad_sharding import mark_replicated
-from .policy import peer_presets as presets
-from .policy.loss_scale_policy import LossScalePolicy
 from .loop.scale_history import ScaleHistory
 from .loop.step_log import StepLog
+from .policy import peer_presets as presets
+from .policy.loss_scale_policy import LossScalePolicy
 from .policy.peer_presets import PeerPreset
 from .scaler.diagnostics import nonfinite_grads
 from .scaler.grad_scaler import GradScaler, OptState
