@@ -187,15 +187,17 @@ class FusedClipParamSchedulerHook(ParamSchedulerHook):
         default_hooks = dict(param_scheduler=dict(type="FusedClipParamSchedulerHook"))
     """
 
+    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+        for wrapper in _wrappers(runner.optim_wrapper):
+            wrapper.applied_steps.clear()  # an iteration without a step (accumulation) skipped nothing
+
     def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
-        wrappers = runner.optim_wrapper
-        schedulers = runner.param_schedulers
+        wrappers, schedulers = runner.optim_wrapper, runner.param_schedulers
         if isinstance(wrappers, OptimWrapperDict) and isinstance(schedulers, dict):
-            skipped = {key: _skipped_now(wrapper) for key, wrapper in wrappers.items()}
+            skipped = {key: _skipped(wrapper) for key, wrapper in wrappers.items()}
             kept = {key: value for key, value in schedulers.items() if not skipped.get(key, False)}
         else:
-            each = wrappers.values() if isinstance(wrappers, OptimWrapperDict) else [wrappers]
-            kept = None if any([_skipped_now(wrapper) for wrapper in each]) else schedulers
+            kept = None if any(_skipped(wrapper) for wrapper in _wrappers(wrappers)) else schedulers
         runner.param_schedulers = kept  # what ParamSchedulerHook steps (None: nothing)
         try:
             super().after_train_iter(runner, batch_idx, data_batch, outputs)
@@ -203,10 +205,12 @@ class FusedClipParamSchedulerHook(ParamSchedulerHook):
             runner.param_schedulers = schedulers
 
 
-def _skipped_now(wrapper: Any) -> bool:
-    """Whether ``wrapper`` skipped this iteration's step (one host read); forgets it for the next."""
-    if not isinstance(wrapper, FusedClipAmpOptimWrapper):
-        return False
-    skipped = wrapper.applied_steps.skipped()
-    wrapper.applied_steps.clear()
-    return skipped
+def _wrappers(optim_wrapper: Any) -> list[FusedClipAmpOptimWrapper]:
+    """The runner's FusedClipAmpOptimWrappers (one, or those of an OptimWrapperDict)."""
+    each = optim_wrapper.values() if isinstance(optim_wrapper, OptimWrapperDict) else [optim_wrapper]
+    return [wrapper for wrapper in each if isinstance(wrapper, FusedClipAmpOptimWrapper)]
+
+
+def _skipped(wrapper: Any) -> bool:
+    """Whether ``wrapper`` skipped this iteration's step (one host read; False for other wrappers)."""
+    return isinstance(wrapper, FusedClipAmpOptimWrapper) and wrapper.applied_steps.skipped()
