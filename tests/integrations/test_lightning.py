@@ -452,6 +452,23 @@ def test_trainer_schedulers_advance_only_on_applied_steps(case):
     assert plugin.applied_steps.count == rec.truth.skipped.count(False)
 
 
+def test_trainer_fused_step_reads_nothing_on_the_host(forbid_host_reads):
+    # With a fused optimizer the step (closure, clip, step, update, recording the skip) stays on the
+    # device; the one read is the scheduler gate's, when Lightning steps the scheduler after the
+    # batch. (A plain optimizer's scaler.step reads its skip flag: the scaler's own read.)
+    case = "fused_adamw"
+    plugin = FusedClipPrecision("16-mixed", "cpu", backend="torch", **skip_truth.scaler_kwargs(case))
+    step = plugin.optimizer_step
+
+    def guarded(*args, **kwargs):
+        with forbid_host_reads.armed():
+            return step(*args, **kwargs)
+
+    plugin.optimizer_step = guarded
+    rec = fit_skip_case(case, plugin)
+    assert rec.lrs == expected_lrs(case, rec.truth.skipped)
+
+
 @pytest.mark.parametrize("case", skip_truth.SKIP_CASES)
 def test_fabric_loop_steps_the_scheduler_only_on_applied_steps(case):
     # Fabric has no scheduler of its own: the documented loop asks the plugin (one host read).
