@@ -25,6 +25,7 @@ lightning_fabric = pytest.importorskip("lightning.fabric")
 
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 import skip_truth  # noqa: E402
 import tritonscale  # noqa: E402
@@ -467,6 +468,35 @@ def test_trainer_fused_step_reads_nothing_on_the_host(forbid_host_reads):
     plugin.optimizer_step = guarded
     rec = fit_skip_case(case, plugin)
     assert rec.lrs == expected_lrs(case, rec.truth.skipped)
+
+
+def test_trainer_gate_keeps_the_modules_hook_and_a_second_fit():
+    # The gate wraps the module's own lr_scheduler_step (an override still runs, and Lightning still
+    # sees it as overridden); a second Trainer with a new plugin replaces the first plugin's gate.
+    class Overriding(SkipModule):
+        calls = 0
+
+        def lr_scheduler_step(self, scheduler, metric) -> None:
+            Overriding.calls += 1
+            scheduler.step()
+
+    module = Overriding("sgd")
+    for fit_number in range(2):
+        plugin = FusedClipPrecision("16-mixed", "cpu", backend="torch", **skip_truth.scaler_kwargs("sgd"))
+        pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=skip_truth.STEPS,
+            plugins=[plugin],
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+        ).fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(skip_truth.STEPS), batch_size=None))
+        assert is_overridden("lr_scheduler_step", module)
+        assert module.lr_scheduler_step.applied is plugin.applied_steps
+        # The injector poisons backward passes 2 and 5 of the first fit only.
+        assert Overriding.calls == skip_truth.STEPS - len(skip_truth.INJECTED) + fit_number * skip_truth.STEPS
 
 
 @pytest.mark.parametrize("case", skip_truth.SKIP_CASES)

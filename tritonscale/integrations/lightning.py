@@ -95,6 +95,7 @@ class _AppliedStepsOnly:
 
     def __init__(self, module: LightningModule, applied: AppliedSteps, hook: Callable[..., Any]) -> None:
         self.module, self.applied, self.hook = module, applied, hook
+        self.__wrapped__ = hook  # Lightning's is_overridden("lr_scheduler_step") looks through the gate
 
     def __call__(self, scheduler: Any, metric: Any = None) -> Any:
         configs = self.module.trainer.lr_scheduler_configs
