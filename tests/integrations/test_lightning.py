@@ -23,11 +23,11 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 lightning_fabric = pytest.importorskip("lightning.fabric")
 
+import skip_truth  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
-import skip_truth  # noqa: E402
 import tritonscale  # noqa: E402
 from tritonscale.integrations.lightning import (  # noqa: E402
     FabricFusedClipPrecision,
