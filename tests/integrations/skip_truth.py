@@ -87,3 +87,22 @@ class Truth:
     def after(self) -> None:
         moved = any(not torch.equal(b, p.detach()) for b, p in zip(self._before, self.params))
         self.skipped.append(not moved)
+
+
+def lrs_on_applied_steps(skipped: list[bool], read_lr, advance) -> list[float]:
+    """The scheduler oracle (Megatron's rule): the learning rate each step used, and the one after the
+    last, when the schedule is stepped on the host only on the applied steps of ``skipped``.
+
+    ``read_lr()`` gives the schedule's current rate and ``advance()`` steps it (a fresh scheduler of
+    the same kind as the framework's, on a dummy optimizer). Example::
+
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1 / (1 + n))
+        expected = lrs_on_applied_steps(truth.skipped, lambda: opt.param_groups[0]["lr"], sched.step)
+    """
+    lrs = []
+    for step_skipped in skipped:
+        lrs.append(read_lr())
+        if not step_skipped:
+            advance()
+    return lrs + [read_lr()]

@@ -23,8 +23,10 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 lightning_fabric = pytest.importorskip("lightning.fabric")
 
+import skip_truth  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 import tritonscale  # noqa: E402
 from tritonscale.integrations.lightning import (  # noqa: E402
@@ -365,6 +367,163 @@ def test_fabric_bf16_nan_step_is_skipped():
     assert skipped == [i == 2 for i in range(STEPS)]
     assert torch.isnan(norms[2])
     assert_params_close(params_of(ours), params_of(zeroed))
+
+
+# -------------------------------------------------------------------------- skipped steps and schedulers
+
+
+def lambda_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A schedule that changes the rate on every step, so one wrong advance shows."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1.0 / (1 + n))
+
+
+def expected_lrs(case: str, skipped: list[bool]) -> list[float]:
+    """The same torch scheduler stepped on the host only on the applied steps."""
+    opt = skip_truth.make_optimizer(case, [torch.zeros(1, requires_grad=True)])
+    sched = lambda_schedule(opt)
+    return skip_truth.lrs_on_applied_steps(skipped, lambda: opt.param_groups[0]["lr"], sched.step)
+
+
+class SkipModule(pl.LightningModule):
+    """A linear layer, the case's optimizer and a per-step LambdaLR (Lightning steps it)."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.case = torch.nn.Linear(6, 3), case
+        self.injector = skip_truth.GradInjector(self.net.weight, skip_truth.injected_kind(case))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self):
+        opt = skip_truth.make_optimizer(self.case, self.net.parameters())
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": lambda_schedule(opt), "interval": "step"}}
+
+
+class SkipRecorder(pl.Callback):
+    """Per batch: the truth, the plugin's skip signal, and the rate the step ran with (+ the final one)."""
+
+    def __init__(self, truth: skip_truth.Truth) -> None:
+        self.truth, self.signal, self.lrs = truth, [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.truth.before()
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.truth.after()
+        plugin = trainer.precision_plugin
+        self.signal.append(plugin.applied_steps.skipped() if isinstance(plugin, FusedClipPrecision) else None)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def fit_skip_case(case: str, plugin) -> SkipRecorder:
+    module = SkipModule(case)
+    recorder = SkipRecorder(skip_truth.Truth(module))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=skip_truth.STEPS,
+        gradient_clip_val=1.0,  # the norm the spike rule reads comes from the fused clip
+        plugins=[plugin],
+        callbacks=[recorder],
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    data = batches(skip_truth.STEPS)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    return recorder
+
+
+@pytest.mark.parametrize("case", skip_truth.SKIP_CASES)
+def test_trainer_schedulers_advance_only_on_applied_steps(case):
+    # Lightning steps interval="step" schedulers after every batch; the plugin gates them.
+    plugin = FusedClipPrecision("16-mixed", "cpu", backend="torch", **skip_truth.scaler_kwargs(case))
+    rec = fit_skip_case(case, plugin)
+    assert rec.truth.skipped == [s in skip_truth.INJECTED for s in range(skip_truth.STEPS)]
+    assert rec.signal == rec.truth.skipped
+    assert rec.lrs == expected_lrs(case, rec.truth.skipped)
+    assert plugin.applied_steps.count == rec.truth.skipped.count(False)
+
+
+def test_trainer_fused_step_reads_nothing_on_the_host(forbid_host_reads):
+    # With a fused optimizer the step (closure, clip, step, update, recording the skip) stays on the
+    # device; the one read is the scheduler gate's, when Lightning steps the scheduler after the
+    # batch. (A plain optimizer's scaler.step reads its skip flag: the scaler's own read.)
+    case = "fused_adamw"
+    plugin = FusedClipPrecision("16-mixed", "cpu", backend="torch", **skip_truth.scaler_kwargs(case))
+    step = plugin.optimizer_step
+
+    def guarded(*args, **kwargs):
+        with forbid_host_reads.armed():
+            return step(*args, **kwargs)
+
+    plugin.optimizer_step = guarded
+    rec = fit_skip_case(case, plugin)
+    assert rec.lrs == expected_lrs(case, rec.truth.skipped)
+
+
+def test_trainer_gate_keeps_the_modules_hook_and_a_second_fit():
+    # The gate wraps the module's own lr_scheduler_step (an override still runs, and Lightning still
+    # sees it as overridden); a second Trainer with a new plugin replaces the first plugin's gate.
+    class Overriding(SkipModule):
+        calls = 0
+
+        def lr_scheduler_step(self, scheduler, metric) -> None:
+            Overriding.calls += 1
+            scheduler.step()
+
+    module = Overriding("sgd")
+    for fit_number in range(2):
+        plugin = FusedClipPrecision("16-mixed", "cpu", backend="torch", **skip_truth.scaler_kwargs("sgd"))
+        pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=skip_truth.STEPS,
+            plugins=[plugin],
+            enable_progress_bar=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+        ).fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(skip_truth.STEPS), batch_size=None))
+        assert is_overridden("lr_scheduler_step", module)
+        assert module.lr_scheduler_step.applied is plugin.applied_steps
+        # The injector poisons backward passes 2 and 5 of the first fit only.
+        assert Overriding.calls == skip_truth.STEPS - len(skip_truth.INJECTED) + fit_number * skip_truth.STEPS
+
+
+@pytest.mark.parametrize("case", skip_truth.SKIP_CASES)
+def test_fabric_loop_steps_the_scheduler_only_on_applied_steps(case):
+    # Fabric has no scheduler of its own: the documented loop asks the plugin (one host read).
+    plugin = FabricFusedClipPrecision("16-mixed", "cpu", backend="torch", **skip_truth.scaler_kwargs(case))
+    fabric = enable_fused_clipping(lightning_fabric.Fabric(accelerator="cpu", devices=1, plugins=[plugin]))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(6, 3)
+    injector = skip_truth.GradInjector(net.weight, skip_truth.injected_kind(case))  # noqa: F841 (kept alive)
+    model, opt = fabric.setup(net, skip_truth.make_optimizer(case, net.parameters()))
+    sched, truth, signal, lrs = lambda_schedule(opt), skip_truth.Truth(net), [], []
+    for x, y in batches(skip_truth.STEPS):
+        truth.before()
+        lrs.append(opt.param_groups[0]["lr"])
+        fabric.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        truth.after()
+        signal.append(plugin.applied_steps.skipped())
+        assert signal[-1] == plugin.scaler.last_step_skipped()  # the documented recipe says the same
+        if not signal[-1]:
+            sched.step()
+    assert truth.skipped == [s in skip_truth.INJECTED for s in range(skip_truth.STEPS)]
+    assert signal == truth.skipped
+    assert lrs + [opt.param_groups[0]["lr"]] == expected_lrs(case, truth.skipped)
 
 
 # ------------------------------------------------------------------------------------------- arguments

@@ -17,6 +17,7 @@ import itertools
 import warnings
 
 import pytest
+import skip_truth
 import torch
 
 pytest.importorskip("mmengine")
@@ -282,3 +283,81 @@ def test_fold_step_reads_nothing_on_the_host(forbid_host_reads, backend):
         wrapper.update_params(loss)
         forbid_host_reads.on = False
     assert int(wrapper.loss_scaler.stats()["skipped_steps"]) == 1
+
+
+def _linear_lr(optimizer):
+    """mmengine's iteration-based LinearLR (the rate changes on every iteration)."""
+    from mmengine.optim import LinearLR
+
+    return LinearLR(optimizer, start_factor=0.1, by_epoch=False, begin=0, end=skip_truth.STEPS)
+
+
+@pytest.mark.parametrize("case", skip_truth.SKIP_CASES)
+def test_runner_param_schedulers_advance_only_on_applied_steps(monkeypatch, tmp_path, case):
+    """A Runner with an iteration-based LinearLR: FusedClipParamSchedulerHook steps it on applied steps."""
+    import sys
+
+    from mmengine.hooks import Hook
+    from mmengine.model import BaseModel
+    from mmengine.runner import Runner
+
+    try:
+        import torchvision  # noqa: F401  (Runner's collect_env imports it)
+    except Exception:  # a CUDA build next to a CPU torch: let collect_env see it as absent
+        monkeypatch.setitem(sys.modules, "torchvision", None)
+
+    class Net(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(6, 3)
+
+        def forward(self, inputs, labels, mode="tensor"):
+            out = self.net(inputs)
+            return {"loss": torch.nn.functional.mse_loss(out.float(), labels)} if mode == "loss" else out
+
+    class Record(Hook):  # NORMAL priority: runs before the scheduler hook (LOW)
+        def __init__(self, truth):
+            self.truth, self.signal, self.lrs = truth, [], []
+
+        def before_train_iter(self, runner, batch_idx, data_batch=None):
+            self.truth.before()
+            self.lrs.append(runner.optim_wrapper.optimizer.param_groups[0]["lr"])
+
+        def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+            self.truth.after()
+            self.signal.append(runner.optim_wrapper.applied_steps.skipped())
+
+    torch.manual_seed(0)
+    model = Net()
+    injector = skip_truth.GradInjector(model.net.weight, skip_truth.injected_kind(case))  # noqa: F841
+    wrapper = FusedClipAmpOptimWrapper(
+        optimizer=skip_truth.make_optimizer(case, model.parameters()),
+        loss_scale=dict(skip_truth.scaler_kwargs(case), backend="torch", device="cpu"),
+        clip_grad=dict(max_norm=1.0),
+        log_grad_norm=False,
+    )
+    record = Record(skip_truth.Truth(model))
+    runner = Runner(
+        model=model,
+        work_dir=str(tmp_path),
+        train_dataloader=dict(
+            dataset=[(torch.randn(6), torch.randn(3)) for _ in range(8 * skip_truth.STEPS)],
+            sampler=dict(type="DefaultSampler", shuffle=False),
+            batch_size=8,
+            collate_fn=dict(type="default_collate"),
+        ),
+        train_cfg=dict(by_epoch=False, max_iters=skip_truth.STEPS),
+        optim_wrapper=wrapper,
+        param_scheduler=dict(type="LinearLR", start_factor=0.1, by_epoch=False, begin=0, end=skip_truth.STEPS),
+        default_hooks=dict(checkpoint=None, param_scheduler=dict(type="FusedClipParamSchedulerHook")),
+        custom_hooks=[record],
+        log_level="WARNING",
+    )
+    runner.train()
+    skipped = record.truth.skipped
+    assert skipped == [s in skip_truth.INJECTED for s in range(skip_truth.STEPS)]
+    assert record.signal == skipped
+    oracle_opt = skip_truth.make_optimizer(case, [torch.zeros(1, requires_grad=True)])
+    oracle = _linear_lr(oracle_opt)
+    expected = skip_truth.lrs_on_applied_steps(skipped, lambda: oracle_opt.param_groups[0]["lr"], oracle.step)
+    assert record.lrs + [wrapper.optimizer.param_groups[0]["lr"]] == expected

@@ -19,6 +19,7 @@ import sys
 import types
 
 import pytest
+import skip_truth
 import torch
 
 
@@ -196,3 +197,43 @@ def test_fold_call_reads_nothing_on_the_host(forbid_host_reads):
         forbid_host_reads.on = False
         optimizer.zero_grad()
     assert int(loss_scaler.scaler.stats()["skipped_steps"]) == 1
+
+
+def _cosine(optimizer: torch.optim.Optimizer):
+    """timm's own per-update schedule: warm-up, then cosine (t counted in updates, as train.py does)."""
+    scheduler = importlib.import_module("timm.scheduler")
+    return scheduler.CosineLRScheduler(
+        optimizer, t_initial=skip_truth.STEPS, lr_min=1e-4, warmup_t=2, warmup_lr_init=1e-3, t_in_epochs=False
+    )
+
+
+@pytest.mark.parametrize("case", skip_truth.SKIP_CASES)
+def test_step_update_with_applied_count_advances_only_on_applied_steps(case):
+    # timm's train.py, reduced: step_update after every update, with the scaler's applied count.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    injector = skip_truth.GradInjector(model.weight, skip_truth.injected_kind(case))  # noqa: F841 (kept alive)
+    optimizer = skip_truth.make_optimizer(case, model.parameters())
+    lr_scheduler, truth, signal, lrs = _cosine(optimizer), skip_truth.Truth(model), [], []
+    loss_scaler = FusedNativeScaler("cpu", backend="torch", **skip_truth.scaler_kwargs(case))
+    for _ in range(skip_truth.STEPS):
+        truth.before()
+        lrs.append(optimizer.param_groups[0]["lr"])
+        loss = torch.nn.functional.mse_loss(model(torch.randn(8, 6)), torch.randn(8, 3))
+        loss_scaler(loss, optimizer, clip_grad=1.0, parameters=model.parameters())
+        optimizer.zero_grad()
+        truth.after()
+        signal.append(loss_scaler.applied_steps.skipped())
+        lr_scheduler.step_update(num_updates=loss_scaler.applied_steps.count)
+    assert truth.skipped == [s in skip_truth.INJECTED for s in range(skip_truth.STEPS)]
+    assert signal == truth.skipped
+    # The oracle: timm's scheduler stepped on the host only on applied steps, with their count.
+    oracle_opt = skip_truth.make_optimizer(case, [torch.zeros(1, requires_grad=True)])
+    oracle, applied = _cosine(oracle_opt), []
+
+    def advance() -> None:
+        applied.append(None)
+        oracle.step_update(num_updates=len(applied))
+
+    expected = skip_truth.lrs_on_applied_steps(truth.skipped, lambda: oracle_opt.param_groups[0]["lr"], advance)
+    assert lrs + [optimizer.param_groups[0]["lr"]] == expected

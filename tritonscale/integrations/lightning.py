@@ -17,6 +17,11 @@ Both take ``"16-mixed"`` (a dynamic loss scale) or ``"bf16-mixed"`` (no scale: a
 ``tritonscale.GradScaler`` whose ``clip_grad_norm_`` still checks for inf/NaN and skips the step on
 it). Clipping by value falls back to torch's ``clip_grad_value_`` after an ``unscale_``.
 
+Skipped steps and schedulers: Lightning steps ``interval="step"`` schedulers after every batch with
+no skip check. :class:`FusedClipPrecision` gates the module's ``lr_scheduler_step`` so those
+schedulers advance exactly on applied steps (one host read per scheduler step, when Lightning asks).
+Fabric has no scheduler of its own: the loop asks the scaler (see :class:`FabricFusedClipPrecision`).
+
 Example::
 
     import lightning
@@ -41,6 +46,7 @@ from torch.optim import LBFGS, Optimizer
 
 from ..passes.step_protocols import takes_amp_scaling, unwrap_optimizer
 from ..scaler.grad_scaler import GradScaler, OptState
+from .applied_steps import AppliedSteps
 from .cpu_precision import warn_float16_on_cpu
 
 __all__ = ["FabricFusedClipPrecision", "FusedClipPrecision", "enable_fused_clipping"]
@@ -80,6 +86,35 @@ def _unscale_once(scaler: GradScaler, optimizer: Any) -> None:
         scaler.unscale_(optimizer)
 
 
+class _AppliedStepsOnly:
+    """A LightningModule's ``lr_scheduler_step`` that leaves ``interval="step"`` schedulers alone on a
+    skipped step (Lightning steps them after every batch); epoch schedulers always step.
+
+    Example: ``module.lr_scheduler_step = _AppliedStepsOnly(module, applied_steps, module.lr_scheduler_step)``.
+    """
+
+    def __init__(self, module: LightningModule, applied: AppliedSteps, hook: Callable[..., Any]) -> None:
+        self.module, self.applied, self.hook = module, applied, hook
+        self.__wrapped__ = hook  # Lightning's is_overridden("lr_scheduler_step") looks through the gate
+
+    def __call__(self, scheduler: Any, metric: Any = None) -> Any:
+        configs = self.module.trainer.lr_scheduler_configs
+        per_step = any(config.scheduler is scheduler and config.interval == "step" for config in configs)
+        if per_step and self.applied.skipped():  # the one host read, when Lightning asks
+            return None
+        return self.hook(scheduler, metric)
+
+
+def _gate_schedulers(module: LightningModule, applied: AppliedSteps) -> None:
+    """Install :class:`_AppliedStepsOnly` on ``module`` (this instance only), once per ``applied``."""
+    hook = module.__dict__.get("lr_scheduler_step")
+    if isinstance(hook, _AppliedStepsOnly):
+        if hook.applied is applied:
+            return
+        hook = hook.hook  # another plugin's gate (an earlier Trainer): replace it
+    module.lr_scheduler_step = _AppliedStepsOnly(module, applied, hook or module.lr_scheduler_step)
+
+
 class FusedClipPrecision(MixedPrecision):
     """Lightning Trainer mixed precision whose norm clipping is tritonscale's fused pass.
 
@@ -111,6 +146,13 @@ class FusedClipPrecision(MixedPrecision):
     ``"16-mixed"`` the scale backs off. ``self.last_grad_norm`` holds the last fused clip's total
     norm (a 0-dim device tensor, no sync) for logging.
 
+    Schedulers: Lightning steps ``interval="step"`` schedulers after every batch; this plugin gates
+    the module's ``lr_scheduler_step`` (on the instance, the user's override still runs) so they
+    advance exactly on applied steps: one host read of the skip flag per batch that steps a
+    scheduler, none otherwise. ``self.applied_steps.skipped()`` is the batch's skip signal and
+    ``self.applied_steps.count`` the applied steps. A batch whose ``training_step`` returned None
+    (no optimizer step) keeps Lightning's behaviour.
+
     Example::
 
         from tritonscale.integrations.lightning import FusedClipPrecision
@@ -141,6 +183,7 @@ class FusedClipPrecision(MixedPrecision):
         self.unscale_before_hooks = unscale_before_hooks
         self.last_grad_norm: torch.Tensor | None = None
         self._backward_skipped = False
+        self.applied_steps = AppliedSteps()
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -155,6 +198,8 @@ class FusedClipPrecision(MixedPrecision):
                 raise RuntimeError("AMP and the LBFGS optimizer are not compatible.")
             # bf16 without a scale: LBFGS re-evaluates the closure itself; a plain step as in Lightning.
             return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
+        _gate_schedulers(model, self.applied_steps)
+        self.applied_steps.clear()
         closure_result = closure()
         # training_step returned None: no backward ran, so there is nothing to unscale, clip or step.
         self._backward_skipped = closure_result is None and model.automatic_optimization
@@ -173,6 +218,7 @@ class FusedClipPrecision(MixedPrecision):
         # The step is skipped on inf/NaN (found by the clip, or by step()'s own unscale/check).
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
+        self.applied_steps.record(self.scaler)
         return step_output
 
     def clip_gradients(
@@ -217,6 +263,10 @@ class FabricFusedClipPrecision(FabricMixedPrecision):
     :meth:`main_params` hands torch's clip no parameters (one host read), so nothing raises and
     the step is skipped; bf16-mixed then gets no check (Fabric's behaviour).
 
+    Fabric has no scheduler of its own: the loop steps it only on applied steps with
+    ``if not plugin.applied_steps.skipped(): scheduler.step()`` (one host read; the same as
+    ``plugin.scaler.last_step_skipped()``), and ``plugin.applied_steps.count`` counts them.
+
     Example::
 
         from tritonscale.integrations.lightning import FabricFusedClipPrecision, enable_fused_clipping
@@ -227,6 +277,8 @@ class FabricFusedClipPrecision(FabricMixedPrecision):
         fabric.backward(loss)
         norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)  # fused; folded into AdamW
         optimizer.step()  # skipped on inf/NaN; the scale is updated
+        if not plugin.applied_steps.skipped():  # one host read
+            scheduler.step()
     """
 
     scaler: GradScaler
@@ -242,6 +294,7 @@ class FabricFusedClipPrecision(FabricMixedPrecision):
         super().__init__(precision, device, scaler=scaler if scaler.is_enabled() else None)
         self.scaler = scaler
         self.last_grad_norm: torch.Tensor | None = None
+        self.applied_steps = AppliedSteps()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """``scaler.step`` (skipped on inf/NaN, also with bf16-mixed after a norm clip) and ``update``."""
@@ -249,6 +302,7 @@ class FabricFusedClipPrecision(FabricMixedPrecision):
             raise TypeError("AMP and the LBFGS optimizer are not compatible.")
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
+        self.applied_steps.record(self.scaler)
         return step_output
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:

@@ -38,6 +38,15 @@ is ``torch.cuda.amp.GradScaler``). This class builds its own scaler and does not
 ``__init__``, so it works on CPU: the scale and the fused clip run on the CPU tensors, and
 ``optim_context`` gives mmengine's CPU autocast (bfloat16 only; mmengine asserts that).
 ``use_fsdp=True`` (torch's ``ShardedGradScaler``) is not supported.
+
+Skipped steps and schedulers: mmengine's ``ParamSchedulerHook`` steps every iteration-based
+scheduler after every iteration, skipped steps included. ``FusedClipParamSchedulerHook`` (registered
+in ``HOOKS``) steps them only when the iteration's optimizer step was applied::
+
+    default_hooks = dict(param_scheduler=dict(type="FusedClipParamSchedulerHook"))
+
+``wrapper.applied_steps.skipped()`` is the skip signal of the iteration's step (one host read, when
+asked) and ``wrapper.applied_steps.count`` the applied steps.
 """
 
 from __future__ import annotations
@@ -47,13 +56,15 @@ from typing import Any
 
 import torch
 from mmengine.device import get_device
-from mmengine.optim import AmpOptimWrapper, OptimWrapper
-from mmengine.registry import OPTIM_WRAPPERS
+from mmengine.hooks import ParamSchedulerHook
+from mmengine.optim import AmpOptimWrapper, OptimWrapper, OptimWrapperDict
+from mmengine.registry import HOOKS, OPTIM_WRAPPERS
 
+from tritonscale.integrations.applied_steps import AppliedSteps
 from tritonscale.passes.clip_args import kernels_compute
 from tritonscale.scaler.grad_scaler import GradScaler
 
-__all__ = ["FusedClipAmpOptimWrapper"]
+__all__ = ["FusedClipAmpOptimWrapper", "FusedClipParamSchedulerHook"]
 
 
 @OPTIM_WRAPPERS.register_module()
@@ -113,6 +124,7 @@ class FusedClipAmpOptimWrapper(AmpOptimWrapper):
         self.cast_dtype = dtype
         self.log_grad_norm = log_grad_norm
         self._fused_clip = self._fused_clip_arguments()
+        self.applied_steps = AppliedSteps()  # read by FusedClipParamSchedulerHook
 
     def _fused_clip_arguments(self) -> dict[str, float] | None:
         """(max_norm, norm_type) when the configured clip is one the fused pass computes exactly.
@@ -144,13 +156,14 @@ class FusedClipAmpOptimWrapper(AmpOptimWrapper):
         """
         if self._fused_clip is None or self._frozen_params_have_grads():
             super().step(**kwargs)  # mmengine's own AmpOptimWrapper.step, on our scaler
-            return
-        # = AmpOptimWrapper.step's unscale_ + _clip_grad (torch.nn.utils.clip_grad_norm_), one pass.
-        norm = self.loss_scaler.clip_grad_norm_(self.optimizer, **self._fused_clip)
-        if self.log_grad_norm:
-            self.message_hub.update_scalar("train/grad_norm", float(norm))
-        self.loss_scaler.step(self.optimizer, **kwargs)
-        self.loss_scaler.update(self._scale_update_param)
+        else:
+            # = AmpOptimWrapper.step's unscale_ + _clip_grad (torch.nn.utils.clip_grad_norm_), one pass.
+            norm = self.loss_scaler.clip_grad_norm_(self.optimizer, **self._fused_clip)
+            if self.log_grad_norm:
+                self.message_hub.update_scalar("train/grad_norm", float(norm))
+            self.loss_scaler.step(self.optimizer, **kwargs)
+            self.loss_scaler.update(self._scale_update_param)
+        self.applied_steps.record(self.loss_scaler)  # no host read
 
     def _frozen_params_have_grads(self) -> bool:
         # mmengine clips only parameters with requires_grad; the fused clip covers every gradient
@@ -158,3 +171,46 @@ class FusedClipAmpOptimWrapper(AmpOptimWrapper):
         return any(
             p.grad is not None and not p.requires_grad for group in self.optimizer.param_groups for p in group["params"]
         )
+
+
+@HOOKS.register_module()
+class FusedClipParamSchedulerHook(ParamSchedulerHook):
+    """mmengine's ``ParamSchedulerHook`` whose iteration-based schedulers advance only on applied steps.
+
+    After an iteration whose ``FusedClipAmpOptimWrapper`` step was skipped, the iteration-based
+    schedulers of that wrapper do not step (one host read of the skip flag per iteration that
+    stepped); epoch-based ones, other wrappers' schedulers and iterations without an optimizer
+    step (gradient accumulation) keep mmengine's behaviour.
+
+    Example (config)::
+
+        default_hooks = dict(param_scheduler=dict(type="FusedClipParamSchedulerHook"))
+    """
+
+    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None:
+        for wrapper in _wrappers(runner.optim_wrapper):
+            wrapper.applied_steps.clear()  # an iteration without a step (accumulation) skipped nothing
+
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None, outputs: Any = None) -> None:
+        wrappers, schedulers = runner.optim_wrapper, runner.param_schedulers
+        if isinstance(wrappers, OptimWrapperDict) and isinstance(schedulers, dict):
+            skipped = {key: _skipped(wrapper) for key, wrapper in wrappers.items()}
+            kept = {key: value for key, value in schedulers.items() if not skipped.get(key, False)}
+        else:
+            kept = None if any(_skipped(wrapper) for wrapper in _wrappers(wrappers)) else schedulers
+        runner.param_schedulers = kept  # what ParamSchedulerHook steps (None: nothing)
+        try:
+            super().after_train_iter(runner, batch_idx, data_batch, outputs)
+        finally:
+            runner.param_schedulers = schedulers
+
+
+def _wrappers(optim_wrapper: Any) -> list[FusedClipAmpOptimWrapper]:
+    """The runner's FusedClipAmpOptimWrappers (one, or those of an OptimWrapperDict)."""
+    each = optim_wrapper.values() if isinstance(optim_wrapper, OptimWrapperDict) else [optim_wrapper]
+    return [wrapper for wrapper in each if isinstance(wrapper, FusedClipAmpOptimWrapper)]
+
+
+def _skipped(wrapper: Any) -> bool:
+    """Whether ``wrapper`` skipped this iteration's step (one host read; False for other wrappers)."""
+    return isinstance(wrapper, FusedClipAmpOptimWrapper) and wrapper.applied_steps.skipped()

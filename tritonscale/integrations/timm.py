@@ -17,6 +17,14 @@ still ``"amp_scaler"``, and the checkpoints load into either class) and changes 
 The call returns ``None``, as timm's does. The norm of the last fused clip is
 ``loss_scaler.scaler.stats()["norm"]`` (a device tensor: reading it is the only sync).
 
+Schedulers: timm's ``train.py`` counts ``num_updates`` on every optimizer update, skipped ones
+included, and drives ``lr_scheduler.step_update(num_updates)`` with it, so after a skipped step
+the schedule runs ahead of the updates actually applied. ``loss_scaler.applied_steps.count`` is
+the number of applied updates (counted on the device, no read per step; reading it is one host
+read): pass it to ``step_update`` and the scheduler advances exactly on applied steps.
+``loss_scaler.applied_steps.skipped()`` says whether the last update was skipped. The count
+starts at 0 with the scaler (it is not part of the checkpoint).
+
 Example::
 
     from tritonscale.integrations.timm import FusedNativeScaler
@@ -27,8 +35,7 @@ Example::
             loss = loss_fn(model(x), y)
         optimizer.zero_grad()
         loss_scaler(loss, optimizer, clip_grad=1.0, clip_mode="norm", parameters=model.parameters())
-        if not loss_scaler.scaler.last_step_skipped():
-            lr_scheduler.step_update(num_updates)
+        lr_scheduler.step_update(num_updates=loss_scaler.applied_steps.count)  # applied updates only
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any
 import torch
 from timm.utils.cuda import NativeScaler
 
+from tritonscale.integrations.applied_steps import AppliedSteps
 from tritonscale.passes.step_protocols import unwrap_optimizer
 from tritonscale.scaler.grad_scaler import GradScaler
 
@@ -55,7 +63,8 @@ class FusedNativeScaler(NativeScaler):
     """``timm.utils.NativeScaler`` with the fused ``clip_grad_norm_`` of ``tritonscale.GradScaler``.
 
     ``device`` as in timm; every other keyword goes to ``tritonscale.GradScaler`` (``init_scale``,
-    ``growth_interval``, ``backend``, ``policy``, ``hysteresis``, ...).
+    ``growth_interval``, ``backend``, ``policy``, ``hysteresis``, ...). ``applied_steps`` counts the
+    applied updates for timm's ``step_update`` (see the module docstring).
 
     Example::
 
@@ -68,6 +77,7 @@ class FusedNativeScaler(NativeScaler):
     def __init__(self, device: str = "cuda", **scaler_kwargs: Any) -> None:
         # timm's __init__ would only build a torch.amp.GradScaler that we replace: not called.
         self._scaler = GradScaler(device=device, **scaler_kwargs)
+        self.applied_steps = AppliedSteps()
 
     @property
     def scaler(self) -> GradScaler:
@@ -97,12 +107,15 @@ class FusedNativeScaler(NativeScaler):
             # does not cover ("value", "agc", and an unknown mode raises there as in timm), a
             # threshold it refuses (torch zeroes the gradients at 0), or a clip over other tensors
             # than the optimizer's: timm's own sequence, on our scaler.
-            return super().__call__(loss, optimizer, clip_grad, clip_mode, parameters, create_graph, need_update)
-        self._scaler.scale(loss).backward(create_graph=create_graph)
-        # = timm's unscale_(optimizer) + dispatch_clip_grad(parameters, clip_grad, "norm"), one pass.
-        self._scaler.clip_grad_norm_(optimizer, clip_grad)
-        self._scaler.step(optimizer)
-        self._scaler.update()
+            super().__call__(loss, optimizer, clip_grad, clip_mode, parameters, create_graph, need_update)
+        else:
+            self._scaler.scale(loss).backward(create_graph=create_graph)
+            # = timm's unscale_(optimizer) + dispatch_clip_grad(parameters, clip_grad, "norm"), one pass.
+            self._scaler.clip_grad_norm_(optimizer, clip_grad)
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        if need_update:
+            self.applied_steps.record(self._scaler)  # no host read
         return None
 
     @staticmethod
