@@ -21,6 +21,7 @@ from .framework_apis.scale_managers import (
 from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 from .grads.flat_grads import flatten_grads_
 from .grads.grad_sharding import mark_replicated
+from .loop.lr_schedules import SkipAwareLR
 from .policy import peer_presets as presets
 from .policy.loss_scale_policy import LossScalePolicy
 from .policy.peer_presets import PeerPreset
@@ -40,6 +41,7 @@ __all__ = [
     "RankMismatchError",
     "ScaleHistory",
     "ScalerConfigError",
+    "SkipAwareLR",
     "UpdateResult",
     "Updater",
     "UpdaterError",
