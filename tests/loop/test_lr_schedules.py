@@ -129,18 +129,16 @@ def _train_step(model, opt, scaler, x) -> None:
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
-@pytest.mark.parametrize("case", SKIP_CASES)
-def test_real_runs_match_torch_stepped_on_applied_steps(case, lr_kind):
+def _check_against_the_oracle(scaler, lr_kind: str, fused: bool, injected: str) -> None:
+    """A real run with ``injected`` gradients on INJECTED: each step's rates equal the oracle's (the
+    same scheduler stepped when the parameters moved), and a plain scheduler's differ somewhere."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    fused = case == "fused_adamw"
     opt = _optimizer(lr_kind, [model[0].weight, model[1].weight], fused)
-    scaler = tritonscale.GradScaler("cpu", **scaler_kwargs(case))
     sched = tritonscale.SkipAwareLR(_warmup_cosine(opt), scaler, total_steps=STEPS)
     oracle_opt, naive_opt = _optimizer(lr_kind, fused=fused), _optimizer(lr_kind, fused=fused)
     oracle, naive = _warmup_cosine(oracle_opt), _warmup_cosine(naive_opt)
-    GradInjector(model[0].weight, injected_kind(case))
+    GradInjector(model[0].weight, injected)
     truth, x = Truth(model), torch.randn(5, 4)
     naive_diverged = False
     for _ in range(STEPS):
@@ -157,6 +155,18 @@ def test_real_runs_match_torch_stepped_on_applied_steps(case, lr_kind):
     assert truth.skipped == [s in INJECTED for s in range(STEPS)]  # the skips happened
     assert naive_diverged  # so this test tells a skip-aware schedule from a plain one
     assert int(sched.applied_steps) == STEPS - len(INJECTED)
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+@pytest.mark.parametrize("case", SKIP_CASES)
+def test_real_runs_match_torch_stepped_on_applied_steps(case, lr_kind):
+    scaler = tritonscale.GradScaler("cpu", **scaler_kwargs(case))
+    _check_against_the_oracle(scaler, lr_kind, case == "fused_adamw", injected_kind(case))
+
+
+def test_a_disabled_scaler_whose_clip_found_inf_holds_the_schedule():
+    # A bf16 loop: no loss scale, but the fused clip's inf/NaN check still skips the step.
+    _check_against_the_oracle(tritonscale.GradScaler("cpu", enabled=False), "tensor", False, "inf")
 
 
 def test_zero_host_reads_with_a_fused_adamw_tensor_lr(forbid_host_reads):

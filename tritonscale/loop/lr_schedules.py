@@ -30,7 +30,8 @@ class SkipAwareLR:
     the step was applied. The wrapped scheduler itself is never stepped: checkpoint this object's
     ``state_dict()``. ``total_steps``: how many times ``step()`` will be called; construction steps a
     twin of the scheduler that many times on the host (one table entry per step, kept on the lr's
-    device), and OneCycleLR's own ``total_steps`` is the default.
+    device), and OneCycleLR's own ``total_steps`` is the default. A tensor lr is set on the device;
+    a float lr costs one host read per ``step()`` (pass ``lr=torch.tensor(...)`` to avoid it).
 
     Example::
 
