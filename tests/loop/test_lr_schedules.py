@@ -36,6 +36,14 @@ def _warmup_cosine(opt, start_factor=0.25, warmup=3, t_max=6):
     return S.SequentialLR(opt, [warm, S.CosineAnnealingLR(opt, T_max=t_max)], milestones=[warmup])
 
 
+def _three_phases(opt, factor=0.5, first=2, second=5, gamma=0.9):
+    """torch's documented SequentialLR example with a third phase: ConstantLR, then ExponentialLR
+    restarted at ``first``, then CosineAnnealingLR restarted at ``second`` (its closed form, torch's quirk)."""
+    constant = S.ConstantLR(opt, factor=factor, total_iters=first)
+    phases = [constant, S.ExponentialLR(opt, gamma), S.CosineAnnealingLR(opt, 4)]
+    return S.SequentialLR(opt, phases, milestones=[first, second])
+
+
 # name -> (strategy of the keyword arguments, build(optimizer, **kwargs)): every class SkipAwareLR wraps.
 unit = st.floats(0.05, 0.95)
 SCHEDULES = {
@@ -72,6 +80,12 @@ SCHEDULES = {
     "warmup_cosine": (
         st.fixed_dictionaries({"start_factor": unit, "warmup": st.integers(1, 5), "t_max": st.integers(1, 10)}),
         _warmup_cosine,
+    ),
+    "three_phases": (
+        st.fixed_dictionaries(
+            {"factor": unit, "first": st.integers(1, 4), "second": st.integers(5, 9), "gamma": unit}
+        ),
+        _three_phases,
     ),
     "onecycle": (
         st.fixed_dictionaries(
@@ -198,7 +212,7 @@ def test_zero_host_reads_with_a_fused_adamw_tensor_lr(forbid_host_reads):
 
 
 # ------------------------------------------------------------------------- property: any pattern
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_any_skip_pattern_and_arguments_match_torch(data):
     name = data.draw(st.sampled_from(sorted(SCHEDULES)), label="schedule")
