@@ -346,9 +346,10 @@ def test_a_scaler_without_a_skip_flag_is_refused():
         ({"applied_steps": 3, "calls": 2}, "applied_steps"),
         ({"applied_steps": 1, "calls": 9}, "total_steps"),
         ({"applied_steps": torch.tensor(1.0), "calls": 2}, "integer"),
+        ({"applied_steps": torch.tensor(True), "calls": 2}, "integer"),
         ({"applied_steps": -1, "calls": 2}, "applied_steps"),
     ],
-    ids=["missing_key", "more_applied_than_calls", "past_total_steps", "float_count", "negative"],
+    ids=["missing_key", "more_applied_than_calls", "past_total_steps", "float_count", "bool_count", "negative"],
 )
 def test_a_bad_state_dict_is_refused_and_changes_nothing(state, message):
     opt, scaler = _optimizer("tensor"), FlagScaler()

@@ -140,7 +140,8 @@ def _checked_state(state_dict: Any, total_steps: int) -> tuple[int, int]:
         got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
         raise ValueError(f"SkipAwareLR.load_state_dict expects a dict with keys {list(STATE_KEYS)}, got {got}")
     applied, calls = state_dict["applied_steps"], state_dict["calls"]
-    if isinstance(applied, torch.Tensor) and applied.numel() == 1 and not applied.is_floating_point():
+    integer_tensor = isinstance(applied, torch.Tensor) and not (applied.is_floating_point() or applied.is_complex())
+    if integer_tensor and applied.numel() == 1 and applied.dtype != torch.bool:
         applied = int(applied.reshape(()).cpu())
     for name, value in (("applied_steps", applied), ("calls", calls)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
