@@ -21,6 +21,7 @@ from .framework_apis.scale_managers import (
 from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 from .grads.flat_grads import flatten_grads_
 from .grads.grad_sharding import mark_replicated
+from .loop.lr_schedules import SkipAwareLR
 from .loop.scale_history import ScaleHistory
 from .loop.step_log import StepLog
 from .policy import peer_presets as presets
@@ -42,6 +43,7 @@ __all__ = [
     "RankMismatchError",
     "ScaleHistory",
     "ScalerConfigError",
+    "SkipAwareLR",
     "StepLog",
     "UpdateResult",
     "Updater",

@@ -14,7 +14,8 @@ Single process (``test_cells.py``; ids ``test_cell[<row>-<grads>-<scale>-<backen
   ``stats()``, ``found_inf_for``/``overflowed``, a ``state_dict`` round trip mid-run, the API shapes
   (``LossScaleOptimizer`` with an LR scheduler and a deepcopy mid-run, ``Updater``,
   ``DynamicLossScaleManager``), ``optimizer.step()`` called directly after the clip, and
-  ``nonfinite_grads``;
+  ``nonfinite_grads``; the loop around the scaler, ``loop_rows.LOOP_ROWS``: ``SkipAwareLR`` (a
+  tensor and a float lr) against the same torch scheduler stepped on the twin's applied steps;
 * columns, ``contexts.py``: where the gradients live and what is done to them (``GRADS``: plain,
   a ``flatten_grads_`` buffer, that buffer written whole, NaN left in its padding, DDP-style bucket
   views, memory moved after recognition, a parameter resized or retyped in place after

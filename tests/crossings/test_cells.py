@@ -10,6 +10,7 @@ from scaler_twins import same_bits
 from .contexts import BACKENDS, GRADS, SCALES
 from .entry_points import ENTRY_POINTS
 from .harness import Cell, applies, run_cell
+from .loop_rows import LOOP_ROWS
 from .stopwatch import stopwatch
 
 pytestmark = [
@@ -21,7 +22,7 @@ pytestmark = [
 CELLS = [
     Cell(row, grads, scale, backend)
     for backend in BACKENDS
-    for row in ENTRY_POINTS
+    for row in ENTRY_POINTS + LOOP_ROWS
     for grads in GRADS
     for scale in SCALES
     if applies(row, grads, scale, backend)

@@ -1,0 +1,157 @@
+"""A learning-rate schedule that advances only on applied steps, with no host read.
+
+Megatron-LM's rule (the scheduler steps only when the update succeeded), without the sync that
+knowing it on the host costs: the step counter lives on the device and adds the negation of
+``scaler.last_skip_flag()`` (the combined flag across ranks). The rate is torch's own for that count,
+taken from a table of the wrapped scheduler's rates made once at construction (``lr_tables.py``
+says why a table and not a closed form: it is torch's arithmetic, bit for bit).
+
+Optimizers whose ``param_group["lr"]`` is a tensor (torch's fused or capturable Adam/AdamW/SGD built
+with ``lr=torch.tensor(...)``) get the rate written into that tensor in place, on the device: no
+host read. A group whose ``lr`` is a Python float can only be set from the host, so there
+``step()`` reads the counter once (one host read per step, as the recipe
+``if not scaler.last_step_skipped(): scheduler.step()``); pass a tensor lr to avoid it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from .lr_tables import check_schedulable, check_total_steps, record_lrs
+
+STATE_KEYS = ("applied_steps", "calls")
+
+
+class SkipAwareLR:
+    """Wraps a freshly built torch scheduler; ``step()`` after ``scaler.update()`` advances it only if
+    the step was applied. The wrapped scheduler itself is never stepped: checkpoint this object's
+    ``state_dict()``. ``total_steps``: how many times ``step()`` will be called; construction steps a
+    twin of the scheduler that many times on the host (one table entry per step, kept on the lr's
+    device), and OneCycleLR's own ``total_steps`` is the default. A tensor lr is set on the device;
+    a float lr costs one host read per ``step()`` (pass ``lr=torch.tensor(...)`` to avoid it).
+
+    Example::
+
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), fused=True)  # a tensor lr
+        scaler = tritonscale.GradScaler("cpu")
+        sched = tritonscale.SkipAwareLR(torch.optim.lr_scheduler.StepLR(opt, step_size=2), scaler, total_steps=4)
+        for _ in range(4):
+            scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+            scaler.step(opt); scaler.update(); sched.step()  # no host read
+            opt.zero_grad()
+    """
+
+    def __init__(self, scheduler: Any, scaler: Any, *, total_steps: int | None = None) -> None:
+        check_schedulable(scheduler)
+        if scheduler.last_epoch != 0:
+            raise ValueError(
+                f"SkipAwareLR: this {type(scheduler).__name__} was already stepped (last_epoch="
+                f"{scheduler.last_epoch}); wrap it right after it is built, and resume a run with "
+                "SkipAwareLR.load_state_dict"
+            )
+        if not callable(getattr(scaler, "last_skip_flag", None)):
+            raise TypeError(f"SkipAwareLR needs a tritonscale.GradScaler (its last_skip_flag()), got {scaler!r}")
+        self.total_steps = check_total_steps(scheduler, total_steps)
+        self.scheduler, self.optimizer, self._scaler = scheduler, scheduler.optimizer, scaler
+        rows = record_lrs(scheduler, self.total_steps)
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        # Per group: a device table (tensor lr) or a host list of floats (float lr).
+        columns = [[row[i] for row in rows] for i in range(len(lrs))]
+        self._tables = [
+            torch.stack(column).to(lr.device) if isinstance(lr, torch.Tensor) else column
+            for lr, column in zip(lrs, columns)
+        ]
+        tensor_lrs = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
+        device = tensor_lrs[0].device if tensor_lrs else _params_device(self.optimizer)
+        self._count = torch.zeros((), dtype=torch.int64, device=device)  # applied steps
+        self._calls = 0  # step() calls: a host number, so the table's end is known without a read
+
+    @property
+    def applied_steps(self) -> torch.Tensor:
+        """The number of applied steps so far: a 0-dim int64 device tensor (a copy)."""
+        return self._count.clone()
+
+    def step(self) -> None:
+        """After ``scaler.update()``: count the step if it was applied and set each group's rate."""
+        if self._calls >= self.total_steps:
+            raise RuntimeError(
+                f"SkipAwareLR was built with total_steps={self.total_steps} and step() was called that many "
+                "times; build it with a larger total_steps"
+            )
+        self._check_groups()
+        skipped = self._scaler.last_skip_flag()
+        if skipped is None:  # the scaler has no state yet: nothing was skipped
+            self._count.add_(1)
+        else:
+            self._count.add_((~torch.as_tensor(skipped)).to(device=self._count.device, dtype=torch.int64))
+        self._calls += 1
+        self._write_lrs()
+
+    def get_last_lr(self) -> list[torch.Tensor | float]:
+        """Each group's current rate: a device tensor (a copy, not the group's lr) for a tensor lr,
+        a float for a float lr (that group's value, as torch's get_last_lr)."""
+        return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``applied_steps`` (a device tensor copy) and ``calls`` (the number of step() calls)."""
+        return {"applied_steps": self._count.clone(), "calls": self._calls}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume: the count, the calls, and each group's rate for that count. Reads the count on the
+        host once to check it (a load, not a step). Raises, changing nothing, on a malformed state."""
+        applied, calls = _checked_state(state_dict, self.total_steps)
+        self._check_groups()
+        self._count.fill_(applied)
+        self._calls = calls
+        self._write_lrs()
+
+    def _write_lrs(self) -> None:
+        index = self._count.view(1)
+        host_count = None
+        for group, table in zip(self.optimizer.param_groups, self._tables):
+            if isinstance(table, torch.Tensor):
+                group["lr"].copy_(table.index_select(0, index.to(table.device)).view(()))
+            else:
+                host_count = int(self._count) if host_count is None else host_count  # the one host read
+                group["lr"] = table[host_count]
+
+    def _check_groups(self) -> None:
+        groups = self.optimizer.param_groups
+        kinds = [isinstance(t, torch.Tensor) for t in self._tables]
+        if len(groups) != len(self._tables) or [isinstance(g["lr"], torch.Tensor) for g in groups] != kinds:
+            raise RuntimeError(
+                "SkipAwareLR: the optimizer's param groups (their number, or a float/tensor lr) changed since it "
+                "was built; build a new scheduler and SkipAwareLR for them"
+            )
+
+
+def _params_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return params[0].device if params else torch.device("cpu")
+
+
+def _checked_state(state_dict: Any, total_steps: int) -> tuple[int, int]:
+    """(applied steps, calls) of a SkipAwareLR state_dict, or ValueError naming what is wrong."""
+    if not isinstance(state_dict, dict) or sorted(state_dict) != sorted(STATE_KEYS):
+        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(f"SkipAwareLR.load_state_dict expects a dict with keys {list(STATE_KEYS)}, got {got}")
+    applied, calls = state_dict["applied_steps"], state_dict["calls"]
+    integer_tensor = isinstance(applied, torch.Tensor) and not (applied.is_floating_point() or applied.is_complex())
+    if integer_tensor and applied.numel() == 1 and applied.dtype != torch.bool:
+        applied = int(applied.reshape(()).cpu())
+    for name, value in (("applied_steps", applied), ("calls", calls)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"SkipAwareLR.load_state_dict: {name} must be an integer, got {value!r}")
+    if not 0 <= applied <= calls <= total_steps:
+        raise ValueError(
+            f"SkipAwareLR.load_state_dict: need 0 <= applied_steps ({applied}) <= calls ({calls}) <= total_steps "
+            f"({total_steps}); a checkpoint of a longer run needs a SkipAwareLR built with a larger total_steps"
+        )
+    return int(applied), int(calls)
+
+
+__all__ = ["SkipAwareLR"]
