@@ -46,7 +46,7 @@ from torch.optim import LBFGS, Optimizer
 
 from ..passes.step_protocols import takes_amp_scaling, unwrap_optimizer
 from ..scaler.grad_scaler import GradScaler, OptState
-from .applied_steps import AppliedSteps
+from ..loop.applied_steps import AppliedSteps
 from .cpu_precision import warn_float16_on_cpu
 
 __all__ = ["FabricFusedClipPrecision", "FusedClipPrecision", "enable_fused_clipping"]

@@ -60,7 +60,7 @@ from mmengine.hooks import ParamSchedulerHook
 from mmengine.optim import AmpOptimWrapper, OptimWrapper, OptimWrapperDict
 from mmengine.registry import HOOKS, OPTIM_WRAPPERS
 
-from tritonscale.integrations.applied_steps import AppliedSteps
+from tritonscale.loop.applied_steps import AppliedSteps
 from tritonscale.passes.clip_args import kernels_compute
 from tritonscale.scaler.grad_scaler import GradScaler
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from timm.utils.cuda import NativeScaler
 
-from tritonscale.integrations.applied_steps import AppliedSteps
+from tritonscale.loop.applied_steps import AppliedSteps
 from tritonscale.passes.step_protocols import unwrap_optimizer
 from tritonscale.scaler.grad_scaler import GradScaler
 
