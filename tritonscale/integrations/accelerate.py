@@ -2,12 +2,21 @@
 
 ``install(accelerator)`` puts a ``tritonscale.GradScaler`` where Accelerate keeps its scaler
 (``accelerator.scaler`` and every prepared ``AcceleratedOptimizer``), so ``accelerator.backward``,
-``optimizer.step()``, ``optimizer.step_was_skipped``, ``accelerator.optimizer_step_was_skipped``,
-``accelerator.unscale_gradients``, ``save_state``/``load_state`` all run on it through
-Accelerate's own code. It also replaces ``clip_grad_norm_`` on that one accelerator instance (a
-bound method in the instance's ``__dict__``; the class and other accelerators are untouched) so
-that ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` runs the scaler's fused
-unscale + inf/NaN check + clip (``scaler.clip_grad_norm_``) on the prepared optimizer owning those
+``optimizer.step()``, ``accelerator.unscale_gradients``, ``save_state``/``load_state`` all run on
+it through Accelerate's own code.
+
+Skips are reported exactly: each prepared optimizer's ``step_was_skipped`` (and so
+``accelerator.optimizer_step_was_skipped``, the prepared ``AcceleratedScheduler`` and the HF
+Trainer's scheduler gate) is the scaler's skip flag of that step, true exactly when the step
+changed nothing. Accelerate alone decides by whether the inner ``step`` ran, which a fused
+optimizer always does (it skips inside its kernel: huggingface/accelerate#4242); the flag is also
+right under hysteresis and norm-spike skips. It is a 0-dim bool device tensor: the host reads it
+only where the framework takes ``bool()`` of it (the scheduler's gate).
+
+It also replaces ``clip_grad_norm_`` on that one accelerator instance (a bound method in the
+instance's ``__dict__``; the class and other accelerators are untouched) so that
+``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` runs the scaler's fused unscale +
+inf/NaN check + clip (``scaler.clip_grad_norm_``) on the prepared optimizer owning those
 parameters, folded into the step for a fused optimizer. When it cannot, it says why
 (:class:`FusedClipFallbackWarning`) and runs Accelerate's own ``clip_grad_norm_`` (which unscales
 through the same scaler's ``unscale_`` and clips with torch).
@@ -79,6 +88,7 @@ class FusedClipFallbackWarning(UserWarning):
 class _Installed:
     scaler: GradScaler
     accelerate_clip_grad_norm_: Any  # Accelerate's own bound method, for the fallback
+    accelerate_prepare_optimizer: Any  # Accelerate's own bound method, wrapped by _prepare_optimizer
 
 
 def installed_scaler(accelerator: Accelerator) -> GradScaler | None:
@@ -136,16 +146,20 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
     accelerator.scaler = scaler
 
     # Optimizers prepared before this call hold the old scaler (or None). AcceleratedOptimizer's own
-    # __setstate__ sets the scaler and builds the step hook that step_was_skipped relies on.
+    # __setstate__ sets the scaler and builds the step hook Accelerate's own skip test relies on.
     for opt in accelerator._optimizers:
         if isinstance(opt, AcceleratedOptimizer):
             opt.__setstate__({"scaler": scaler})
+            _report_skips(opt)
 
     installed = accelerator.__dict__.get(_INSTALLED_ATTR)
-    original = installed.accelerate_clip_grad_norm_ if installed is not None else accelerator.clip_grad_norm_
-    accelerator.__dict__[_INSTALLED_ATTR] = _Installed(scaler, original)
-    # Only this instance: an instance attribute shadows Accelerator.clip_grad_norm_.
+    clip = installed.accelerate_clip_grad_norm_ if installed is not None else accelerator.clip_grad_norm_
+    prepare = installed.accelerate_prepare_optimizer if installed is not None else accelerator.prepare_optimizer
+    accelerator.__dict__[_INSTALLED_ATTR] = _Installed(scaler, clip, prepare)
+    # Only this instance: instance attributes shadow Accelerator.clip_grad_norm_ / prepare_optimizer
+    # (prepare() reaches the latter through self.prepare_optimizer).
     accelerator.clip_grad_norm_ = MethodType(_clip_grad_norm_, accelerator)
+    accelerator.prepare_optimizer = MethodType(_prepare_optimizer, accelerator)
     return scaler
 
 
@@ -250,6 +264,61 @@ def _fused_target(
         extra = len(owned - with_grad)
         return None, f"the optimizer also holds {extra} gradient(s) of parameters not passed to clip_grad_norm_"
     return real, ""
+
+
+def _prepare_optimizer(
+    accelerator: Accelerator, optimizer: torch.optim.Optimizer, device_placement: Any = None
+) -> Any:
+    """``accelerator.prepare_optimizer`` after :func:`install`: Accelerate's, then :func:`_report_skips`."""
+    installed: _Installed = accelerator.__dict__[_INSTALLED_ATTR]
+    prepared = installed.accelerate_prepare_optimizer(optimizer, device_placement=device_placement)
+    if isinstance(prepared, AcceleratedOptimizer):
+        _report_skips(prepared)
+    return prepared
+
+
+# Where _report_skips keeps an optimizer's own instance-level step (e.g. a torch scheduler's wrapper
+# of AcceleratedOptimizer.step, made before install) that its step then calls.
+_PRIOR_STEP_ATTR = "_tritonscale_prior_step"
+
+
+def _report_skips(optimizer: AcceleratedOptimizer) -> None:
+    """Make ``optimizer.step_was_skipped`` the installed scaler's skip flag after each step.
+
+    Accelerate decides a skip by whether the inner optimizer's ``step`` ran, which a fused
+    optimizer (it skips inside its kernel) always does. After Accelerate's ``step`` this sets the
+    flag Accelerate reads to ``scaler.last_skip_flag()``: a 0-dim bool device tensor of this step,
+    true exactly when the step was skipped (inf/NaN, a hysteresis skip, a norm-spike skip), the
+    same on every rank. Reading it costs no host read until ``bool()`` is taken, which is what
+    ``AcceleratedScheduler.step``, ``accelerator.optimizer_step_was_skipped`` and the HF Trainer do.
+    Only this instance changes (a bound method in its ``__dict__``, so a torch scheduler created
+    later wraps it like any ``step``); idempotent. :func:`install` calls it on every prepared
+    optimizer. Example: ``_report_skips(prepared_optimizer)``.
+    """
+    prior = optimizer.__dict__.get("step")
+    if _reaches(prior, _step_reporting_skips):
+        return  # already reporting (perhaps under a torch scheduler's wrapper)
+    optimizer.__dict__[_PRIOR_STEP_ATTR] = prior
+    optimizer.step = MethodType(_step_reporting_skips, optimizer)
+
+
+def _reaches(method: Any, function: Any) -> bool:
+    """Whether ``method`` is ``function`` bound, or a functools.wraps wrapper around it."""
+    while method is not None:
+        if getattr(method, "__func__", None) is function:
+            return True
+        method = getattr(method, "__wrapped__", None)
+    return False
+
+
+def _step_reporting_skips(self: AcceleratedOptimizer, *args: Any, **kwargs: Any) -> Any:
+    """``AcceleratedOptimizer.step``, then the skip flag Accelerate reads set from the scaler."""
+    prior = self.__dict__.get(_PRIOR_STEP_ATTR)
+    result = prior(*args, **kwargs) if prior is not None else type(self).step(self, *args, **kwargs)
+    if isinstance(self.scaler, GradScaler) and self.gradient_state.sync_gradients:
+        flag = self.scaler.last_skip_flag()  # None: disabled with no inf/NaN check this step
+        self._is_overflow = flag if flag is not None else False
+    return result
 
 
 class FusedScalerTrainerMixin:
