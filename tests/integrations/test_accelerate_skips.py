@@ -176,3 +176,102 @@ def test_hf_trainer_signal_and_scheduler_follow_the_truth(case, tmp_path):
     assert truth.skipped == [step in INJECTED for step in range(STEPS)]
     assert reported == truth.skipped
     assert rates == host_gated_rates(case, linear, truth.skipped)
+
+
+def test_fused_step_and_its_skip_flag_read_nothing_on_the_host(forbid_host_reads, backend):
+    """On the GPU paths the step and the flag Accelerate reads stay on the device; only bool()
+    on it (the scheduler's gate, the Trainer's) reads the host."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    install(accelerator, backend=backend, **scaler_kwargs("fused_adamw"))
+    model = tiny_model()
+    model, optimizer = accelerator.prepare(model, make_optimizer("fused_adamw", model.parameters()))
+    GradInjector(model[0].weight, "inf", at=(1,))
+    truth, g, flags = Truth(model), torch.Generator().manual_seed(1), []
+    for _ in range(3):
+        truth.before()
+        x, y = batch(g)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        with forbid_host_reads.armed():
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            flags.append(optimizer.step_was_skipped)
+        optimizer.zero_grad()
+        truth.after()
+    assert truth.skipped == [False, True, False]
+    assert [bool(flag) for flag in flags] == truth.skipped
+
+
+def test_install_after_a_scheduler_wrapped_the_prepared_optimizer_and_twice():
+    """install() after prepare(), once a torch scheduler wrapped the prepared optimizer's step,
+    and again: the skips are reported, and the scheduler's wrapper still sees the step called."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    model = tiny_model()
+    model, optimizer = accelerator.prepare(model, make_optimizer("fused_adamw", model.parameters()))
+    scheduler = decaying(optimizer)  # wraps optimizer.step in the instance
+    with pytest.warns(UserWarning, match="before accelerator.prepare"):
+        install(accelerator, backend="torch", **scaler_kwargs("fused_adamw"))
+    scaler = install(accelerator, backend="torch", **scaler_kwargs("fused_adamw"))
+    GradInjector(model[0].weight, "inf")
+    truth, g, rates = Truth(model), torch.Generator().manual_seed(1), []
+    for _ in range(STEPS):
+        truth.before()
+        x, y = batch(g)
+        with accelerator.autocast():  # the model was prepared before fp16 was on
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if not accelerator.optimizer_step_was_skipped:
+            scheduler.step()
+        optimizer.zero_grad()
+        truth.after()
+        rates.append(scheduler.get_last_lr()[0])
+    assert truth.skipped == [step in INJECTED for step in range(STEPS)]
+    assert int(scaler.stats()["skipped_steps"]) == len(INJECTED)
+    assert getattr(optimizer, "_opt_called", False)  # the scheduler's wrapper still ran
+    assert rates == host_gated_rates("fused_adamw", decaying, truth.skipped)
+
+
+def ddp_worker(rank: int, world_size: int, case: str) -> dict:
+    """One rank of an Accelerate DDP run on CPU; the gradient is poisoned on rank 0 only."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    warnings.simplefilter("ignore", CPUFloat16Warning)
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    install(accelerator, backend="torch", **scaler_kwargs(case))
+    model = tiny_model()
+    optimizer = make_optimizer(case, model.parameters())
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, decaying(optimizer))
+    GradInjector(model.module[0].weight, injected_kind(case), at=INJECTED if rank == 0 else ())
+    truth, g, flags, rates = Truth(model), torch.Generator().manual_seed(1 + rank), [], []
+    for _ in range(STEPS):
+        truth.before()
+        x, y = batch(g)
+        accelerator.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        truth.after()
+        flags.append(bool(optimizer.step_was_skipped))
+        rates.append(scheduler.get_last_lr()[0])
+    return {"truth": truth.skipped, "flags": flags, "rates": rates}
+
+
+@pytest.mark.slow
+def test_every_rank_reports_the_skip_a_peer_caused():
+    """Two DDP ranks, the inf written on rank 0 only: after the all-reduce both skip, and both
+    report it; Accelerate's prepared scheduler steps num_processes times per applied step."""
+    from multiprocess import run_ranks
+
+    for run in run_ranks(ddp_worker, 2, "fused_adamw"):
+        assert run["truth"] == [step in INJECTED for step in range(STEPS)]
+        assert run["flags"] == run["truth"]
+
+        def twice(skipped):  # Accelerate's rule without split_batches: num_processes steps each
+            return [flag for flag in skipped for _ in range(2)]
+
+        assert run["rates"] == host_gated_rates("fused_adamw", decaying, twice(run["truth"]))[1::2]

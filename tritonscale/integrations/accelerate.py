@@ -277,48 +277,47 @@ def _prepare_optimizer(
     return prepared
 
 
-# Where _report_skips keeps an optimizer's own instance-level step (e.g. a torch scheduler's wrapper
-# of AcceleratedOptimizer.step, made before install) that its step then calls.
-_PRIOR_STEP_ATTR = "_tritonscale_prior_step"
+class _SkipReportingOptimizer(AcceleratedOptimizer):
+    """An ``AcceleratedOptimizer`` whose ``step_was_skipped`` is the installed scaler's skip flag.
+
+    Accelerate's ``step`` runs ``scaler.step``, ``scaler.update`` and then records whether the inner
+    optimizer's ``step`` was called in ``_is_overflow``, which ``step_was_skipped`` returns. A fused
+    optimizer is always called (it skips inside its kernel), so that reads False on its skips. Here
+    ``_is_overflow`` is a property: set right after that ``update``, it keeps
+    ``scaler.last_skip_flag()`` instead, this step's 0-dim bool device tensor, true exactly when the
+    step was skipped (inf/NaN, a hysteresis skip, a norm-spike skip) and the same on every rank.
+    Nothing is read on the host until someone takes ``bool()`` of it, as ``AcceleratedScheduler``,
+    ``accelerator.optimizer_step_was_skipped`` and the HF Trainer do. Accelerate's value stays where
+    the scaler is not a ``tritonscale.GradScaler`` or has no flag. Example:
+    ``if optimizer.step_was_skipped: ...`` (after ``_report_skips(optimizer)``).
+    """
+
+    @property
+    def _is_overflow(self) -> bool | torch.Tensor:
+        return self.__dict__.get(_SKIP_ATTR, False)
+
+    @_is_overflow.setter
+    def _is_overflow(self, step_not_called: bool) -> None:
+        scaler = getattr(self, "scaler", None)
+        flag = scaler.last_skip_flag() if isinstance(scaler, GradScaler) else None
+        self.__dict__[_SKIP_ATTR] = step_not_called if flag is None else flag
+
+
+# Where _SkipReportingOptimizer keeps the skip flag of its last step.
+_SKIP_ATTR = "_tritonscale_step_was_skipped"
 
 
 def _report_skips(optimizer: AcceleratedOptimizer) -> None:
-    """Make ``optimizer.step_was_skipped`` the installed scaler's skip flag after each step.
+    """Make a prepared optimizer report the installed scaler's skips (:class:`_SkipReportingOptimizer`).
 
-    Accelerate decides a skip by whether the inner optimizer's ``step`` ran, which a fused
-    optimizer (it skips inside its kernel) always does. After Accelerate's ``step`` this sets the
-    flag Accelerate reads to ``scaler.last_skip_flag()``: a 0-dim bool device tensor of this step,
-    true exactly when the step was skipped (inf/NaN, a hysteresis skip, a norm-spike skip), the
-    same on every rank. Reading it costs no host read until ``bool()`` is taken, which is what
-    ``AcceleratedScheduler.step``, ``accelerator.optimizer_step_was_skipped`` and the HF Trainer do.
-    Only this instance changes (a bound method in its ``__dict__``, so a torch scheduler created
-    later wraps it like any ``step``); idempotent. :func:`install` calls it on every prepared
-    optimizer. Example: ``_report_skips(prepared_optimizer)``.
+    Only this instance changes class (to a subclass: ``isinstance`` checks, pickling and
+    ``state_dict`` are unchanged); its last value carries over. Other ``AcceleratedOptimizer``
+    subclasses (DeepSpeed's, Megatron-LM's: set-ups install refuses) are left alone.
     """
-    prior = optimizer.__dict__.get("step")
-    if _reaches(prior, _step_reporting_skips):
-        return  # already reporting (perhaps under a torch scheduler's wrapper)
-    optimizer.__dict__[_PRIOR_STEP_ATTR] = prior
-    optimizer.step = MethodType(_step_reporting_skips, optimizer)
-
-
-def _reaches(method: Any, function: Any) -> bool:
-    """Whether ``method`` is ``function`` bound, or a functools.wraps wrapper around it."""
-    while method is not None:
-        if getattr(method, "__func__", None) is function:
-            return True
-        method = getattr(method, "__wrapped__", None)
-    return False
-
-
-def _step_reporting_skips(self: AcceleratedOptimizer, *args: Any, **kwargs: Any) -> Any:
-    """``AcceleratedOptimizer.step``, then the skip flag Accelerate reads set from the scaler."""
-    prior = self.__dict__.get(_PRIOR_STEP_ATTR)
-    result = prior(*args, **kwargs) if prior is not None else type(self).step(self, *args, **kwargs)
-    if isinstance(self.scaler, GradScaler) and self.gradient_state.sync_gradients:
-        flag = self.scaler.last_skip_flag()  # None: disabled with no inf/NaN check this step
-        self._is_overflow = flag if flag is not None else False
-    return result
+    if type(optimizer) is AcceleratedOptimizer:
+        last = optimizer.__dict__.pop("_is_overflow", False)
+        optimizer.__class__ = _SkipReportingOptimizer
+        optimizer.__dict__[_SKIP_ATTR] = last
 
 
 class FusedScalerTrainerMixin:
