@@ -107,6 +107,8 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
     the new scaler, and a torch scaler that already ran steps hands over its state (scale, growth
     tracker); but on CPU, where Accelerate had turned fp16 off, models prepared earlier are not
     autocast (a warning says so). Call it at an iteration boundary (not between backward and step).
+    Every optimizer prepared on it, before or after, reports the scaler's skips in
+    ``step_was_skipped`` (:class:`_SkipReportingOptimizer`).
 
     ``scaler_kwargs`` go to ``tritonscale.GradScaler`` (``init_scale``, ``growth_interval``,
     ``backend``, policy knobs, ...), on top of the Accelerator's ``GradScalerKwargs`` handler if
@@ -144,7 +146,13 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
                 stacklevel=2,
             )
     accelerator.scaler = scaler
+    _take_over(accelerator, scaler)
+    return scaler
 
+
+def _take_over(accelerator: Accelerator, scaler: GradScaler) -> None:
+    """Hand ``scaler`` to the optimizers prepared so far (reporting its skips) and shadow
+    ``clip_grad_norm_`` and ``prepare_optimizer`` on this instance (for those prepared later)."""
     # Optimizers prepared before this call hold the old scaler (or None). AcceleratedOptimizer's own
     # __setstate__ sets the scaler and builds the step hook Accelerate's own skip test relies on.
     for opt in accelerator._optimizers:
@@ -160,7 +168,6 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
     # (prepare() reaches the latter through self.prepare_optimizer).
     accelerator.clip_grad_norm_ = MethodType(_clip_grad_norm_, accelerator)
     accelerator.prepare_optimizer = MethodType(_prepare_optimizer, accelerator)
-    return scaler
 
 
 def _check_installable(accelerator: Accelerator) -> None:
@@ -329,6 +336,8 @@ class FusedScalerTrainerMixin:
     :func:`install`; the scaler is ``trainer.tritonscale_scaler``. The Trainer's
     ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)`` then runs the fused pass
     (``max_grad_norm <= 0`` makes it ask for the norm only, ``max_norm=inf``: fused too).
+    The Trainer's scheduler then advances exactly on applied steps: its
+    ``optimizer_step_was_skipped`` gate reads the scaler's skip flag, fused optimizers included.
     Use ``fp16=True`` (on CPU too: install turns fp16 autocast back on).
 
     Example::
