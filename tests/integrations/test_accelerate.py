@@ -99,12 +99,11 @@ def train(accelerator: Accelerator, model, optimizer, steps: int, after_step=Non
 
 
 def assert_same_run(ours: dict, ref: dict) -> None:
-    """Scale and skips exactly; numbers to ~1e-5. The fused clip multiplies once by
+    """Scale exactly; numbers to ~1e-5. The fused clip multiplies once by
     ``clip_coef / scale`` where torch divides and then multiplies: an ulp apart, and fp16 autocast
     can round two weights an ulp apart to different fp16 values, so a later norm moves by up to
     ~2e-5 (measured) while the model as a whole stays within ~1e-6."""
     assert ours["scale"] == ref["scale"]
-    assert ours["skipped"] == ref["skipped"]
     assert [math.isfinite(n) for n in ours["norm"]] == [math.isfinite(n) for n in ref["norm"]]
     for a, b in zip(ours["norm"], ref["norm"]):
         if math.isfinite(b):
@@ -148,8 +147,9 @@ def test_matches_accelerates_own_scaler_path(fused):
     # The scale backed off on both bad steps and grew every 2 good ones.
     assert ref["scale"] == [1024.0, 2048.0, 1024.0, 1024.0, 512.0, 512.0]
     # A fused optimizer is always stepped (it skips on the device), so Accelerate reports no skip
-    # with torch's scaler either; otherwise the bad steps are the skipped ones.
+    # with torch's scaler; install() reports the skips that happened (test_accelerate_skips.py).
     assert ref["skipped"] == ([False] * steps if fused else [s in BAD_STEPS for s in range(steps)])
+    assert ours["skipped"] == [s in BAD_STEPS for s in range(steps)]
     assert scaler.last_step_skipped() is False
     assert not any(torch.equal(a, b) for a, b in zip(ours["params"], init))
     # The fused pass ran on every step, and what accelerator.clip_grad_norm_ returned is its norm.

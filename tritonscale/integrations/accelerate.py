@@ -2,12 +2,21 @@
 
 ``install(accelerator)`` puts a ``tritonscale.GradScaler`` where Accelerate keeps its scaler
 (``accelerator.scaler`` and every prepared ``AcceleratedOptimizer``), so ``accelerator.backward``,
-``optimizer.step()``, ``optimizer.step_was_skipped``, ``accelerator.optimizer_step_was_skipped``,
-``accelerator.unscale_gradients``, ``save_state``/``load_state`` all run on it through
-Accelerate's own code. It also replaces ``clip_grad_norm_`` on that one accelerator instance (a
-bound method in the instance's ``__dict__``; the class and other accelerators are untouched) so
-that ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` runs the scaler's fused
-unscale + inf/NaN check + clip (``scaler.clip_grad_norm_``) on the prepared optimizer owning those
+``optimizer.step()``, ``accelerator.unscale_gradients``, ``save_state``/``load_state`` all run on
+it through Accelerate's own code.
+
+Skips are reported exactly: each prepared optimizer's ``step_was_skipped`` (and so
+``accelerator.optimizer_step_was_skipped``, the prepared ``AcceleratedScheduler`` and the HF
+Trainer's scheduler gate) is the scaler's skip flag of that step, true exactly when the step
+changed nothing. Accelerate alone decides by whether the inner ``step`` ran, which a fused
+optimizer always does (it skips inside its kernel: huggingface/accelerate#4242); the flag is also
+right under hysteresis and norm-spike skips. It is a 0-dim bool device tensor: the host reads it
+only where the framework takes ``bool()`` of it (the scheduler's gate).
+
+It also replaces ``clip_grad_norm_`` on that one accelerator instance (a bound method in the
+instance's ``__dict__``; the class and other accelerators are untouched) so that
+``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` runs the scaler's fused unscale +
+inf/NaN check + clip (``scaler.clip_grad_norm_``) on the prepared optimizer owning those
 parameters, folded into the step for a fused optimizer. When it cannot, it says why
 (:class:`FusedClipFallbackWarning`) and runs Accelerate's own ``clip_grad_norm_`` (which unscales
 through the same scaler's ``unscale_`` and clips with torch).
@@ -79,6 +88,7 @@ class FusedClipFallbackWarning(UserWarning):
 class _Installed:
     scaler: GradScaler
     accelerate_clip_grad_norm_: Any  # Accelerate's own bound method, for the fallback
+    accelerate_prepare_optimizer: Any  # Accelerate's own bound method, wrapped by _prepare_optimizer
 
 
 def installed_scaler(accelerator: Accelerator) -> GradScaler | None:
@@ -97,6 +107,8 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
     the new scaler, and a torch scaler that already ran steps hands over its state (scale, growth
     tracker); but on CPU, where Accelerate had turned fp16 off, models prepared earlier are not
     autocast (a warning says so). Call it at an iteration boundary (not between backward and step).
+    Every optimizer prepared on it, before or after, reports the scaler's skips in
+    ``step_was_skipped`` (:class:`_SkipReportingOptimizer`).
 
     ``scaler_kwargs`` go to ``tritonscale.GradScaler`` (``init_scale``, ``growth_interval``,
     ``backend``, policy knobs, ...), on top of the Accelerator's ``GradScalerKwargs`` handler if
@@ -134,19 +146,28 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
                 stacklevel=2,
             )
     accelerator.scaler = scaler
+    _take_over(accelerator, scaler)
+    return scaler
 
+
+def _take_over(accelerator: Accelerator, scaler: GradScaler) -> None:
+    """Hand ``scaler`` to the optimizers prepared so far (reporting its skips) and shadow
+    ``clip_grad_norm_`` and ``prepare_optimizer`` on this instance (for those prepared later)."""
     # Optimizers prepared before this call hold the old scaler (or None). AcceleratedOptimizer's own
-    # __setstate__ sets the scaler and builds the step hook that step_was_skipped relies on.
+    # __setstate__ sets the scaler and builds the step hook Accelerate's own skip test relies on.
     for opt in accelerator._optimizers:
         if isinstance(opt, AcceleratedOptimizer):
             opt.__setstate__({"scaler": scaler})
+            _report_skips(opt)
 
     installed = accelerator.__dict__.get(_INSTALLED_ATTR)
-    original = installed.accelerate_clip_grad_norm_ if installed is not None else accelerator.clip_grad_norm_
-    accelerator.__dict__[_INSTALLED_ATTR] = _Installed(scaler, original)
-    # Only this instance: an instance attribute shadows Accelerator.clip_grad_norm_.
+    clip = installed.accelerate_clip_grad_norm_ if installed is not None else accelerator.clip_grad_norm_
+    prepare = installed.accelerate_prepare_optimizer if installed is not None else accelerator.prepare_optimizer
+    accelerator.__dict__[_INSTALLED_ATTR] = _Installed(scaler, clip, prepare)
+    # Only this instance: instance attributes shadow Accelerator.clip_grad_norm_ / prepare_optimizer
+    # (prepare() reaches the latter through self.prepare_optimizer).
     accelerator.clip_grad_norm_ = MethodType(_clip_grad_norm_, accelerator)
-    return scaler
+    accelerator.prepare_optimizer = MethodType(_prepare_optimizer, accelerator)
 
 
 def _check_installable(accelerator: Accelerator) -> None:
@@ -252,6 +273,60 @@ def _fused_target(
     return real, ""
 
 
+def _prepare_optimizer(
+    accelerator: Accelerator, optimizer: torch.optim.Optimizer, device_placement: Any = None
+) -> Any:
+    """``accelerator.prepare_optimizer`` after :func:`install`: Accelerate's, then :func:`_report_skips`."""
+    installed: _Installed = accelerator.__dict__[_INSTALLED_ATTR]
+    prepared = installed.accelerate_prepare_optimizer(optimizer, device_placement=device_placement)
+    if isinstance(prepared, AcceleratedOptimizer):
+        _report_skips(prepared)
+    return prepared
+
+
+class _SkipReportingOptimizer(AcceleratedOptimizer):
+    """An ``AcceleratedOptimizer`` whose ``step_was_skipped`` is the installed scaler's skip flag.
+
+    Accelerate's ``step`` runs ``scaler.step``, ``scaler.update`` and then records whether the inner
+    optimizer's ``step`` was called in ``_is_overflow``, which ``step_was_skipped`` returns. A fused
+    optimizer is always called (it skips inside its kernel), so that reads False on its skips. Here
+    ``_is_overflow`` is a property: set right after that ``update``, it keeps
+    ``scaler.last_skip_flag()`` instead, this step's 0-dim bool device tensor, true exactly when the
+    step was skipped (inf/NaN, a hysteresis skip, a norm-spike skip) and the same on every rank.
+    Nothing is read on the host until someone takes ``bool()`` of it, as ``AcceleratedScheduler``,
+    ``accelerator.optimizer_step_was_skipped`` and the HF Trainer do. Accelerate's value stays where
+    the scaler is not a ``tritonscale.GradScaler`` or has no flag. Example:
+    ``if optimizer.step_was_skipped: ...`` (after ``_report_skips(optimizer)``).
+    """
+
+    @property
+    def _is_overflow(self) -> bool | torch.Tensor:
+        return self.__dict__.get(_SKIP_ATTR, False)
+
+    @_is_overflow.setter
+    def _is_overflow(self, step_not_called: bool) -> None:
+        scaler = getattr(self, "scaler", None)
+        flag = scaler.last_skip_flag() if isinstance(scaler, GradScaler) else None
+        self.__dict__[_SKIP_ATTR] = step_not_called if flag is None else flag
+
+
+# Where _SkipReportingOptimizer keeps the skip flag of its last step.
+_SKIP_ATTR = "_tritonscale_step_was_skipped"
+
+
+def _report_skips(optimizer: AcceleratedOptimizer) -> None:
+    """Make a prepared optimizer report the installed scaler's skips (:class:`_SkipReportingOptimizer`).
+
+    Only this instance changes class (to a subclass: ``isinstance`` checks, pickling and
+    ``state_dict`` are unchanged); its last value carries over. Other ``AcceleratedOptimizer``
+    subclasses (DeepSpeed's, Megatron-LM's: set-ups install refuses) are left alone.
+    """
+    if type(optimizer) is AcceleratedOptimizer:
+        last = optimizer.__dict__.pop("_is_overflow", False)
+        optimizer.__class__ = _SkipReportingOptimizer
+        optimizer.__dict__[_SKIP_ATTR] = last
+
+
 class FusedScalerTrainerMixin:
     """Mix into ``transformers.Trainer`` to train on a ``tritonscale.GradScaler``.
 
@@ -261,6 +336,8 @@ class FusedScalerTrainerMixin:
     :func:`install`; the scaler is ``trainer.tritonscale_scaler``. The Trainer's
     ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)`` then runs the fused pass
     (``max_grad_norm <= 0`` makes it ask for the norm only, ``max_norm=inf``: fused too).
+    The Trainer's scheduler then advances exactly on applied steps: its
+    ``optimizer_step_was_skipped`` gate reads the scaler's skip flag, fused optimizers included.
     Use ``fp16=True`` (on CPU too: install turns fp16 autocast back on).
 
     Example::
