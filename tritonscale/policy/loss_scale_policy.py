@@ -174,6 +174,11 @@ class LossScalePolicy:
             if not is_count(getattr(self, name), low, 2**16 + 1):
                 raise ScalerConfigError(f"{name} must be an int in [{low}, 65536], got {getattr(self, name)!r}")
             setattr(self, name, int(getattr(self, name)))
+        if self.skip_norm_min_steps > self.skip_norm_window + 1:  # OLMo-core's rule would never wake up
+            raise ScalerConfigError(
+                f"skip_norm_min_steps={self.skip_norm_min_steps} is more than skip_norm_window + 1 "
+                f"({self.skip_norm_window + 1}, the norms the z-score rule holds): the skip would never be active"
+            )
         if not (is_finite(self.clip_norm_alpha) and 0 < self.clip_norm_alpha < 1):
             raise ScalerConfigError(f"clip_norm_alpha must be in (0, 1), got {self.clip_norm_alpha!r}")
         if not (is_finite(self.clip_norm_factor) and self.clip_norm_factor > 0):

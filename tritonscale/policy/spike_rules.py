@@ -15,8 +15,8 @@ tensor ops, so they give the same bits by construction (the host form reads only
   ``max(2, window // 2)``: ``skip_norm_min_steps`` is that constant, so both are reachable.
   OLMo-core also tests the loss; a scaler sees the norm only, so this is the norm half. Unlike
   OLMo-core, a non-finite norm (an overflowed step, skipped anyway) is kept out of the window: with
-  loss scaling every overflow would put inf there, and the window would read inf/NaN for
-  ``window`` steps. A finite norm is kept, also when it was skipped as a spike (OLMo-core's).
+  loss scaling every overflow would put inf there: the mean inf, the std NaN, and every step of the
+  next ``window`` skipped. A finite norm is kept, also when it was skipped as a spike (OLMo-core's).
 * **ZClip** (bluorion-com/ZClip zclip/zclip.py @ 584ce4f): an exponential average of the norm's
   mean and variance, initialised from the first ``warmup_steps`` norms (their mean and population
   variance); after it, a norm whose z-score ``(norm - mean) / (std + eps)`` is above ``z`` is
@@ -95,8 +95,9 @@ def _zclip_threshold(policy: Any, mean: torch.Tensor, var: torch.Tensor, x: torc
 def zclip_max_norm(policy: Any, stats: torch.Tensor, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """float32 0-dim: the clip's ``max_norm`` this step: ZClip's clip value (not above
     ``max_norm``) where it clips, else ``max_norm``. During the warm-up: ``max_norm``."""
-    threshold, spike = _zclip_threshold(policy, stats[EMA_MEAN], stats[EMA_VAR], norm.double())
-    ready = stats[EMA_SEEN] >= policy.clip_norm_warmup_steps
+    x = norm.double()
+    threshold, spike = _zclip_threshold(policy, stats[EMA_MEAN], stats[EMA_VAR], x)
+    ready = (stats[EMA_SEEN] >= policy.clip_norm_warmup_steps) & torch.isfinite(x)  # an overflow: skipped
     limit = torch.full_like(threshold, max_norm)
     return torch.where(ready & spike, torch.minimum(threshold, limit), limit).float()
 
