@@ -323,3 +323,26 @@ def test_bad_spike_state_is_refused_and_nothing_changes(change):
 def test_bad_knobs_are_refused_by_name(knob, value):
     with pytest.raises(ScalerConfigError, match=knob):
         tritonscale.GradScaler("cpu", policy=LossScalePolicy(**{knob: value}))
+
+
+def test_compiled_rule_equals_eager():
+    """The rule compiled (as on CUDA: ``compile_policy``) gives the eager run's skips, state and
+    parameters, bit for bit."""
+    runs = []
+    for compiled in (False, True):
+        model, batches = _model_and_batches(20, (17,))
+        opt = _optimizer(model, False)
+        policy = LossScalePolicy(skip_norm_sigma=6, skip_norm_window=8, clip_norm_z=2.5, clip_norm_warmup_steps=4)
+        scaler, skipped = tritonscale.GradScaler("cpu", policy=policy, compile_policy=compiled), []
+        for x in batches:
+            opt.zero_grad()
+            scaler.scale(_loss(model, x)).backward()
+            scaler.clip_grad_norm_(opt, max_norm=50.0)
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.last_step_skipped())
+        runs.append((skipped, scaler.state_dict(), [p.detach().clone() for p in model.parameters()]))
+    (eager_skips, eager_state, eager_params), (skips, state, params) = runs
+    assert skips == eager_skips and 17 in [i for i, s in enumerate(skips) if s]
+    assert state == eager_state
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
