@@ -194,7 +194,8 @@ def test_scaler_skips_planted_spikes_and_keeps_the_scale(fused):
     twin_model = copy.deepcopy(model)
     opt, twin_opt = _optimizer(model, fused), _optimizer(twin_model, fused)
     policy = LossScalePolicy(skip_norm_sigma=6, skip_norm_window=16, growth_interval=4)
-    scaler, twin = tritonscale.GradScaler("cpu", policy=policy), torch.amp.GradScaler("cpu", growth_interval=4)
+    scaler = tritonscale.GradScaler("cpu", policy=policy, backend="torch")  # the rule is the backends' same
+    twin = torch.amp.GradScaler("cpu", growth_interval=4)
     reference, skipped = OlmoSkip(16, 6), []
     for x in batches:
         for m, o, s in ((model, opt, scaler), (twin_model, twin_opt, twin)):
@@ -223,7 +224,7 @@ def test_scaler_clips_as_zclip_then_torch_clip(fused):
     twin_model = copy.deepcopy(model)
     opt, twin_opt = _optimizer(model, fused), _optimizer(twin_model, fused)
     policy = LossScalePolicy(clip_norm_z=2.5, clip_norm_warmup_steps=5)
-    scaler, twin = tritonscale.GradScaler("cpu", policy=policy), torch.amp.GradScaler("cpu")
+    scaler, twin = tritonscale.GradScaler("cpu", policy=policy, backend="torch"), torch.amp.GradScaler("cpu")
     reference, adaptive = ZClipRef(warmup_steps=5), []
     for x in batches:
         for m, o, s in ((model, opt, scaler), (twin_model, twin_opt, twin)):
@@ -272,7 +273,7 @@ def test_no_host_read_in_clip_step_update(forbid_host_reads, fused):
 def _trained_scaler(policy: LossScalePolicy, steps: int):
     model, batches = _model_and_batches(steps, (steps - 1,))
     opt = _optimizer(model, False)
-    scaler = tritonscale.GradScaler("cpu", policy=policy)
+    scaler = tritonscale.GradScaler("cpu", policy=policy, backend="torch")
     for x in batches:
         opt.zero_grad()
         scaler.scale(_loss(model, x)).backward()
@@ -333,7 +334,8 @@ def test_compiled_rule_equals_eager():
         model, batches = _model_and_batches(20, (17,))
         opt = _optimizer(model, False)
         policy = LossScalePolicy(skip_norm_sigma=6, skip_norm_window=8, clip_norm_z=2.5, clip_norm_warmup_steps=4)
-        scaler, skipped = tritonscale.GradScaler("cpu", policy=policy, compile_policy=compiled), []
+        scaler = tritonscale.GradScaler("cpu", policy=policy, compile_policy=compiled, backend="torch")
+        skipped = []
         for x in batches:
             opt.zero_grad()
             scaler.scale(_loss(model, x)).backward()
