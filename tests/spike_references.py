@@ -10,9 +10,10 @@ tests/policy/test_spike_rules.py (decision for decision, clip value for clip val
   step) is not appended (``keep_nonfinite=True`` appends it, as OLMo-core does).
 * ``ZClipRef``: bluorion-com/ZClip zclip/zclip.py, ``ZClip.step`` without the gradients (the norm
   is given; ``_compute_clip_val``, ``_initialize_ema``, ``_update_ema`` as written) at commit
-  584ce4f5a4aabab59e7df1dbaffc26a44df39dc1. ``clip_value`` returns the ``max_norm`` torch's
-  ``clip_grad_norm_`` is called with: ZClip's ``effective_clip`` where it clips adaptively, else its
-  ``max_grad_norm`` (ZClip's own coefficient ``max / (norm + 1e-6) if norm > max`` is torch's
+  584ce4f5a4aabab59e7df1dbaffc26a44df39dc1 (the file as e42cdd1ce92cd5da5148d184819f4b13c7fe5b1a
+  left it). ``clip_value`` returns the ``max_norm`` torch's ``clip_grad_norm_`` is called with:
+  ZClip's ``effective_clip`` where it clips adaptively, else its ``max_grad_norm`` (ZClip's own
+  coefficient ``max / (norm + 1e-6) if norm > max`` is torch's
   formula but for norms within 1e-6 of the limit; the scaler's clip is torch's).
 """
 
@@ -30,7 +31,8 @@ class OlmoSkip:
 
     def __init__(self, rolling_interval_length: int = 128, sigma_factor: float = 6, min_steps: int = 2,
                  keep_nonfinite: bool = False) -> None:  # fmt: skip
-        self.rolling_interval_length, self.sigma_factor, self.min_steps = rolling_interval_length, sigma_factor, min_steps
+        self.rolling_interval_length, self.sigma_factor = rolling_interval_length, sigma_factor
+        self.min_steps = min_steps  # OLMo-core's constant: 2 since 7633461e9, 20 before
         self.keep_nonfinite = keep_nonfinite
         self._grad_norms: list[torch.Tensor] = []
         self.std = torch.std_mean  # the Bessel-corrected std; a test swaps in a wrong one

@@ -317,8 +317,8 @@ def test_bad_spike_state_is_refused_and_nothing_changes(change):
 @pytest.mark.parametrize(
     "knob,value",
     [("skip_norm_sigma", 0), ("skip_norm_sigma", math.inf), ("skip_norm_window", 1), ("skip_norm_min_steps", 1),
-     ("skip_norm_min_steps", 200), ("clip_norm_z", -1.0), ("clip_norm_alpha", 1.0), ("clip_norm_warmup_steps", 0), ("clip_norm_mode", "median"),
-     ("clip_norm_option", "max"), ("clip_norm_factor", 0.0), ("clip_norm_eps", -1e-6),
+     ("skip_norm_min_steps", 200), ("clip_norm_z", -1.0), ("clip_norm_alpha", 1.0), ("clip_norm_warmup_steps", 0),
+     ("clip_norm_mode", "median"), ("clip_norm_option", "max"), ("clip_norm_factor", 0.0), ("clip_norm_eps", -1e-6),
      ("clip_norm_skip_update_on_spike", 1)],
 )  # fmt: skip
 def test_bad_knobs_are_refused_by_name(knob, value):

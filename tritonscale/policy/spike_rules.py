@@ -17,10 +17,11 @@ tensor ops, so they give the same bits by construction (the host form reads only
   OLMo-core, a non-finite norm (an overflowed step, skipped anyway) is kept out of the window: with
   loss scaling every overflow would put inf there: the mean inf, the std NaN, and every step of the
   next ``window`` skipped. A finite norm is kept, also when it was skipped as a spike (OLMo-core's).
-* **ZClip** (bluorion-com/ZClip zclip/zclip.py @ 584ce4f): an exponential average of the norm's
-  mean and variance, initialised from the first ``warmup_steps`` norms (their mean and population
-  variance); after it, a norm whose z-score ``(norm - mean) / (std + eps)`` is above ``z`` is
-  clipped to ``(mean + z * std / (zscore / z)) * factor`` ("adaptive_scaling") or to ``mean``
+* **ZClip** (bluorion-com/ZClip zclip/zclip.py @ 584ce4f, the file as e42cdd1 left it): an
+  exponential average of the norm's mean and variance, initialised from the first
+  ``warmup_steps`` norms (their mean and population variance); after it, a norm whose z-score
+  ``(norm - mean) / (std + eps)`` is above ``z`` is clipped to
+  ``(mean + z * std / (zscore / z)) * factor`` ("adaptive_scaling") or to ``mean``
   ("mean"); in "percentile" mode to ``mean + z * std`` when above it. The clip value becomes the
   clip's ``max_norm`` (never above the ``max_norm`` passed to ``clip_grad_norm_``, ZClip's
   ``max_grad_norm``); the average then takes the clip value where it clipped, else the norm
@@ -63,11 +64,9 @@ def spike_state_size(policy: Any) -> int:
 
 
 def zscore_spike(policy: Any, stats: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """bool 0-dim: OLMo-core's rule says skip (not yet active: False). The rule::
-
-        active = min(seen + 1, window + 1) >= max(min_steps, window // 2)
-        skip = active and not (norm - mean(previous) <= sigma * std(previous))   # Bessel std
-    """
+    """bool 0-dim: OLMo-core's rule says skip. It is active once ``min(seen + 1, window + 1) >=
+    max(min_steps, window // 2)``, and then skips unless ``norm - mean <= sigma * std`` over the
+    previous (up to ``window``) norms, the std Bessel-corrected. Not yet active: False."""
     size = policy.skip_norm_window
     window, seen = stats[HEADER : HEADER + size], stats[Z_SEEN]
     count = torch.clamp(seen, max=size)
