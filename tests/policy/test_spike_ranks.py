@@ -1,9 +1,10 @@
 """The spike rules with a process group: every rank decides from the group's norm.
 
-Two ranks each hold half of a model's parameters (their own optimizer over their half, the
-gradients of the whole model computed alike on both, each half sent from its owner after a step); with ``process_group`` the clip's norm is
-the group's, so each rank's z-score skips, ZClip clip values and parameters must be those of one
-process holding every parameter (the oracle), and the ranks' spike state bitwise the same.
+Two ranks each hold half of a model's parameters (their own optimizer over their half; the
+gradients of the whole model computed alike on both; each half sent from its owner after a step).
+With ``process_group`` the clip's norm is the group's, so each rank's z-score skips, ZClip clip
+values and parameters must be those of one process holding every parameter (the oracle), and the
+ranks' spike state bitwise the same.
 """
 
 from __future__ import annotations
