@@ -314,6 +314,16 @@ def test_bad_spike_state_is_refused_and_nothing_changes(change):
     assert scaler.state_dict() == before
 
 
+def test_spike_state_without_a_spike_rule_is_refused():
+    scaler = _trained_scaler(LossScalePolicy(**SPIKE_POLICY), 6)
+    saved = scaler.state_dict()
+    bad = {**saved, "policy": {**saved["policy"], "skip_norm_sigma": None, "clip_norm_z": None}}
+    plain = tritonscale.GradScaler("cpu")
+    with pytest.raises(ScalerConfigError, match="no spike rule"):
+        plain.load_state_dict(bad)
+    assert plain.state_dict() == tritonscale.GradScaler("cpu").state_dict()
+
+
 @pytest.mark.parametrize(
     "knob,value",
     [("skip_norm_sigma", 0), ("skip_norm_sigma", math.inf), ("skip_norm_window", 1), ("skip_norm_min_steps", 1),

@@ -186,10 +186,14 @@ def _spike_stats_from(state_dict: abc.Mapping, fresh: list[float]) -> list[float
     saved = _section(state_dict, "spike_stats")
     if not saved:
         return list(fresh)
+    if not fresh:
+        raise ScalerConfigError(
+            "state_dict['spike_stats'] is given but its policy has no spike rule (skip_norm_sigma, clip_norm_z)"
+        )
     norms = saved.get("norms", [])
     if not isinstance(norms, abc.Sequence) or len(norms) + HEADER != len(fresh):
         raise ScalerConfigError(
-            f"state_dict['spike_stats']['norms'] must hold {max(len(fresh) - HEADER, 0)} norms for the policy's "
+            f"state_dict['spike_stats']['norms'] must hold {len(fresh) - HEADER} norms for the policy's "
             f"spike rules (skip_norm_window, clip_norm_warmup_steps), got {norms!r}"
         )
     values = [_as_number(saved.get(name, 0.0), f"spike_stats.{name}") for name in SPIKE_STAT_NAMES]
@@ -201,7 +205,8 @@ def _spike_stats_from(state_dict: abc.Mapping, fresh: list[float]) -> list[float
 
 
 def _section(state_dict: abc.Mapping, key: str) -> abc.Mapping:
-    """One of our own sections (``policy``, ``counters``, ``norm_stats``): a dict, or absent (torch's)."""
+    """One of our own sections (``policy``, ``counters``, ``norm_stats``, ``spike_stats``): a dict, or
+    absent (torch's)."""
     section = state_dict.get(key)
     if section is None:
         return {}
