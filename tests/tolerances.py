@@ -29,3 +29,10 @@ TORCH_BACKEND_NORM_RTOL = {**NORM_RTOL, torch.bfloat16: 2.0**-8}
 # for bfloat16 gradients torch computes it in bfloat16, where the per-tensor norms, their total,
 # norm + 1e-6 and max_norm / that each round once (2**-9 relative each).
 TORCH_CLIP_COEF_RTOL = {**NORM_RTOL, torch.bfloat16: 4 * 2.0**-9}
+# The spike rules' ZClip clip value (tritonscale/policy/spike_rules.py) against ZClip's Python: both
+# float64, op for op, but CPython's `x ** 0.5` and `x ** 2` go through libm's pow, which is not
+# correctly rounded (1 ulp off sqrt(x) / x * x for ~1 value in 500), while the device rule uses
+# IEEE sqrt and products. A few such ulps, carried through the exponential average (each update
+# shrinks an earlier error by alpha), and the final rounding to float32 (2**-24): 2**-22 is 4 float32
+# ulps, far below any difference a wrong rule makes (the clip values of a wrong rule differ by >1%).
+SPIKE_CLIP_RTOL = 2.0**-22

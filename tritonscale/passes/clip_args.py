@@ -14,6 +14,7 @@ a new ``max_norm`` without recompiling, and recompiles (then raises) only for a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +66,15 @@ class ClipRequest:
     optimizer's step (``result.grad_scale``, what it divides by) instead of being applied to the
     gradients; ``unscale_on_overflow``: a policy whose overflowed steps go ahead (the gradients are
     then unscaled, not clipped: ``base.unscaled_on_overflow``). ``max_norm`` inf: nothing clipped,
-    the check and the unscale alone. Example: ``ClipRequest(1.0, 2.0, fold=True)``."""
+    the check and the unscale alone. ``limit_of``: a policy's adaptive clip (ZClip), the function
+    from the norm (the ranks' combined norm) to the ``max_norm`` this step clips by, on the device.
+    Example: ``ClipRequest(1.0, 2.0, fold=True)``."""
 
     max_norm: float | torch.Tensor
     norm_type: float = 2.0
     fold: bool = False
     unscale_on_overflow: bool = False
+    limit_of: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _got(value: object) -> str:

@@ -170,6 +170,8 @@ def clip_grads(
         result.found_inf, result.factor = disjoint_at_run_time(grads, [result.found_inf, result.factor])
     if group is not None:  # no group: no rank code runs
         result = combine_check(result, scale, norm_type, max_norm, group, agreement, holds_grads(grads))
+    if request.limit_of is not None:  # an adaptive clip (ZClip): its max_norm from the group's norm
+        result = with_clip(result, scale, request.limit_of(result.norm))
     if request.unscale_on_overflow:
         result = unscaled_on_overflow(result, scale)
     applied = result

@@ -24,7 +24,10 @@ Every policy other frameworks ship is a setting of these knobs (README, "Policie
   ``drop_overflow_update``) or the step goes ahead;
 * a gradient-norm spike skip (Megatron-LM's ``grad_norm_skip_threshold``; OLMo-core's sync-free
   skip step): ``skip_norm_above`` and/or ``skip_norm_factor`` times the running average of past
-  norms skip the step on the device like an overflow, without backing the scale off.
+  norms skip the step on the device like an overflow, without backing the scale off;
+* spike rules (``spike_rules.py``): OLMo-core's z-score skip (``skip_norm_sigma`` standard
+  deviations above the mean of the last ``skip_norm_window`` norms) and ZClip's adaptive clip
+  (``clip_norm_z`` and its ``clip_norm_*`` knobs: the clip's max_norm from an average of the norm).
 
 The rule is written once, over the device-resident state, and runs in one of two forms
 (``policy_forms.py``): on the device with tensor ops (so nothing branches on a device value on a
@@ -64,6 +67,7 @@ from .policy_counters import (
     count_step_,
 )
 from .policy_forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
+from .spike_rules import CLIP_MODES, CLIP_OPTIONS, update_spike_stats_, zscore_spike
 
 ON_MIN_SCALE = ("clamp", "warn", "raise")
 
@@ -99,6 +103,18 @@ class LossScalePolicy:
     growth_delay: int = 0
     overflow_tolerance: float = 0.0
     raise_at_scale: float | None = None
+    # Spike rules (spike_rules.py): OLMo-core's z-score skip and ZClip's adaptive clip (appended).
+    skip_norm_sigma: float | None = None
+    skip_norm_window: int = 128
+    skip_norm_min_steps: int = 2
+    clip_norm_z: float | None = None
+    clip_norm_alpha: float = 0.97
+    clip_norm_warmup_steps: int = 25
+    clip_norm_mode: str = "zscore"
+    clip_norm_option: str = "adaptive_scaling"
+    clip_norm_factor: float = 1.0
+    clip_norm_eps: float = 1e-6
+    clip_norm_skip_update_on_spike: bool = False
 
     def validate(self) -> LossScalePolicy:
         """Raise ScalerConfigError naming the first bad knob; return self."""
@@ -122,7 +138,9 @@ class LossScalePolicy:
         self.norm_average_decay = float(self.norm_average_decay)
         self.norm_warmup_steps = check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
         self._validate_peer_knobs()
-        for flag in ("dynamic", "skip_on_overflow", "consecutive_hysteresis", "hysteresis_refill_on_backoff"):
+        self._validate_spike_knobs()
+        flags = ("dynamic", "skip_on_overflow", "consecutive_hysteresis", "hysteresis_refill_on_backoff")
+        for flag in (*flags, "clip_norm_skip_update_on_spike"):
             if not isinstance(getattr(self, flag), bool):
                 raise ScalerConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         return self
@@ -143,6 +161,35 @@ class LossScalePolicy:
         if self.raise_at_scale is not None and not (is_finite(self.raise_at_scale) and self.raise_at_scale >= 0):
             raise ScalerConfigError(f"raise_at_scale must be a finite number >= 0 or None, got {self.raise_at_scale!r}")
         self.raise_at_scale = None if self.raise_at_scale is None else float(self.raise_at_scale)
+
+    def _validate_spike_knobs(self) -> None:
+        """OLMo-core's z-score skip and ZClip's clip (spike_rules.py): positive finite numbers, window
+        and warm-up lengths of at least 2 and 1 norms, ZClip's modes by its own names."""
+        for name in ("skip_norm_sigma", "clip_norm_z"):
+            value = getattr(self, name)
+            if value is not None and not (is_finite(value) and value > 0):
+                raise ScalerConfigError(f"{name} must be a finite number > 0 or None, got {value!r}")
+            setattr(self, name, None if value is None else float(value))
+        for name, low in (("skip_norm_window", 2), ("skip_norm_min_steps", 2), ("clip_norm_warmup_steps", 1)):
+            if not is_count(getattr(self, name), low, 2**16 + 1):
+                raise ScalerConfigError(f"{name} must be an int in [{low}, 65536], got {getattr(self, name)!r}")
+            setattr(self, name, int(getattr(self, name)))
+        if self.skip_norm_min_steps > self.skip_norm_window + 1:  # OLMo-core's rule would never wake up
+            raise ScalerConfigError(
+                f"skip_norm_min_steps={self.skip_norm_min_steps} is more than skip_norm_window + 1 "
+                f"({self.skip_norm_window + 1}, the norms the z-score rule holds): the skip would never be active"
+            )
+        if not (is_finite(self.clip_norm_alpha) and 0 < self.clip_norm_alpha < 1):
+            raise ScalerConfigError(f"clip_norm_alpha must be in (0, 1), got {self.clip_norm_alpha!r}")
+        if not (is_finite(self.clip_norm_factor) and self.clip_norm_factor > 0):
+            raise ScalerConfigError(f"clip_norm_factor must be a finite number > 0, got {self.clip_norm_factor!r}")
+        if not (is_finite(self.clip_norm_eps) and self.clip_norm_eps >= 0):
+            raise ScalerConfigError(f"clip_norm_eps must be a finite number >= 0, got {self.clip_norm_eps!r}")
+        for name, choices in (("clip_norm_mode", CLIP_MODES), ("clip_norm_option", CLIP_OPTIONS)):
+            if getattr(self, name) not in choices:
+                raise ScalerConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        self.clip_norm_alpha, self.clip_norm_factor = float(self.clip_norm_alpha), float(self.clip_norm_factor)
+        self.clip_norm_eps = float(self.clip_norm_eps)
 
     def check_scale_in_bounds(self, name: str, scale: float) -> float:
         """``scale`` within [min_scale, max_scale]: a scale outside would be used as is until the
@@ -188,12 +235,22 @@ class LossScalePolicy:
     # tensors and reads nothing back; ON_HOST reads them into Python numbers first (on the CPU).
     # Tensors are only ever written through ``form.store`` or torch's in-place ops, at their addresses.
     def has_norm_skip(self) -> bool:
-        return self.skip_norm_above is not None or self.skip_norm_factor is not None
+        return self.skip_norm_above is not None or self.skip_norm_factor is not None or self.skip_norm_sigma is not None
+
+    def has_spike_state(self) -> bool:
+        """A spike rule that keeps ``spike_stats`` (spike_rules.py) is on."""
+        return self.skip_norm_sigma is not None or self.clip_norm_z is not None
 
     def skip_decision(
-        self, found_inf: torch.Tensor, norm: torch.Tensor | None, norm_stats: torch.Tensor, form: RuleForm = ON_DEVICE
+        self,
+        found_inf: torch.Tensor,
+        norm: torch.Tensor | None,
+        norm_stats: torch.Tensor,
+        form: RuleForm = ON_DEVICE,
+        spike_stats: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """float32 0-dim: 1.0 where the optimizer step must be skipped."""
+        """float32 0-dim: 1.0 where the optimizer step must be skipped. ``spike_stats``: the z-score
+        skip's window (spike_rules.py), needed with ``skip_norm_sigma``."""
         found = form.read(found_inf)
         skip = found > 0 if self.skip_on_overflow else form.false(found)
         if norm is not None and self.has_norm_skip():
@@ -206,6 +263,8 @@ class LossScalePolicy:
                 warmed_up = stats[NORM_COUNT] >= self.norm_warmup_steps
                 limit = form.f32(as_float32(self.skip_norm_factor) * stats[NORM_AVERAGE])
                 spike = spike | (warmed_up & (value > limit))
+            if self.skip_norm_sigma is not None:  # tensor ops in both forms: the same bits
+                spike = spike | form.read(zscore_spike(self, spike_stats, norm.to(found_inf.device)))
             skip = skip | (spike & form.isfinite(value))
         return form.flag(skip, found_inf.device)
 
@@ -280,6 +339,7 @@ class LossScalePolicy:
         skipped: torch.Tensor,
         norm: torch.Tensor | None,
         form: RuleForm = ON_DEVICE,
+        spike_stats: torch.Tensor | None = None,
     ) -> None:
         """One step of the rule, in place. ``found_inf`` > 0: the step overflowed (backs off);
         ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes).
@@ -299,6 +359,7 @@ class LossScalePolicy:
                 if found_inf: tracker = -growth_delay
             count the step: skipped or not, consecutive skips
             if a norm came and the step was not skipped: average = decayed average with norm
+            if a finite norm came: the spike rules' window and average take it (spike_rules.py)
         """
         if self.dynamic:
             back_off = found_inf
@@ -322,6 +383,8 @@ class LossScalePolicy:
         count_step_(counters, was_skipped, form)
         if norm is not None and self.skip_norm_factor is not None:
             self._average_norm_(norm_stats, norm.to(scale.device, torch.float32), was_skipped, form)
+        if norm is not None and self.has_spike_state():
+            update_spike_stats_(self, spike_stats, norm.to(scale.device))
 
     def _average_norm_(self, norm_stats: torch.Tensor, norm: torch.Tensor, was_skipped: Any, form: RuleForm) -> None:
         """Fold a stepped iteration's finite norm into the running average (``skip_norm_factor``)."""

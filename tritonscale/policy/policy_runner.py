@@ -22,6 +22,7 @@ from .loss_scale_policy import LossScalePolicy
 from .policy_counters import CONSECUTIVE_SKIPS, count_step_
 from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
 from .policy_state import DeviceState
+from .spike_rules import zclip_max_norm
 
 
 class IterationOutcome(NamedTuple):
@@ -89,8 +90,9 @@ class PolicyRunner:
         if policy.needs_host_check():
             self._host_check(policy, state, found_inf, skipped)
         self.rule(policy, "update_", device)(
-            state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm
-        )
+            state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm,
+            spike_stats=state.spike_stats,
+        )  # fmt: skip
         self._unread.seen(policy, state)
         return found_inf, norm
 
@@ -110,6 +112,14 @@ class PolicyRunner:
             flags, scale, in_a_row = values.tolist()  # the one host read
             self._unread.set(policy, scale, int(in_a_row))
         act_on_host_checks(policy, HostCheck(int(flags)), state.scale, state.counters)
+
+    def clip_limit(self, policy: LossScalePolicy, state: DeviceState | None, max_norm: float) -> Any:
+        """With ZClip's adaptive clip on (``clip_norm_z``): the function from this step's norm to the
+        clip's ``max_norm`` (a float32 0-dim device tensor, spike_rules.py), else None. Example:
+        ``runner.clip_limit(policy, state, 1.0)(norm)``."""
+        if policy.clip_norm_z is None or state is None:
+            return None
+        return functools.partial(zclip_max_norm, policy, state.spike_stats, max_norm=max_norm)
 
     def count_only_(
         self, policy: LossScalePolicy, state: DeviceState, outcome: IterationOutcome

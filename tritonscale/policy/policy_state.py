@@ -2,19 +2,20 @@
 
 * ``HostState``: Python numbers. What a fresh scaler starts from, what ``state_dict()`` and a
   pickle hold, and what ``load_state_dict`` validates before anything changes.
-* ``DeviceState``: the same four values as device tensors, made at the first ``scale()`` and from
+* ``DeviceState``: the same values as device tensors, made at the first ``scale()`` and from
   then on updated in place at fixed addresses (so a step can be captured in a CUDA graph). The
   policy's rule (``policy_runner.py``) updates them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from .loss_scale_policy import LossScalePolicy
 from .policy_counters import COUNTER_NAMES
+from .spike_rules import spike_state_size
 
 
 @dataclass
@@ -25,15 +26,19 @@ class HostState:
     growth_tracker: int
     counters: list[int]  # COUNTER_NAMES order
     norm_stats: list[float]  # [average, count]
+    spike_stats: list[float] = field(default_factory=list)  # spike_rules.py's slots; [] without one
 
     @classmethod
     def initial(cls, scale: float, policy: LossScalePolicy) -> HostState:
         """Where a fresh scaler starts: a full hysteresis budget, the growth count at -growth_delay
         (DeepSpeed counts the start as an overflow), every other tracker at zero."""
-        return cls(scale, -policy.growth_delay, [policy.hysteresis] + [0] * (len(COUNTER_NAMES) - 1), [0.0, 0.0])
+        counters = [policy.hysteresis] + [0] * (len(COUNTER_NAMES) - 1)
+        return cls(scale, -policy.growth_delay, counters, [0.0, 0.0], [0.0] * spike_state_size(policy))
 
     def copy(self) -> HostState:
-        return HostState(self.scale, self.growth_tracker, list(self.counters), list(self.norm_stats))
+        return HostState(
+            self.scale, self.growth_tracker, list(self.counters), list(self.norm_stats), list(self.spike_stats)
+        )
 
     def to_device(self, device: torch.device) -> DeviceState:
         return DeviceState(
@@ -41,6 +46,7 @@ class HostState:
             growth_tracker=torch.full((), self.growth_tracker, dtype=torch.int32, device=device),
             counters=torch.tensor(self.counters, dtype=torch.int32, device=device),
             norm_stats=torch.tensor(self.norm_stats, dtype=torch.float32, device=device),
+            spike_stats=torch.tensor(self.spike_stats, dtype=torch.float64, device=device),
         )
 
 
@@ -52,6 +58,7 @@ class DeviceState:
     growth_tracker: torch.Tensor  # int32 0-dim
     counters: torch.Tensor  # int32 [len(COUNTER_NAMES)]
     norm_stats: torch.Tensor  # float32 [2]
+    spike_stats: torch.Tensor  # float64 [spike_state_size(policy)]: the spike rules' window and average
 
     def to_host(self) -> HostState:
         """Read every value back (a host sync)."""
@@ -60,10 +67,15 @@ class DeviceState:
             growth_tracker=int(self.growth_tracker.item()),
             counters=[int(v) for v in self.counters.tolist()],
             norm_stats=[float(v) for v in self.norm_stats.tolist()],
+            spike_stats=[float(v) for v in self.spike_stats.tolist()],
         )
 
     def load_(self, host: HostState) -> None:
-        """Overwrite every value in place (the addresses stay)."""
+        """Overwrite every value in place (the addresses stay; only a policy with another spike
+        window or warm-up length resizes ``spike_stats``, which may move it)."""
         loaded = host.to_device(self.scale.device)
-        for field in fields(self):
-            getattr(self, field.name).copy_(getattr(loaded, field.name))
+        for each in fields(self):
+            tensor, value = getattr(self, each.name), getattr(loaded, each.name)
+            if tensor.shape != value.shape:
+                tensor.resize_(value.shape)
+            tensor.copy_(value)

@@ -27,9 +27,11 @@ from ..policy.policy_counters import (
     SKIPPED_STEPS,
 )
 from ..policy.policy_state import HostState
+from ..policy.spike_rules import HEADER, SPIKE_STAT_NAMES
 from .scaler_args import TORCH_KNOBS
 
-#: torch.amp.GradScaler's state_dict keys; ours adds "policy", "counters" and "norm_stats".
+#: torch.amp.GradScaler's state_dict keys; ours adds "policy", "counters", "norm_stats" and, with a
+#: spike rule on (policy/spike_rules.py), "spike_stats".
 STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -63,7 +65,9 @@ def check_picklable(process_group: Any, mid_iteration: bool) -> None:
 
 
 def to_state_dict(policy: LossScalePolicy, host: HostState) -> dict[str, Any]:
-    """torch's five entries, then the other policy knobs, the counters and the norm statistics."""
+    """torch's five entries, then the other policy knobs, the counters and the norm statistics
+    (and the spike rules' state, where a spike rule is on)."""
+    spike = {"spike_stats": _spike_stats_to(host.spike_stats)} if host.spike_stats else {}
     return {
         "scale": host.scale,
         "growth_factor": policy.growth_factor,
@@ -73,6 +77,7 @@ def to_state_dict(policy: LossScalePolicy, host: HostState) -> dict[str, Any]:
         "policy": {k: v for k, v in policy.knobs().items() if k not in TORCH_KNOBS},
         "counters": dict(zip(COUNTER_NAMES, host.counters)),
         "norm_stats": {"average": host.norm_stats[NORM_AVERAGE], "count": host.norm_stats[NORM_COUNT]},
+        **spike,
     }
 
 
@@ -112,6 +117,7 @@ def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScal
     )
     host.counters = _counters_from(state_dict, policy, host.counters)
     host.norm_stats = _norm_stats_from(state_dict)
+    host.spike_stats = _spike_stats_from(state_dict, host.spike_stats)
     return policy, host
 
 
@@ -168,8 +174,39 @@ def _norm_stats_from(state_dict: abc.Mapping) -> list[float]:
     return norm_stats
 
 
+def _spike_stats_to(spike_stats: list[float]) -> dict[str, Any]:
+    """The spike rules' slots by name (spike_rules.py), the window and warm-up norms as lists."""
+    named = dict(zip(SPIKE_STAT_NAMES, spike_stats))
+    return {**named, "norms": list(spike_stats[HEADER:])}
+
+
+def _spike_stats_from(state_dict: abc.Mapping, fresh: list[float]) -> list[float]:
+    """The saved spike state, or ``fresh`` (the loaded policy's zeros) where it is absent (an older
+    checkpoint, torch's): its length the loaded policy's, every value a finite number >= 0."""
+    saved = _section(state_dict, "spike_stats")
+    if not saved:
+        return list(fresh)
+    if not fresh:
+        raise ScalerConfigError(
+            "state_dict['spike_stats'] is given but its policy has no spike rule (skip_norm_sigma, clip_norm_z)"
+        )
+    norms = saved.get("norms", [])
+    if not isinstance(norms, abc.Sequence) or len(norms) + HEADER != len(fresh):
+        raise ScalerConfigError(
+            f"state_dict['spike_stats']['norms'] must hold {len(fresh) - HEADER} norms for the policy's "
+            f"spike rules (skip_norm_window, clip_norm_warmup_steps), got {norms!r}"
+        )
+    values = [_as_number(saved.get(name, 0.0), f"spike_stats.{name}") for name in SPIKE_STAT_NAMES]
+    values += [_as_number(v, "spike_stats.norms") for v in norms]
+    for name, value in zip([*SPIKE_STAT_NAMES] + ["norms"] * len(norms), values):
+        if not (math.isfinite(value) and value >= 0):
+            raise ScalerConfigError(f"state_dict['spike_stats'][{name!r}] must be a finite number >= 0, got {value!r}")
+    return values
+
+
 def _section(state_dict: abc.Mapping, key: str) -> abc.Mapping:
-    """One of our own sections (``policy``, ``counters``, ``norm_stats``): a dict, or absent (torch's)."""
+    """One of our own sections (``policy``, ``counters``, ``norm_stats``, ``spike_stats``): a dict, or
+    absent (torch's)."""
     section = state_dict.get(key)
     if section is None:
         return {}

@@ -188,7 +188,7 @@ class GradScaler:
             return norm
         scale = self._state_for("clip_grad_norm_").scale
         record = self._per_optimizer_states[id(inner)].not_stepped("clip_grad_norm_")
-        pending = record.pending_factor(scale)
+        pending, limit_of = record.pending_factor(scale), self._rules.clip_limit(self._policy, self._tensors, max_norm)
         sparse_ok = not (folds and step_protocols.is_torch_fused(inner))  # torch's fused steps: dense only
         grads = collect_grads(
             inner, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True, takes_norm=True
@@ -199,7 +199,7 @@ class GradScaler:
         device, result = clip_grads(
             grads,
             pending,
-            ClipRequest(max_norm, norm_type, fold=folds, unscale_on_overflow=not self._policy.skip_on_overflow),
+            ClipRequest(max_norm, norm_type, folds, not self._policy.skip_on_overflow, limit_of=limit_of),
             backend=self._backend_name,
             group=group,
             agreement=self._agreement(inner, "clip", max_norm, norm_type),
@@ -256,7 +256,7 @@ class GradScaler:
         found_inf = record.found_inf_on(device, required)
         norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
-        skip = skip_decision(found_inf, norm, self._tensors.norm_stats)  # a 0-dim flag
+        skip = skip_decision(found_inf, norm, self._tensors.norm_stats, spike_stats=self._tensors.spike_stats)
         record.skip = skip if self._ranks.pending is None else self._ranks.skip(skip)  # forced on by a mismatch
         return record.skip
 
