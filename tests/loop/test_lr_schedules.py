@@ -82,9 +82,7 @@ SCHEDULES = {
         _warmup_cosine,
     ),
     "three_phases": (
-        st.fixed_dictionaries(
-            {"factor": unit, "first": st.integers(1, 4), "second": st.integers(5, 9), "gamma": unit}
-        ),
+        st.fixed_dictionaries({"factor": unit, "first": st.integers(1, 4), "second": st.integers(5, 9), "gamma": unit}),
         _three_phases,
     ),
     "onecycle": (

@@ -28,12 +28,20 @@ def warmup_cosine(optimizer):
 
 
 def build():
-    """A fused AdamW with a tensor lr (so the schedule is set on the device), hysteresis and a
-    norm-spike skip, poisoned gradients."""
+    """A fused AdamW with a tensor lr (so the schedule is set on the device), hysteresis, OLMo-core's
+    z-score skip and ZClip's clip, poisoned gradients."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
-    policy = tritonscale.LossScalePolicy(hysteresis=2, skip_norm_above=1e4, growth_interval=4)
+    policy = tritonscale.LossScalePolicy(
+        hysteresis=2,
+        growth_interval=4,
+        skip_norm_sigma=6,
+        skip_norm_window=8,
+        skip_norm_min_steps=3,
+        clip_norm_z=2.5,
+        clip_norm_warmup_steps=3,
+    )
     scaler = tritonscale.GradScaler("cpu", init_scale=2.0**10, policy=policy)
     GradInjector(model[0].weight, "inf", at=OVERFLOWS)
     GradInjector(model[2].weight, "spike", at=SPIKES)

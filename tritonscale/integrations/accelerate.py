@@ -273,9 +273,7 @@ def _fused_target(
     return real, ""
 
 
-def _prepare_optimizer(
-    accelerator: Accelerator, optimizer: torch.optim.Optimizer, device_placement: Any = None
-) -> Any:
+def _prepare_optimizer(accelerator: Accelerator, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
     """``accelerator.prepare_optimizer`` after :func:`install`: Accelerate's, then :func:`_report_skips`."""
     installed: _Installed = accelerator.__dict__[_INSTALLED_ATTR]
     prepared = installed.accelerate_prepare_optimizer(optimizer, device_placement=device_placement)

@@ -44,9 +44,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
+from ..loop.applied_steps import AppliedSteps
 from ..passes.step_protocols import takes_amp_scaling, unwrap_optimizer
 from ..scaler.grad_scaler import GradScaler, OptState
-from ..loop.applied_steps import AppliedSteps
 from .cpu_precision import warn_float16_on_cpu
 
 __all__ = ["FabricFusedClipPrecision", "FusedClipPrecision", "enable_fused_clipping"]

@@ -22,8 +22,8 @@ Every policy other frameworks ship is a setting of these knobs (README, "Policie
 * a fixed scale (``dynamic=False``; TensorFlow's and MindSpore's FixedLossScaleManager) that never
   changes, with ``skip_on_overflow`` choosing whether an overflow skips the step (MindSpore's
   ``drop_overflow_update``) or the step goes ahead;
-* a gradient-norm spike skip (Megatron-LM's ``grad_norm_skip_threshold``; OLMo-core's sync-free
-  skip step): ``skip_norm_above`` and/or ``skip_norm_factor`` times the running average of past
+* a gradient-norm spike skip (Megatron-LM's ``grad_norm_skip_threshold``, and a ratio to the
+  running average): ``skip_norm_above`` and/or ``skip_norm_factor`` times the running average of past
   norms skip the step on the device like an overflow, without backing the scale off;
 * spike rules (``spike_rules.py``): OLMo-core's z-score skip (``skip_norm_sigma`` standard
   deviations above the mean of the last ``skip_norm_window`` norms) and ZClip's adaptive clip
