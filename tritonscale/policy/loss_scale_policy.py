@@ -67,7 +67,7 @@ from .policy_counters import (
     count_step_,
 )
 from .policy_forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
-from .spike_rules import CLIP_MODES, CLIP_OPTIONS, update_spike_stats_, zscore_spike
+from .spike_rules import check_spike_knobs, update_spike_stats_, zscore_spike
 
 ON_MIN_SCALE = ("clamp", "warn", "raise")
 
@@ -138,7 +138,7 @@ class LossScalePolicy:
         self.norm_average_decay = float(self.norm_average_decay)
         self.norm_warmup_steps = check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
         self._validate_peer_knobs()
-        self._validate_spike_knobs()
+        check_spike_knobs(self)
         flags = ("dynamic", "skip_on_overflow", "consecutive_hysteresis", "hysteresis_refill_on_backoff")
         for flag in (*flags, "clip_norm_skip_update_on_spike"):
             if not isinstance(getattr(self, flag), bool):
@@ -161,35 +161,6 @@ class LossScalePolicy:
         if self.raise_at_scale is not None and not (is_finite(self.raise_at_scale) and self.raise_at_scale >= 0):
             raise ScalerConfigError(f"raise_at_scale must be a finite number >= 0 or None, got {self.raise_at_scale!r}")
         self.raise_at_scale = None if self.raise_at_scale is None else float(self.raise_at_scale)
-
-    def _validate_spike_knobs(self) -> None:
-        """OLMo-core's z-score skip and ZClip's clip (spike_rules.py): positive finite numbers, window
-        and warm-up lengths of at least 2 and 1 norms, ZClip's modes by its own names."""
-        for name in ("skip_norm_sigma", "clip_norm_z"):
-            value = getattr(self, name)
-            if value is not None and not (is_finite(value) and value > 0):
-                raise ScalerConfigError(f"{name} must be a finite number > 0 or None, got {value!r}")
-            setattr(self, name, None if value is None else float(value))
-        for name, low in (("skip_norm_window", 2), ("skip_norm_min_steps", 2), ("clip_norm_warmup_steps", 1)):
-            if not is_count(getattr(self, name), low, 2**16 + 1):
-                raise ScalerConfigError(f"{name} must be an int in [{low}, 65536], got {getattr(self, name)!r}")
-            setattr(self, name, int(getattr(self, name)))
-        if self.skip_norm_min_steps > self.skip_norm_window + 1:  # OLMo-core's rule would never wake up
-            raise ScalerConfigError(
-                f"skip_norm_min_steps={self.skip_norm_min_steps} is more than skip_norm_window + 1 "
-                f"({self.skip_norm_window + 1}, the norms the z-score rule holds): the skip would never be active"
-            )
-        if not (is_finite(self.clip_norm_alpha) and 0 < self.clip_norm_alpha < 1):
-            raise ScalerConfigError(f"clip_norm_alpha must be in (0, 1), got {self.clip_norm_alpha!r}")
-        if not (is_finite(self.clip_norm_factor) and self.clip_norm_factor > 0):
-            raise ScalerConfigError(f"clip_norm_factor must be a finite number > 0, got {self.clip_norm_factor!r}")
-        if not (is_finite(self.clip_norm_eps) and self.clip_norm_eps >= 0):
-            raise ScalerConfigError(f"clip_norm_eps must be a finite number >= 0, got {self.clip_norm_eps!r}")
-        for name, choices in (("clip_norm_mode", CLIP_MODES), ("clip_norm_option", CLIP_OPTIONS)):
-            if getattr(self, name) not in choices:
-                raise ScalerConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        self.clip_norm_alpha, self.clip_norm_factor = float(self.clip_norm_alpha), float(self.clip_norm_factor)
-        self.clip_norm_eps = float(self.clip_norm_eps)
 
     def check_scale_in_bounds(self, name: str, scale: float) -> float:
         """``scale`` within [min_scale, max_scale]: a scale outside would be used as is until the

@@ -41,6 +41,9 @@ from typing import Any
 
 import torch
 
+from ..errors import ScalerConfigError
+from .knob_checks import is_count, is_finite
+
 # Slots of the float64 spike_stats tensor; the window and the warm-up norms follow.
 Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN = range(4)
 HEADER = 4
@@ -136,3 +139,33 @@ def _update_ema_(policy: Any, stats: torch.Tensor, x: torch.Tensor, take: torch.
     stats[EMA_MEAN] = torch.where(completes, first_mean, torch.where(moves, new_mean, mean))
     stats[EMA_VAR] = torch.where(completes, first_var, torch.where(moves, new_var, var))
     stats[EMA_SEEN] = seen + warming.double()
+
+
+def check_spike_knobs(policy: Any) -> None:
+    """``LossScalePolicy.validate``'s checks of the spike knobs, in place: positive finite numbers, window
+    and warm-up lengths of at least 2 and 1 norms, ZClip's modes by its own names."""
+    for name in ("skip_norm_sigma", "clip_norm_z"):
+        value = getattr(policy, name)
+        if value is not None and not (is_finite(value) and value > 0):
+            raise ScalerConfigError(f"{name} must be a finite number > 0 or None, got {value!r}")
+        setattr(policy, name, None if value is None else float(value))
+    for name, low in (("skip_norm_window", 2), ("skip_norm_min_steps", 2), ("clip_norm_warmup_steps", 1)):
+        if not is_count(getattr(policy, name), low, 2**16 + 1):
+            raise ScalerConfigError(f"{name} must be an int in [{low}, 65536], got {getattr(policy, name)!r}")
+        setattr(policy, name, int(getattr(policy, name)))
+    if policy.skip_norm_min_steps > policy.skip_norm_window + 1:  # OLMo-core's rule would never wake up
+        raise ScalerConfigError(
+            f"skip_norm_min_steps={policy.skip_norm_min_steps} is more than skip_norm_window + 1 "
+            f"({policy.skip_norm_window + 1}, the norms the z-score rule holds): the skip would never be active"
+        )
+    if not (is_finite(policy.clip_norm_alpha) and 0 < policy.clip_norm_alpha < 1):
+        raise ScalerConfigError(f"clip_norm_alpha must be in (0, 1), got {policy.clip_norm_alpha!r}")
+    if not (is_finite(policy.clip_norm_factor) and policy.clip_norm_factor > 0):
+        raise ScalerConfigError(f"clip_norm_factor must be a finite number > 0, got {policy.clip_norm_factor!r}")
+    if not (is_finite(policy.clip_norm_eps) and policy.clip_norm_eps >= 0):
+        raise ScalerConfigError(f"clip_norm_eps must be a finite number >= 0, got {policy.clip_norm_eps!r}")
+    for name, choices in (("clip_norm_mode", CLIP_MODES), ("clip_norm_option", CLIP_OPTIONS)):
+        if getattr(policy, name) not in choices:
+            raise ScalerConfigError(f"{name} must be one of {choices}, got {getattr(policy, name)!r}")
+    policy.clip_norm_alpha, policy.clip_norm_factor = float(policy.clip_norm_alpha), float(policy.clip_norm_factor)
+    policy.clip_norm_eps = float(policy.clip_norm_eps)
