@@ -103,7 +103,8 @@ def stats(self: Any) -> dict[str, torch.Tensor]:
     ``norm`` (the last clip_grad_norm_'s, NaN if none), ``found_inf`` (the last update's flag),
     ``skipped`` (0/1), ``skipped_steps``, ``consecutive_skips``, ``hysteresis_left``. They are
     this step's values (device copies), safe to keep and read steps later. Example:
-    ``writer.add_scalar("loss_scale", scaler.stats()["scale"], step)`` (the logger syncs)."""
+    ``writer.add_scalar("loss_scale", scaler.stats()["scale"], step)`` (the logger syncs; a
+    logger that must not: ``tritonscale.StepLog``, docs/training-loop.md)."""
     if not self._enabled:
         raise RuntimeError(NO_STATS_WHEN_DISABLED)
     if self._tensors is None:
