@@ -47,6 +47,16 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
+#: The Trainer settings every run here shares: no progress bar, logger, checkpoints, summary or sanity steps.
+QUIET = dict(
+    enable_progress_bar=False,
+    logger=False,
+    enable_checkpointing=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
+
+
 def batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
@@ -147,11 +157,7 @@ def fit(
         gradient_clip_algorithm=algorithm,
         plugins=[plugin],
         callbacks=[recorder],
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
     )
     # batch_size=None: the loader hands the prepared batches over as they are.
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches(steps), batch_size=None))
@@ -431,11 +437,7 @@ def fit_skip_case(case: str, plugin) -> SkipRecorder:
         gradient_clip_val=1.0,  # the norm the spike rule reads comes from the fused clip
         plugins=[plugin],
         callbacks=[recorder],
-        enable_progress_bar=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
     )
     data = batches(skip_truth.STEPS)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))

@@ -14,6 +14,7 @@ The reference run gets past that assert with a patched ``is_cuda_available`` and
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 
 import pytest
@@ -35,6 +36,15 @@ INF_UPDATE, NAN_UPDATE = 3, 6
 INIT_SCALE, GROWTH_INTERVAL = 2.0**10, 2
 CLIP = 0.05  # below the gradient norm: the clip is active on every update
 _hub_names = itertools.count()
+
+
+def hide_broken_torchvision(monkeypatch) -> None:
+    """mmengine's Runner imports torchvision in collect_env: a CUDA build next to a CPU torch
+    fails to import, so it is made to look absent there."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        monkeypatch.setitem(sys.modules, "torchvision", None)
 
 
 def _torch_wrapper(monkeypatch, optimizer, loss_scale=None, **kwargs) -> AmpOptimWrapper:
@@ -192,16 +202,12 @@ def test_registry_config_and_checkpoint(monkeypatch):
 
 def test_runner_config_by_name_matches_amp_optim_wrapper(monkeypatch, tmp_path):
     """A tiny Runner: ours selected by name in the config against an AmpOptimWrapper instance."""
-    import sys
 
     from mmengine.hooks import Hook
     from mmengine.model import BaseModel
     from mmengine.runner import Runner
 
-    try:
-        import torchvision  # noqa: F401  (Runner's collect_env imports it)
-    except Exception:  # a CUDA build next to a CPU torch: let collect_env see it as absent
-        monkeypatch.setitem(sys.modules, "torchvision", None)
+    hide_broken_torchvision(monkeypatch)
 
     class Net(BaseModel):
         def __init__(self):
@@ -295,16 +301,12 @@ def _linear_lr(optimizer):
 @pytest.mark.parametrize("case", skip_truth.SKIP_CASES)
 def test_runner_param_schedulers_advance_only_on_applied_steps(monkeypatch, tmp_path, case):
     """A Runner with an iteration-based LinearLR: FusedClipParamSchedulerHook steps it on applied steps."""
-    import sys
 
     from mmengine.hooks import Hook
     from mmengine.model import BaseModel
     from mmengine.runner import Runner
 
-    try:
-        import torchvision  # noqa: F401  (Runner's collect_env imports it)
-    except Exception:  # a CUDA build next to a CPU torch: let collect_env see it as absent
-        monkeypatch.setitem(sys.modules, "torchvision", None)
+    hide_broken_torchvision(monkeypatch)
 
     class Net(BaseModel):
         def __init__(self):

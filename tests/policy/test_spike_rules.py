@@ -275,12 +275,17 @@ def _trained_scaler(policy: LossScalePolicy, steps: int):
     opt = _optimizer(model, False)
     scaler = tritonscale.GradScaler("cpu", policy=policy, backend="torch")
     for x in batches:
-        opt.zero_grad()
-        scaler.scale(_loss(model, x)).backward()
-        scaler.clip_grad_norm_(opt, max_norm=50.0)
-        scaler.step(opt)
-        scaler.update()
+        _step(scaler, opt, model, x)
     return scaler
+
+
+def _step(scaler, opt, model, x) -> None:
+    """One scaled, clipped (max_norm 50) training step."""
+    opt.zero_grad()
+    scaler.scale(_loss(model, x)).backward()
+    scaler.clip_grad_norm_(opt, max_norm=50.0)
+    scaler.step(opt)
+    scaler.update()
 
 
 SPIKE_POLICY = dict(skip_norm_sigma=3, skip_norm_window=8, clip_norm_z=2.5, clip_norm_warmup_steps=4)
@@ -347,11 +352,7 @@ def test_compiled_rule_equals_eager():
         scaler = tritonscale.GradScaler("cpu", policy=policy, compile_policy=compiled, backend="torch")
         skipped = []
         for x in batches:
-            opt.zero_grad()
-            scaler.scale(_loss(model, x)).backward()
-            scaler.clip_grad_norm_(opt, max_norm=50.0)
-            scaler.step(opt)
-            scaler.update()
+            _step(scaler, opt, model, x)
             skipped.append(scaler.last_step_skipped())
         runs.append((skipped, scaler.state_dict(), [p.detach().clone() for p in model.parameters()]))
     (eager_skips, eager_state, eager_params), (skips, state, params) = runs
