@@ -183,7 +183,7 @@ def sweep_estimate_s(m: dict, max_size: int, repeats: int) -> float:
 
     s, total_ms = m["sweep"], 0.0
     for dtype in sweep.DTYPES.values():
-        variants = [v for v in sweep.VARIANTS if sweep.runnable(v, dtype)]
+        variants = [v for v in sweep.VARIANTS if sweep.runnable(v, dtype, torch.device("cpu"))]
         for layout in sweep.LAYOUTS:
             sizes = [2000 * 4096] if layout == "2000x4K" else sweep.sizes_between(2**16, max_size)
             for numel in sizes:

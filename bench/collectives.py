@@ -97,9 +97,10 @@ def _rank_main(rank: int, world: int, tmp: str, args: argparse.Namespace) -> Non
         scaler._per_optimizer_states.clear()  # the next call starts a fresh iteration, no step
 
     row, rows = torch.zeros(2, dtype=torch.float64), torch.zeros(2 * world, dtype=torch.float64)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before 2.13
     variants = {
         "all-gather (ours)": lambda: combine_check(local, one, 2.0, 1.0, group),
-        "all-gather alone": lambda: dist.all_gather_single(rows, row, group=group),
+        "all-gather alone": lambda: all_gather(rows, row, group=group),
         "2 all-reduces (Megatron)": megatron,
         "1 all-reduce": one_all_reduce,
         **{name: (lambda scaler=scaler: clip(scaler)) for name, scaler in scalers.items()},
