@@ -72,7 +72,8 @@ class ScaleHistory:
         ax_scale.set_ylabel("loss scale")
         applied = [n if _on_log_axis(n) and not flag else float("nan")
                    for n, flag in zip(data["norm"], data["skipped"])]  # fmt: skip
-        ax_norm.plot(steps, applied, marker=".", ms=4, label="grad norm (unscaled)")  # a lone applied step stays visible
+        # Markers too: an applied step between two skips has no line of its own.
+        ax_norm.plot(steps, applied, marker=".", ms=4, label="grad norm (unscaled)")
         spikes = [(s, n) for s, n in zip(steps, data["norm"]) if s in skipped and _on_log_axis(n)]
         if spikes:
             ax_norm.plot(*zip(*spikes), "x", color="tab:red", label="norm of a skipped step")
