@@ -59,6 +59,9 @@ def draw_row(row, result: dict) -> None:
         row[2].plot(steps, s["scale"], label=run_name, **style)
         row[3].plot(steps, applied_norms(s), label=run_name, **style)
         row[4].plot(steps, cumulative(s["skipped"]), label=run_name, **style)
+    if not any(math.isfinite(n) for s in runs.values() for n in applied_norms(s)):
+        row[3].text(0.5, 0.5, "no step applied:\nevery step skipped", ha="center", va="center",
+                    transform=row[3].transAxes)  # fmt: skip
     diff = [b - a for a, b in zip(runs["torch"]["loss"], runs["tritonscale"]["loss"])]
     row[1].plot(range(len(diff)), diff, color=STYLES["tritonscale"]["color"], lw=1.0)
     row[1].axhline(0.0, color="black", lw=0.6)
