@@ -2,9 +2,9 @@
 
 Columns: the loss; the loss difference tritonscale - torch (the two curves coincide when the runs
 agree, so the difference is what shows whether they do); the loss scale; the gradient norm before
-clipping; the skipped steps so far. torch is drawn as a thick light line and tritonscale as a thin
-dark dashed line on top of it, so both stay visible where they coincide. One legend, below the
-panels, off the data.
+clipping (broken at every skipped step: no norm was applied there); the skipped steps so far.
+torch is drawn as a thick light line and tritonscale as a thin dark dashed line on top of it, so
+both stay visible where they coincide. One legend, below the panels, off the data.
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ def cumulative(flags: list[bool]) -> list[int]:
     return out
 
 
+def applied_norms(series: dict) -> list[float]:
+    """The norm of each applied step, NaN at a skipped step or a norm a log axis cannot show: the
+    line breaks there (a line joining the neighbours would draw a norm no step applied)."""
+    return [n if math.isfinite(n) and n > 0 and not skipped else math.nan
+            for n, skipped in zip(series["grad_norm"], series["skipped"])]  # fmt: skip
+
+
 def draw_row(row, result: dict) -> None:
     """One experiment's five panels."""
     runs = result["runs"]
@@ -50,9 +57,11 @@ def draw_row(row, result: dict) -> None:
         steps = range(len(s["loss"]))
         row[0].plot(steps, s["loss"], label=run_name, **style)
         row[2].plot(steps, s["scale"], label=run_name, **style)
-        finite = [(i, n) for i, n in enumerate(s["grad_norm"]) if math.isfinite(n) and n > 0]
-        row[3].plot([i for i, _ in finite], [n for _, n in finite], label=run_name, **style)
+        row[3].plot(steps, applied_norms(s), label=run_name, **style)
         row[4].plot(steps, cumulative(s["skipped"]), label=run_name, **style)
+    if not any(math.isfinite(n) for s in runs.values() for n in applied_norms(s)):
+        row[3].text(0.5, 0.5, "no step applied:\nevery step skipped", ha="center", va="center",
+                    transform=row[3].transAxes)  # fmt: skip
     diff = [b - a for a, b in zip(runs["torch"]["loss"], runs["tritonscale"]["loss"])]
     row[1].plot(range(len(diff)), diff, color=STYLES["tritonscale"]["color"], lw=1.0)
     row[1].axhline(0.0, color="black", lw=0.6)
@@ -75,6 +84,14 @@ def draw_row(row, result: dict) -> None:
 
 def plot(results: list[dict], path: Path, title: str) -> Path:
     """The figure at ``path`` (PNG)."""
+    fig = figure(results)
+    note = "torch: thick light line; tritonscale: thin dashed line drawn on top (they coincide where the runs agree)"
+    height = fig.get_figheight()
+    return figures.save(fig, path, f"{title}\n{note}", rect=(0, 0.45 / height, 1, 1.0 - 0.2 / height))
+
+
+def figure(results: list[dict]):
+    """The matplotlib Figure: one row of panels per experiment (experiments.py's result dicts), one legend."""
     plt = figures.pyplot()
     fig, axes = plt.subplots(len(results), len(COLUMNS), figsize=(22, 3.3 * len(results) + 1.0), squeeze=False)
     for row, result in zip(axes, results):
@@ -87,6 +104,4 @@ def plot(results: list[dict], path: Path, title: str) -> Path:
                 labels.append(label)
     fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=len(labels), fontsize=9,
                bbox_to_anchor=(0.5, 0.0), frameon=False)  # fmt: skip
-    note = "torch: thick light line; tritonscale: thin dashed line drawn on top (they coincide where the runs agree)"
-    height = fig.get_figheight()
-    return figures.save(fig, path, f"{title}\n{note}", rect=(0, 0.45 / height, 1, 1.0 - 0.2 / height))
+    return fig

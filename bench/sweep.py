@@ -27,6 +27,12 @@ Layouts: ``flat`` (gradients as views of one buffer, tritonscale.flatten_grads_)
 tensors), ``2000x4K`` (2000 tensors of 4096 elements, whatever the size). float16 gradients:
 torch refuses to unscale them, so only ``fold`` and ``copy`` run there.
 
+Every timed step is an applied step: the saved gradients are ``randn`` times a scale chosen per
+dtype (``grad_scale``: 2**16, float16 2**9), finite, and each scaler starts at that scale. After
+timing, a point whose scale backed off (a skipped step: no optimizer work timed) or whose variant
+would beat the copy's bandwidth (a bytes model counting bytes not moved) is marked ``invalid``,
+printed as such instead of its rate, left out of the plot, and makes the script exit with 1.
+
 On CPU (the default) the torch backend is timed in one process, interleaved, after a warm-up,
 median of repeats. On a GPU (``--device cuda``) the Triton kernels run, autotuned, timed with
 triton.testing.do_bench (after a warm-up step that fills the autotune cache), and the kernel
@@ -40,11 +46,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-import figures
 import torch
+from sweep_plot import plot
 from timing import describe, format_ratio, interleaved, machine, split_sizes, spread_of
 
 import tritonscale
@@ -58,14 +65,26 @@ LAYOUT_NAMES = {  # what the layout names in the table, the JSON and the plot st
     "200": "200 tensors",
     "2000x4K": "2000 tensors of 4096 elements",
 }
-COLORS = {
-    "torch": "tab:blue",
-    "tritonscale": "tab:orange",
-    "torch-fused": "tab:green",
-    "fold": "tab:red",
-    "copy": "tab:gray",
-}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEADROOM = 64  # |randn| of the saved gradients stays below 8; the scaled ones stay 8x more below the dtype's max
+
+
+def grad_scale(dtype: torch.dtype) -> float:
+    """The loss scale of a dtype's saved gradients (``randn * scale``) and of every variant's scaler:
+    torch's 2**16 where that stays finite, else the largest power of two leaving ``HEADROOM`` below
+    the dtype's max (float16: 2**9). An overflowed gradient would make every timed step a skipped
+    one, which does no optimizer work (float16's max is 65504: ``randn * 2**16`` is inf there).
+
+        >>> grad_scale(torch.float16), grad_scale(torch.bfloat16)
+        (512.0, 65536.0)
+    """
+    return min(2.0**16, 2.0 ** math.floor(math.log2(torch.finfo(dtype).max / HEADROOM)))
+
+
+def saved_grads(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The scaled gradients every variant's step starts from: ``randn * grad_scale(dtype)``, finite."""
+    torch.manual_seed(0)
+    return [(torch.randn(s, device=device) * grad_scale(dtype)).to(dtype) for s in sizes]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -128,7 +147,8 @@ class Setup:
             self.opt = torch.optim.AdamW(self.params, lr=0.0, foreach=True)
         else:
             self.opt = torch.optim.SGD(self.params, lr=0.0, momentum=0.9, foreach=True)
-        kw = dict(init_scale=2.0**16, growth_interval=10**9)
+        self.init_scale = grad_scale(dtype)  # the saved gradients' scale: they unscale to randn
+        kw = dict(init_scale=self.init_scale, growth_interval=10**9)
         ours = variant in ("tritonscale", "fold")
         self.scaler = tritonscale.GradScaler(device.type, **kw) if ours else torch.amp.GradScaler(device.type, **kw)
         self.scaler.scale(torch.ones((), device=device))
@@ -136,6 +156,11 @@ class Setup:
 
     def reset(self) -> None:
         torch._foreach_copy_(self.grads, self.saved)
+
+    def applied_every_step(self) -> bool:
+        """True when no step so far was skipped: the scale never grows (``growth_interval``) and a
+        skip backs it off (hysteresis 1), so any skip leaves it below ``init_scale``. Reads the host."""
+        return self.scaler.get_scale() == self.init_scale
 
     def step(self) -> None:
         s = self.scaler
@@ -177,42 +202,21 @@ def bytes_model(variant: str, unfused: str, numel: int, dtype: torch.dtype) -> i
 
 
 def bench_point(numel: int, dtype: torch.dtype, layout: str, device: torch.device, repeats: int, unfused: str) -> dict:
+    """One swept point: every runnable variant's step timed, its bytes model, GB/s and fraction of the
+    copy's bandwidth, the speed-ups, and ``steps_applied`` / ``invalid`` (``check_point``)."""
     sizes = [4096] * 2000 if layout == "2000x4K" else split_sizes(numel, min(200, numel))
     numel = sum(sizes)
-    torch.manual_seed(0)
-    saved = [(torch.randn(s, device=device) * 2.0**16).to(dtype) for s in sizes]
+    saved = saved_grads(sizes, dtype, device)
     src = torch.empty(numel, dtype=dtype, device=device)
     dst = torch.empty_like(src)
     copy = lambda: dst.copy_(src)
     variants = [v for v in VARIANTS[:-1] if runnable(v, dtype, device)]
-    flat = layout == "flat"
-
-    if device.type == "cuda":
-        import triton.testing
-
-        # One variant's state at a time (1G fp32 elements of AdamW state are 16 GB). Repeated steps
-        # without a reset shrink the gradients toward 0; on a GPU the time does not depend on the
-        # values. do_bench's warm-up calls fill the autotune cache before the timed calls.
-        timed, launches = {}, {}
-        for name in [*variants, "copy"]:
-            fn = copy if name == "copy" else Setup(name, sizes, dtype, device, saved, flat, unfused).step
-            ms = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
-            timed[name] = {"median_ms": ms[0], "q20_ms": ms[1], "q80_ms": ms[2]}
-            launches[name] = launches_per_step(fn)
-            del fn
-            torch.cuda.empty_cache()
-    else:
-        setups = {v: Setup(v, sizes, dtype, device, saved, flat, unfused) for v in variants}
-        fns = {name: setup.step for name, setup in setups.items()} | {"copy": copy}
-
-        def reset(name: str) -> None:
-            if name in setups:
-                setups[name].reset()
-
-        timed = interleaved(fns, rounds_for(numel, repeats), reset)
-        launches = None
+    make = lambda name: Setup(name, sizes, dtype, device, saved, layout == "flat", unfused)
+    timer = time_on_gpu if device.type == "cuda" else time_on_cpu
+    timed, launches, applied = timer(variants, make, copy, repeats, numel)
     point = {"numel": numel, "dtype": str(dtype).replace("torch.", ""), "layout": layout, "device": str(device)}
     point["unfused_optimizer"] = unfused
+    point["grad_scale"] = grad_scale(dtype)
     for name, t in timed.items():
         moved = bytes_model(name, unfused, numel, dtype)
         point[name] = {**t, "bytes": moved, "gb_per_s": moved / (t["median_ms"] * 1e-3) / 1e9}
@@ -226,79 +230,66 @@ def bench_point(numel: int, dtype: torch.dtype, layout: str, device: torch.devic
             point[key] = timed[base]["median_ms"] / timed[ours]["median_ms"]
             if "samples_ms" in timed[base]:  # the CPU's interleaved rounds (do_bench on a GPU keeps none)
                 point[f"{key}_spread"] = spread_of(timed, base, ours)
+    return check_point(point, applied)
+
+
+def time_on_cpu(variants: list[str], make, copy, repeats: int, numel: int) -> tuple[dict, None, dict]:
+    """Interleaved rounds in one process, the gradients restored before every call; (timed, None,
+    steps_applied per variant)."""
+    setups = {v: make(v) for v in variants}
+    fns = {name: setup.step for name, setup in setups.items()} | {"copy": copy}
+
+    def reset(name: str) -> None:
+        if name in setups:
+            setups[name].reset()
+
+    timed = interleaved(fns, rounds_for(numel, repeats), reset)
+    return timed, None, {name: setup.applied_every_step() for name, setup in setups.items()}
+
+
+def time_on_gpu(variants: list[str], make, copy, repeats: int, numel: int) -> tuple[dict, dict, dict]:
+    """triton.testing.do_bench per variant, one variant's state at a time (1G float32 elements of
+    AdamW state are 16 GB); (timed, kernel launches, steps_applied per variant). Repeated steps
+    without a reset shrink the gradients toward 0 (they stay finite); on a GPU the time does not
+    depend on the values. do_bench's warm-up calls fill the autotune cache before the timed calls."""
+    import triton.testing
+
+    timed, launches, applied = {}, {}, {}
+    for name in [*variants, "copy"]:
+        setup = None if name == "copy" else make(name)
+        fn = copy if setup is None else setup.step
+        ms = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        timed[name] = {"median_ms": ms[0], "q20_ms": ms[1], "q80_ms": ms[2]}
+        launches[name] = launches_per_step(fn)
+        if setup is not None:
+            applied[name] = setup.applied_every_step()
+        del fn, setup
+        torch.cuda.empty_cache()
+    return timed, launches, applied
+
+
+def check_point(point: dict, applied: dict[str, bool]) -> dict:
+    """Record ``steps_applied`` (variant -> no timed step skipped) and, in ``invalid``, every reason
+    the point cannot be trusted: a skipped step (timed without its optimizer work), or a variant
+    above the copy's bandwidth (its bytes model counts bytes it did not move: a bug, not a result)."""
+    point["steps_applied"] = applied
+    invalid = [f"{name} skipped a timed step (its scale backed off from {point['grad_scale']:g})"
+               for name, ok in applied.items() if not ok]  # fmt: skip
+    for name in applied:
+        fraction = point[name]["fraction_of_copy_bandwidth"]
+        if fraction > 1.0:
+            invalid.append(f"{name} would run at {fraction:.0%} of the copy's bandwidth: its bytes model is wrong")
+    point["invalid"] = invalid
     return point
 
 
-def plot(points: list[dict], path: Path, title: str) -> Path:
-    """Per dtype (rows): median time vs size for each swept layout, with a p20-p80 band, and the
-    speed-ups vs size, with p20-p80 error bars (the per-round ratios)."""
-    plt = figures.pyplot()
-    dtypes = sorted({p["dtype"] for p in points}, key=list(DTYPES).index)
-    layouts = [lay for lay in LAYOUTS if any(p["layout"] == lay for p in points)]
-    swept = [lay for lay in layouts if lay != "2000x4K"]  # 2000x4K is one point: speed-up panel only
-    cols = len(swept) + 1
-    fig, axes = plt.subplots(len(dtypes), cols, figsize=(5.6 * cols, 4.0 * len(dtypes)), squeeze=False)
-    for row, dtype in zip(axes, dtypes):
-        for ax, layout in zip(row, swept):
-            time_panel(ax, [p for p in points if p["dtype"] == dtype and p["layout"] == layout], dtype, layout)
-        speedup_panel(row[-1], [p for p in points if p["dtype"] == dtype], dtype, layouts)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    notes = "; ".join(f"{k}: {LAYOUT_NAMES[k]}" for k in layouts)
-    height = fig.get_figheight()
-    return figures.save(fig, path, f"{title}\nlayouts: {notes}; bands and bars: 20%-80% of the repeats",
-                        rect=(0, 0.35 / height, 1, 1))  # fmt: skip
-
-
-def time_panel(ax, series: list[dict], dtype: str, layout: str) -> None:
-    """Median ms per step against size for each variant, with its p20-p80 band."""
-    series = sorted(series, key=lambda p: p["numel"])
-    for name in VARIANTS:
-        have = [p for p in series if name in p]
-        if not have:
-            continue
-        x = [p["numel"] for p in have]
-        ax.plot(x, [p[name]["median_ms"] for p in have], marker="o", ms=3, label=name, color=COLORS[name],
-                linestyle="--" if name == "copy" else "-")  # fmt: skip
-        ax.fill_between(x, [p[name]["q20_ms"] for p in have], [p[name]["q80_ms"] for p in have],
-                        color=COLORS[name], alpha=0.2, lw=0)  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_title(f"{dtype}, {LAYOUT_NAMES[layout]}: time per step", fontsize=9)
-    ax.set_xlabel("gradient elements")
-    ax.set_ylabel("ms per step (median, p20-p80 band)")
-    ax.grid(True, which="both", alpha=0.3)
-
-
-def speedup_panel(ax, points: list[dict], dtype: str, layouts: list[str]) -> None:
-    """torch / tritonscale and torch-fused / fold against size, one marker per layout, p20-p80 bars."""
-    drawn = False
-    for layout, marker in zip(layouts, "os^"):
-        series = sorted((p for p in points if p["layout"] == layout), key=lambda p: p["numel"])
-        for key, name in (("ratio_tritonscale", "tritonscale"), ("ratio_fold", "fold")):
-            have = [p for p in series if key in p]
-            if not have:
-                continue
-            ys = [p[key] for p in have]
-            spreads = [p.get(f"{key}_spread") for p in have]
-            below = [max(0.0, y - s["q20"]) if s else 0.0 for y, s in zip(ys, spreads)]
-            above = [max(0.0, s["q80"] - y) if s else 0.0 for y, s in zip(ys, spreads)]
-            label = f"{'torch / tritonscale' if name == 'tritonscale' else 'torch-fused / fold'} ({layout})"
-            style = dict(marker=marker, ms=4, capsize=2, color=COLORS[name], linestyle="-" if layout == "flat" else ":")
-            ax.errorbar([p["numel"] for p in have], ys, yerr=[below, above], label=label, **style)
-            drawn = True
-    ax.set_title(f"{dtype}: speed-up (>1: tritonscale faster)", fontsize=9)
-    if drawn:
-        ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("gradient elements")
-        ax.set_ylabel("time ratio (p20-p80 bars; across 1: noise)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    else:  # float16: torch's GradScaler refuses to unscale float16 gradients, so there is no baseline
-        ax.text(0.5, 0.5, "no torch baseline:\ntorch.amp.GradScaler refuses\nfloat16 gradients", ha="center",
-                va="center", transform=ax.transAxes)  # fmt: skip
-        ax.set_axis_off()
+def shown_rate(point: dict) -> str:
+    """GB/s and fraction of the copy's bandwidth of the best variant, as printed; "INVALID" for a
+    point ``check_point`` rejected (a skipped step, or a fraction above 100%: a bug, not a result)."""
+    if point["invalid"]:
+        return f"{'INVALID':>14}"
+    best = max((v for v in VARIANTS[:-1] if v in point), key=lambda v: point[v]["gb_per_s"])
+    return f"{point[best]['gb_per_s']:>6.1f} {point[best]['fraction_of_copy_bandwidth']:>7.0%}"
 
 
 def shown_ratio(point: dict, key: str) -> str:
@@ -329,9 +320,9 @@ def main(argv=None, progress=None) -> int:
         cells = " ".join(f"{p[v]['median_ms']:>11.3f}" if v in p else f"{'n/a':>11}" for v in VARIANTS)
         ratio, fold = (f"{shown_ratio(p, key):>30}" for key in ("ratio_tritonscale", "ratio_fold"))
         mb = "/".join(f"{p[v]['bytes'] / 1e6:.3g}" if v in p else "-" for v in VARIANTS[:-1])
-        best = max((v for v in VARIANTS[:-1] if v in p), key=lambda v: p[v]["gb_per_s"])
-        rate = f"{p[best]['gb_per_s']:>6.1f} {p[best]['fraction_of_copy_bandwidth']:>7.0%}"
-        print(f"{dtype_name:>8} {layout:>8} {p['numel']:>10} {cells} {ratio} {fold}  {mb:>26} {rate}")
+        print(f"{dtype_name:>8} {layout:>8} {p['numel']:>10} {cells} {ratio} {fold}  {mb:>26} {shown_rate(p)}")
+        for reason in p["invalid"]:
+            print(f"    INVALID POINT: {reason}")
         if progress is not None:
             progress(k + 1, len(plan))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -340,9 +331,13 @@ def main(argv=None, progress=None) -> int:
              "layouts": args.layouts}  # fmt: skip
     json_path.write_text(json.dumps({"machine": info, "unfused_optimizer": args.unfused, "sizes": sizes,
                                      "layouts": LAYOUT_NAMES, "points": points}, indent=2))  # fmt: skip
-    png = plot(points, args.out / "sweep.png", f"clip + optimizer step + scale update on {describe(info)}")
+    png = plot(points, args.out / "sweep.png", f"clip + optimizer step + scale update on {describe(info)}", VARIANTS,
+               LAYOUT_NAMES)
     print(f"wrote {json_path} and {png}")
-    return 0
+    invalid = [p for p in points if p["invalid"]]
+    for p in invalid:
+        print(f"sweep: INVALID {p['dtype']} {p['layout']} {p['numel']}: {'; '.join(p['invalid'])}", file=sys.stderr)
+    return 1 if invalid else 0
 
 
 if __name__ == "__main__":

@@ -253,31 +253,51 @@ def make_batches(p: Preset, device: torch.device, seed: int, n: int = 4) -> list
 
 
 def plot(results: dict, path: Path, title: str) -> Path:
-    """Stacked bars: one bar per variant, one segment per phase (medians), the step's median on top,
-    with the whole step's p20-p80 as an error bar."""
+    """Write ``figure(results)`` to ``path`` (PNG)."""
+    return figures.save(figure(results), path, title)
+
+
+STEP_COLOR = "0.75"  # the whole-step bars: light gray, beside the coloured phases
+
+
+def figure(results: dict):
+    """Per variant, two bars side by side: the whole step drawn to its median with its p20-p80 as an
+    error bar centred on that median, and the phases' medians stacked. (The medians of the phases
+    do not add up to the median of the step, so the step gets a bar of its own, not the stack's top.)
+
+        fig = figure({"no-scaling": summary, ...})   # summary: Variant.summary()'s dict
+    """
     plt = figures.pyplot()
     names = list(results)
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 5.2))
+    step_x = [i - 0.2 for i in range(len(names))]
+    steps = [results[n]["step"] for n in names]
+    medians = [s["median_ms"] for s in steps]
+    ax.bar(step_x, medians, width=0.38, color=STEP_COLOR, edgecolor="black", lw=0.6, label="whole step (median)")
+    ax.errorbar(step_x, medians, yerr=[[m - s["q20_ms"] for m, s in zip(medians, steps)],
+                                       [s["q80_ms"] - m for m, s in zip(medians, steps)]],
+                fmt="_", color="black", ms=10, capsize=4, lw=1, label="whole step p20-p80 (on its median)")  # fmt: skip
     bottoms = [0.0] * len(names)
     for phase in PHASES:
         heights = [results[n]["phases"][phase]["median_ms"] for n in names]
-        ax.bar(names, heights, bottom=bottoms, color=PHASE_COLORS[phase], label=phase, width=0.6)
+        ax.bar([i + 0.2 for i in range(len(names))], heights, bottom=bottoms, width=0.38, color=PHASE_COLORS[phase],
+               label=f"{phase} (median)")  # fmt: skip
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    steps = [results[n]["step"] for n in names]  # the whole step's p20-p80, on the stacked medians' top
-    below = [max(0.0, s["median_ms"] - s["q20_ms"]) for s in steps]
-    above = [max(0.0, s["q80_ms"] - s["median_ms"]) for s in steps]
-    ax.errorbar(range(len(names)), bottoms, yerr=[below, above], fmt="none", ecolor="black", capsize=4, lw=1,
-                label="step p20-p80")  # fmt: skip
-    for x, (name, top) in enumerate(zip(names, bottoms)):
-        r = results[name]
-        ax.text(x, top + above[x], f"{r['step']['median_ms']:.1f} ms\nscaler {r['scaler_share']:.1%}", ha="center",
-                va="bottom", fontsize=8)  # fmt: skip
-    ax.set_ylim(0, max(b + a for b, a in zip(bottoms, above)) * 1.18)
-    ax.set_ylabel("ms per step (median of each phase)")
+    # A noisy neighbour can put a p80 tens of times above the medians: the axis stops at 2.5x the
+    # tallest bar (the whisker runs off the top) and every label gives the p20-p80 in numbers.
+    limit = 2.5 * max(medians + bottoms)
+    tops = [min(limit, max(s["q80_ms"], b)) for s, b in zip(steps, bottoms)]
+    for x, (name, top) in enumerate(zip(names, tops)):
+        r, s = results[name], results[name]["step"]
+        text = f"{s['median_ms']:.1f} ms\n[{s['q20_ms']:.3g}, {s['q80_ms']:.3g}]\nscaler {r['scaler_share']:.1%}"
+        ax.text(x, top, text, ha="center", va="bottom", fontsize=8, bbox=dict(facecolor="white", edgecolor="none"))
+    ax.set_ylim(0, max(tops) * 1.3)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("ms per step: whole step (gray) | its phases (stacked)\nlabels: median [p20, p80] of the step")
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return figures.save(fig, path, title)
+    return fig
 
 
 def main(argv=None, progress=None) -> int:

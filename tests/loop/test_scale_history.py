@@ -43,3 +43,24 @@ def test_history_plots(tmp_path):
     path = history.plot(tmp_path / "history.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert tritonscale.ScaleHistory is ScaleHistory
+
+
+@pytest.mark.parametrize("case", ["sgd", "norm_spike"])  # skipped on an overflow (inf norm) / on a finite spike
+def test_the_norm_line_breaks_at_every_skipped_step(case):
+    history = ScaleHistory()
+    run_case(case, lambda step, scaler: history.record(scaler))
+    oracle = [values for _, values in oracle_rows(case)]
+    skipped = [step for step, values in enumerate(oracle) if values["skipped"]]
+    assert skipped and 0 < skipped[0] < STEPS - 1  # a skip between applied steps: a line could cross it
+
+    fig = history.figure()
+    ax_norm = fig.axes[1]
+    line = next(line for line in ax_norm.get_lines() if line.get_label() == "grad norm (unscaled)")
+    expected = [float("nan") if step in skipped else values["norm"] for step, values in enumerate(oracle)]
+    assert list(line.get_xdata()) == list(range(STEPS))
+    assert [repr(float(y)) for y in line.get_ydata()] == [repr(y) for y in expected]  # NaN (a gap) exactly at the skips
+    spikes = [line for line in ax_norm.get_lines() if line.get_label() == "norm of a skipped step"]
+    finite_skips = [step for step in skipped if oracle[step]["norm"] < float("inf")]
+    assert [list(s.get_xdata()) for s in spikes] == ([finite_skips] if finite_skips else [])
+    matplotlib = pytest.importorskip("matplotlib.pyplot")
+    matplotlib.close(fig)

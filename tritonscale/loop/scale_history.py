@@ -42,18 +42,27 @@ class ScaleHistory:
         return {name: [row[name] for row in self._rows] for name in STAT_NAMES}
 
     def plot(self, path: str | Path, title: str = "loss scale, gradient norm and skipped steps") -> Path:
-        """Save a figure of scale, gradient norm (log axes) and skipped steps to ``path`` (PNG).
+        """Save ``figure(title)`` to ``path`` (PNG).
 
         Needs matplotlib (``pip install ".[plot]"`` from a clone, or ``pip install matplotlib``).
         """
-        try:
-            import matplotlib
-        except ModuleNotFoundError as e:
-            raise ModuleNotFoundError("ScaleHistory.plot needs matplotlib: pip install 'tritonscale[plot]'") from e
+        fig = self.figure(title)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        _pyplot().close(fig)
+        return path
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def figure(self, title: str = "loss scale, gradient norm and skipped steps"):
+        """The matplotlib Figure of scale and gradient norm (log axes) with the skipped steps marked.
 
+        The norm line breaks at every skipped step (a NaN there: a skipped step applied no norm, and a
+        line drawn through it would show one); a finite norm of a skipped step (a norm-spike skip) is
+        an ``x`` of its own. The caller closes the figure (``matplotlib.pyplot.close(fig)``).
+
+            fig = history.figure()
+        """
+        plt = _pyplot()
         data = self.to_lists()
         steps = list(range(len(data["scale"])))
         skipped = [s for s, flag in zip(steps, data["skipped"]) if flag > 0]
@@ -61,9 +70,15 @@ class ScaleHistory:
         ax_scale.step(steps, data["scale"], where="post", label="loss scale")
         ax_scale.set_yscale("log", base=2)
         ax_scale.set_ylabel("loss scale")
-        norms = [(s, n) for s, n in zip(steps, data["norm"]) if n == n and 0 < n < float("inf")]
-        if norms:
-            ax_norm.plot(*zip(*norms), label="grad norm (unscaled)")
+        applied = [n if _on_log_axis(n) and not flag else float("nan")
+                   for n, flag in zip(data["norm"], data["skipped"])]  # fmt: skip
+        # Markers too: an applied step between two skips has no line of its own.
+        ax_norm.plot(steps, applied, marker=".", ms=4, label="grad norm (unscaled)")
+        spikes = [(s, n) for s, n in zip(steps, data["norm"]) if s in skipped and _on_log_axis(n)]
+        if spikes:
+            ax_norm.plot(*zip(*spikes), "x", color="tab:red", label="norm of a skipped step")
+            ax_norm.legend(loc="best")
+        if any(_on_log_axis(n) for n in data["norm"]):
             ax_norm.set_yscale("log")
         ax_norm.set_ylabel("gradient norm")
         ax_norm.set_xlabel("step")
@@ -75,8 +90,22 @@ class ScaleHistory:
         ax_scale.legend(loc="best")
         fig.suptitle(title)
         fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
+        return fig
+
+
+def _on_log_axis(norm: float) -> bool:
+    """A norm a log axis can show: finite and above 0 (not NaN, not inf)."""
+    return 0 < norm < float("inf")
+
+
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or an error naming the install that brings it."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("ScaleHistory.plot needs matplotlib: pip install 'tritonscale[plot]'") from e
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

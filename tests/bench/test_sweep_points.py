@@ -1,0 +1,62 @@
+"""The sweep times applied steps only: every variant's step does its optimizer work (judged by the
+optimizer's own state, not by the scaler), and no point runs above the copy's bandwidth."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the scripts import their helpers by name
+sweep = pytest.importorskip("sweep")
+
+CPU = torch.device("cpu")
+
+
+def fold_setup(dtype: torch.dtype, poison: bool = False):
+    """The sweep's fold variant over two tensors of 4096, from the sweep's saved gradients."""
+    saved = sweep.saved_grads([4096, 4096], dtype, CPU)
+    if poison:  # an overflowed gradient: the step must be skipped, and the check must see it
+        saved[1][7] = float("inf")
+    return sweep.Setup("fold", [4096, 4096], dtype, CPU, saved, flat=True, unfused="sgd")
+
+
+def moments_written(setup) -> bool:
+    """The oracle: fused AdamW wrote its first moment (a skipped step leaves it all zero)."""
+    return all(setup.opt.state[p]["exp_avg"].abs().sum().item() > 0 for p in setup.params)
+
+
+@pytest.mark.parametrize("dtype", list(sweep.DTYPES.values()), ids=list(sweep.DTYPES))
+def test_every_dtype_steps_and_the_check_sees_a_skip(dtype):
+    assert all(torch.isfinite(g).all() for g in sweep.saved_grads([4096], dtype, CPU))
+    setup = fold_setup(dtype)
+    setup.reset()
+    setup.step()
+    assert moments_written(setup) and setup.applied_every_step()
+    poisoned = fold_setup(dtype, poison=True)
+    poisoned.reset()
+    poisoned.step()
+    assert not moments_written(poisoned) and not poisoned.applied_every_step()
+
+
+def test_quick_sweep_reports_every_step_applied_and_at_most_the_copy_bandwidth(tmp_path):
+    argv = ["--min-size", "4096", "--max-size", "4096", "--layouts", "flat", "--repeats", "1", "--out", str(tmp_path)]
+    assert sweep.main(argv) == 0
+    points = json.loads((tmp_path / "sweep.json").read_text())["points"]
+    assert {p["dtype"] for p in points} == set(sweep.DTYPES)
+    for p in points:
+        ran = [v for v in sweep.VARIANTS[:-1] if sweep.runnable(v, getattr(torch, p["dtype"]), CPU)]
+        assert p["steps_applied"] == dict.fromkeys(ran, True), p["dtype"]
+        assert p["invalid"] == []
+        assert all(p[v]["fraction_of_copy_bandwidth"] <= 1.0 for v in ran), p["dtype"]
+
+
+def test_a_point_above_the_copy_bandwidth_is_invalid():
+    point = {"grad_scale": 512.0, "fold": {"fraction_of_copy_bandwidth": 2.29}}
+    assert sweep.check_point(point, {"fold": True})["invalid"] == [
+        "fold would run at 229% of the copy's bandwidth: its bytes model is wrong"
+    ]
+    assert sweep.shown_rate(point).strip() == "INVALID"
