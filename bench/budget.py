@@ -3,12 +3,12 @@
 Why: the same CPU run took a few minutes on one 2-core machine and 20 on another, whose CPU has no
 fast float16 (no AVX512-FP16 or AMX): there one float16-autocast step of the experiments' model took
 many times as long (issue 22). Instead of fixed sizes, ``run_all.py`` measures the work its stages are made of, on
-this machine, in about a second (``measure``), then picks sizes that fit its time budget
+this machine, in a few seconds (``measure``), then picks sizes that fit its time budget
 (``plan``, a pure function of the measurement, so tests feed it made-up machines) and prints the
 estimate before it starts. Every measurement, the sizes chosen, the estimate per stage and the
 time each stage really took go to ``run_all.json``, so an estimate that drifts is visible.
 
-What is measured (each a pilot of the real work, the minimum of a few calls after a warm-up):
+What is measured (each a pilot of the real work, the median of a few calls after a warm-up):
 
 * matmul under float16 / bfloat16 autocast against float32 (reported: why float16 is slow here);
 * forward + backward of the experiments' transformer (float16 at two widths, bfloat16) and MLP
@@ -17,17 +17,27 @@ What is measured (each a pilot of the real work, the minimum of a few calls afte
   byte of the bytes model, and its set-up per element;
 * forward + backward and a fused AdamW step of the whole-step benchmark's model.
 
-The stages that cannot be resized (compiling kernels, spawning ranks, torch.compile) are estimated
-in units of the sweep's per-round overhead (dispatch-bound, like them); ``FIXED_UNITS`` holds those
-factors, from runs on the development machine, and ``run_all.json`` shows how close they come.
+The stages that cannot be resized (compiling kernels, spawning ranks, torch.compile) and each
+stage's fixed part (imports, plots) are estimated in units of a dispatch-bound probe of tiny ops
+on one thread (``dispatch_unit_ms``), which a loaded machine moves little; the sweep's per-round
+overhead, the unit before, read 10x to 500x its idle value on a loaded 2-core machine and blew every
+fixed estimate up with it. ``FIXED_UNITS`` holds those factors, from runs on the development
+machine, and ``run_all.json`` shows how close they come (``stage_drift``: real over estimated).
+
+The float16 probe runs on one thread, interleaved and repeated, and is sanity-bounded
+(``matmul_slowdown``). The whole measurement takes a few seconds on an idle machine and longer on
+a loaded one; ``run_all`` prints how long it took.
 """
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from timing import cpu_flags, interleaved
 
 # Steps below which the overflow experiment's learning-rate spike (40-45% of the run) and the
 # regrowth after it (growth interval 20) no longer show.
@@ -36,40 +46,105 @@ FP16_WIDTHS = (64, 32)  # d_model of the float16 transformer experiments, prefer
 SWEEP_MAX_SIZES = (2**26, 2**24, 2**22)  # largest sweep point, preferred first
 SWEEP_REPEATS = (15, 9, 5)
 TRAIN_STEP_STEPS = (60, 40, 20)
+PROBE_ROUNDS = 7  # interleaved rounds of the autocast probe (after one warm-up round)
+MATMULS_PER_CALL = {"float32": 8, "float16": 1, "bfloat16": 8}  # see matmul_calls
+FAST_FLOAT16_FLAGS = {"avx512_fp16", "amx_fp16"}  # /proc/cpuinfo flags of a CPU with fast float16 matmuls
 PILOT_BATCH = 4  # sequences per pilot call of the experiments' transformer (the preset uses 16)
 VOCAB = 25  # characters in the experiments' generated corpus
-# Stages that are not resized, in sweep per-round overheads (see the module docstring).
-FIXED_UNITS = {"kernel_report": 1000, "collectives": 1000, "train_step_compile": 2000, "experiments_fixed": 800,
-               "sweep_fixed": 600}  # fmt: skip
+SWEEP_OVERHEAD_UNITS = 7  # the sweep's per-round overhead in dispatch units, idle (``unit_s``)
+# Stages that are not resized, in units of ``dispatch_unit_ms`` (see the module docstring).
+FIXED_UNITS = {"kernel_report": 5000, "collectives": 7000, "train_step_compile": 14000, "experiments_fixed": 5500,
+               "sweep_fixed": 4200}  # fmt: skip
 
 
-def best_ms(fn: Callable[[], object], calls: int = 3) -> float:
-    """The fastest of ``calls`` timed calls after one untimed warm-up, in ms (the minimum: another
-    process on a shared machine only ever adds time)."""
+def typical_ms(fn: Callable[[], object], calls: int = 3) -> float:
+    """The median of ``calls`` timed calls after one untimed warm-up, in ms. The median, not the
+    minimum: on a loaded machine the stages pay their typical time, not their best, and one wild
+    call does not move it."""
     fn()
     times = []
     for _ in range(calls):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    return statistics.median(times) * 1e3
 
 
-def matmul_slowdown(tokens: int = 256, width: int = 64) -> dict[str, float]:
-    """Time of the experiments' matmul shape (``tokens x width`` by ``width x 4 width``, ten of them)
-    under float16 / bfloat16 autocast, over float32's."""
+def matmul_calls(tokens: int = 256, width: int = 64) -> dict[str, Callable[[], None]]:
+    """The experiments' matmul shape (``tokens x width`` by ``width x 4 width``) in float32 and under
+    float16 / bfloat16 autocast, ``MATMULS_PER_CALL`` of them per call: the calls ``matmul_slowdown``
+    times. float16's call does fewer, so that every call takes about as long where float16 is slow
+    and a neighbour's time slice lands on each alike."""
     a, b = torch.randn(tokens, width), torch.randn(width, 4 * width)
 
-    def under(dtype):
+    def under(name, dtype):
         def call():
-            with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-                for _ in range(10):
+            with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                for _ in range(MATMULS_PER_CALL[name]):
                     a @ b
 
-        return best_ms(call)
+        return call
 
-    base = under(None)
-    return {"float16": under(torch.float16) / base, "bfloat16": under(torch.bfloat16) / base}
+    return {name: under(name, dtype) for name, dtype in
+            (("float32", None), ("float16", torch.float16), ("bfloat16", torch.bfloat16))}  # fmt: skip
+
+
+def autocast_ratios(calls: dict[str, Callable[[], None]], rounds: int, clock: Callable[[], float],
+                    per_call: dict[str, int] | None = None) -> dict[str, float]:  # fmt: skip
+    """Each call's time over float32's, per matmul (``per_call`` of them in a call, default 1): the
+    median of the per-round ratios of ``rounds`` interleaved rounds (after a warm-up round). Drift
+    hits both sides of a round alike, and one wild round (a neighbour stalling one call) does not
+    move a median."""
+    timed = interleaved(calls, rounds, reset=lambda name: None, clock=clock)
+    n = per_call or dict.fromkeys(calls, 1)
+    base = [t / n["float32"] for t in timed["float32"]["samples_ms"]]
+    return {name: statistics.median(t / n[name] / b for t, b in zip(timed[name]["samples_ms"], base))
+            for name in calls if name != "float32"}  # fmt: skip
+
+
+def matmul_slowdown(calls: dict[str, Callable[[], None]] | None = None, rounds: int = PROBE_ROUNDS,
+                    clock: Callable[[], float] = time.perf_counter,
+                    fast_float16: bool | None = None) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+    """Time of a float16 / bfloat16 autocast matmul over float32's (``autocast_ratios``), and notes.
+
+    Sanity bound: float16 autocast converts and then multiplies, so on a CPU without fast float16
+    (no ``avx512_fp16`` / ``amx_fp16`` flag; ``fast_float16`` overrides the check) it cannot beat
+    float32. A ratio below 1 there is a noisy neighbour: measured again with twice the rounds, and
+    if still below 1, taken as 1.0 with a note saying so. Example::
+
+        ratios, notes = matmul_slowdown()   # ({"float16": 31.0, "bfloat16": 0.7}, [])
+    """
+    per_call = None if calls else MATMULS_PER_CALL
+    calls = calls or matmul_calls()
+    fast = fast_float16 if fast_float16 is not None else bool(FAST_FLOAT16_FLAGS & cpu_flags())
+    ratios = autocast_ratios(calls, rounds, clock, per_call)
+    if ratios["float16"] >= 1.0 or fast:
+        return ratios, []
+    first = ratios["float16"]
+    ratios = autocast_ratios(calls, 2 * rounds, clock, per_call)
+    if ratios["float16"] >= 1.0:
+        return ratios, [f"the float16 autocast probe read {first:.2f}x float32's, impossible without fast float16: "
+                        f"measured again: {ratios['float16']:.1f}x"]  # fmt: skip
+    note = (f"the float16 autocast probe read {first:.2f}x then {ratios['float16']:.2f}x float32's, impossible on a "
+            "CPU without fast float16 (a noisy neighbour): taken as 1.0x")  # fmt: skip
+    return {**ratios, "float16": 1.0}, [note]
+
+
+def dispatch_unit_ms(rounds: int = 7) -> float:
+    """The unit of the stages that are not resized: one round of 200 tiny torch ops and a little
+    Python (median of ``rounds``). Spawning ranks, importing and compiling are bound by the
+    interpreter and torch's dispatch, like this; tiny ops run on one thread, so the unit does not
+    take in the thread contention that a loaded 2-core machine inflicts on multi-threaded ops."""
+    x = torch.ones(16)
+
+    def call():
+        y = x
+        for i in range(200):
+            y = y + 1.0
+        "".join(str(i) for i in range(2000))
+
+    samples = interleaved({"unit": call}, rounds, reset=lambda name: None)
+    return samples["unit"]["median_ms"]
 
 
 def lm_step_ms(d_model: int, dtype: torch.dtype | None, p) -> float:
@@ -86,7 +161,7 @@ def lm_step_ms(d_model: int, dtype: torch.dtype | None, p) -> float:
             loss = model(tokens).float().logsumexp(-1).mean()
         loss.backward()
 
-    return best_ms(call) * p.batch / PILOT_BATCH
+    return typical_ms(call) * p.batch / PILOT_BATCH
 
 
 def mlp_step_ms(p) -> float:
@@ -102,7 +177,7 @@ def mlp_step_ms(p) -> float:
             loss = model(x).float().square().mean()
         loss.backward()
 
-    return best_ms(call) * 128 / 32
+    return typical_ms(call) * 128 / 32
 
 
 def sweep_pilot() -> dict[str, float]:
@@ -138,7 +213,20 @@ def train_step_pilot() -> dict[str, float]:
     def forward_backward():
         model(tokens).logsumexp(-1).mean().backward()
 
-    return {"forward_backward_ms": best_ms(forward_backward), "adamw_step_ms": best_ms(opt.step)}
+    return {"forward_backward_ms": typical_ms(forward_backward), "adamw_step_ms": typical_ms(opt.step)}
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside: the autocast probe measures the CPU's arithmetic, not how two
+    threads wait on each other when a neighbour holds a core (float32's two threads read 0.2x
+    float16's one that way on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure(fp16_slowdown: float = 1.0) -> dict[str, object]:
@@ -148,10 +236,12 @@ def measure(fp16_slowdown: float = 1.0) -> dict[str, object]:
 
     start = time.perf_counter()
     p = experiments.PRESETS["cpu"]
-    with torch.no_grad():
-        matmul = matmul_slowdown()
+    with one_thread():
+        matmul, notes = matmul_slowdown()
     m = {
         "matmul_time_vs_float32": {k: v * (fp16_slowdown if k == "float16" else 1.0) for k, v in matmul.items()},
+        "notes": notes,
+        "unit_ms": dispatch_unit_ms(),
         "lm_step_ms": {
             **{f"float16@{d}": lm_step_ms(d, torch.float16, p) * fp16_slowdown for d in FP16_WIDTHS},
             f"bfloat16@{p.d_model}": lm_step_ms(p.d_model, torch.bfloat16, p),
@@ -206,8 +296,12 @@ def train_step_estimate_s(m: dict, steps: int) -> float:
 
 
 def unit_s(m: dict) -> float:
-    """The unit of the stages that are not resized: the sweep's per-round overhead, in seconds."""
-    return m["sweep"]["round_overhead_ms"] / 1e3
+    """The unit of the stages that are not resized (``dispatch_unit_ms``), in seconds. A measurement
+    from before that unit (an older ``run_all.json``) has the sweep's per-round overhead only, which
+    is ``SWEEP_OVERHEAD_UNITS`` units on an idle development machine."""
+    if "unit_ms" in m:
+        return m["unit_ms"] / 1e3
+    return m["sweep"]["round_overhead_ms"] / SWEEP_OVERHEAD_UNITS / 1e3
 
 
 def levels(preset_steps: int) -> dict[str, list[dict]]:

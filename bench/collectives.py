@@ -12,8 +12,11 @@ every rank:
 * ``clip, local`` / ``clip, partitioned``: a whole ``clip_grad_norm_`` over ``--numel`` elements in
   ``--tensors`` tensors per rank, without and with ``process_group``: what distribution adds.
 
-Printed per rank: the median of each, and the ratios in ``RATIOS`` with the 20% and 80% quantiles
-of their per-round ratios, marked "within noise" when those contain 1.0.
+Every timed call starts from a barrier (``lockstep``): without one, a rank that arrives first at a
+collective times its wait for the other (still restoring its gradients, say), and the two ranks
+reported one ratio 9x apart. The first round is a warm-up. Printed per rank: the median of each,
+with the ranks' spread (largest median over smallest), and the ratios in ``RATIOS`` with the 20%
+and 80% quantiles of their per-round ratios, marked "within noise" when those contain 1.0.
 
     python bench/collectives.py --out out/collectives     # JSON + a table on stdout
 """
@@ -25,6 +28,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,6 +52,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--numel", type=int, default=2**20, help="gradient elements per rank")
     parser.add_argument("--tensors", type=int, default=50, help="tensors the elements are split into")
     return parser.parse_args(argv)
+
+
+def lockstep(variants: dict[str, Callable[[], None]], repeats: int, restore: Callable[[str], None],
+             barrier: Callable[[], None]) -> dict[str, dict]:  # fmt: skip
+    """``timing.interleaved`` with every rank starting each timed call together: ``restore(name)``
+    (untimed, its length differs across ranks), then ``barrier()``, then the timed call. Example::
+
+        timed = lockstep(variants, 200, restore, lambda: dist.barrier(group=group))
+    """
+
+    def reset(name: str) -> None:
+        restore(name)
+        barrier()
+
+    return interleaved(variants, repeats, reset=reset)
+
+
+def rank_spread(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per variant: each rank's median (ms) and their spread, the largest over the smallest (1.0 when
+    the ranks agree; a symmetric collective far from 1.0 means a rank timed something else)."""
+    spreads = {}
+    for name in per_rank[0]:
+        medians = [ranks[name]["median_ms"] for ranks in per_rank]
+        spreads[name] = {"median_ms_per_rank": medians, "spread": max(medians) / min(medians)}
+    return spreads
 
 
 def _rank_main(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
@@ -105,7 +134,7 @@ def _rank_main(rank: int, world: int, tmp: str, args: argparse.Namespace) -> Non
         "1 all-reduce": one_all_reduce,
         **{name: (lambda scaler=scaler: clip(scaler)) for name, scaler in scalers.items()},
     }
-    timed = interleaved(variants, args.repeats, reset=restore)
+    timed = lockstep(variants, args.repeats, restore, lambda: dist.barrier(group=group))
     torch.save(timed, os.path.join(tmp, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -120,16 +149,17 @@ def main(argv=None, progress=None) -> int:
     info = machine(torch.device("cpu"))
     print(f"{args.ranks} gloo ranks on {describe(info)}; {args.repeats} interleaved repeats; medians (ms); "
           "ratios with the p20-p80 of the per-round ratios")  # fmt: skip
-    print(f"{'variant':28s} " + " ".join(f"rank {r:<5d}" for r in range(args.ranks)))
-    for name in per_rank[0]:
-        print(f"{name:28s} " + " ".join(f"{ranks[name]['median_ms']:<10.3f}" for ranks in per_rank))
+    agreement = rank_spread(per_rank)
+    print(f"{'variant':28s} " + " ".join(f"rank {r:<5d}" for r in range(args.ranks)) + " max/min")
+    for name, row in agreement.items():
+        print(f"{name:28s} " + " ".join(f"{ms:<10.3f}" for ms in row["median_ms_per_rank"]) + f" {row['spread']:.2f}")
     ratios = []
     for num, den in RATIOS:
         spreads = [spread_of(ranks, num, den) for ranks in per_rank]
         ratios.append({"ratio": f"{num} / {den}", "per_rank": spreads})
         print(f"{num} / {den}: " + "; ".join(f"rank {r} {format_ratio(s)}" for r, s in enumerate(spreads)))
     result = {"machine": info, "ranks": args.ranks, "numel_per_rank": args.numel, "tensors": args.tensors,
-              "repeats": args.repeats, "per_rank": per_rank, "ratios": ratios}  # fmt: skip
+              "repeats": args.repeats, "per_rank": per_rank, "rank_spread": agreement, "ratios": ratios}  # fmt: skip
     path = args.out / "collectives.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

@@ -14,7 +14,7 @@ Stages (each one a script in bench/ that also runs on its own):
 5. ``train_step.py``    a whole training step of a small transformer, phase by phase (forward,
                         backward, scaler, step, update, zero_grad), torch's variants against ours
 
-On CPU the job first measures this machine (about a second: float16 autocast against float32,
+On CPU the job first measures this machine (a few seconds: float16 autocast against float32,
 the stages' own work at small sizes; ``budget.py``), sizes the slow stages to fit ``--budget``
 seconds (fewer steps and a narrower model for the float16 experiments, fewer repeats and sizes for
 the sweep, fewer steps for the whole-step benchmark), prints the sizes and how long it expects to
@@ -116,6 +116,8 @@ def size_to_budget(args: argparse.Namespace) -> dict | None:
     simulated = f" (simulated: x{args.simulate_slow_fp16:g})" if args.simulate_slow_fp16 != 1.0 else ""
     print(f"run_all: on {describe(machine())}: a float16-autocast matmul takes {slow:.1f}x float32's{simulated}; "
           f"measured in {measured['seconds']:.1f} s")  # fmt: skip
+    for note in measured["notes"]:
+        print(f"run_all: note: {note}")
     for stage, size in plan["sizes"].items():
         shown = ", ".join(f"{k} {v}" for k, v in size.items()) or "fixed size"
         print(f"run_all:   {stage:<14} {shown:<36} ~{plan['stage_estimate_s'][stage]:.0f} s")
@@ -156,6 +158,15 @@ def run_stages(args: argparse.Namespace, plan: dict | None) -> tuple[dict, dict,
     return logs, seconds, failed
 
 
+def drift(plan: dict | None, seconds: dict[str, float], total: float) -> dict[str, float] | None:
+    """Real over estimated seconds, per stage and for the whole job (None without a plan): what
+    ``budget.FIXED_UNITS`` and the pilots' models are checked against, run after run."""
+    if plan is None:
+        return None
+    ratios = {stage: seconds[stage] / est for stage, est in plan["stage_estimate_s"].items() if stage in seconds}
+    return {**ratios, "total": total / plan["estimate_s"]}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -167,7 +178,7 @@ def main(argv=None) -> int:
     total = time.perf_counter() - start
     arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     record = {"machine": machine(), "args": arguments, "plan": plan, "stage_seconds": seconds,
-              "total_seconds": total, "failed": failed}  # fmt: skip
+              "total_seconds": total, "failed": failed, "stage_drift": drift(plan, seconds, total)}  # fmt: skip
     (args.out / "run_all.json").write_text(json.dumps(record, indent=2))
     written = sorted(p for p in args.out.rglob("*") if p.suffix in (".png", ".json", ".log"))
     expected = f" (expected {plan['estimate_s']:.0f} s)" if plan else ""

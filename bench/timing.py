@@ -76,6 +76,7 @@ def interleaved(
     repeats: int,
     reset: Callable[[str], None],
     after: Callable[[str], None] = lambda name: None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, dict[str, float]]:
     """Time each variant ``repeats`` times, interleaved so that drift hits them all alike.
 
@@ -85,16 +86,16 @@ def interleaved(
     still in cache: at 4M float32 elements in 200 tensors that gave whichever variant came first
     ~10% on the 2-core development machine.) ``reset(name)`` runs untimed before every call
     (restore the gradients); ``after(name)`` runs untimed after it (e.g. the scaler's update).
-    The first round is warm-up. Returned per variant: ``quantiles`` of its samples and the samples
+    The first round is warm-up. ``clock`` reads the time in seconds (a fake one in tests). Returned per variant: ``quantiles`` of its samples and the samples
     themselves (``samples_ms``, round by round, for ``ratio_spread``).
     """
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(repeats + 1):
         for name in round_order(list(variants), rep):
             reset(name)
-            start = time.perf_counter()
+            start = clock()
             variants[name]()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             after(name)
             if rep > 0:
                 times[name].append(elapsed)
@@ -115,6 +116,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux; empty elsewhere), e.g. ``avx512_fp16``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def machine(device: torch.device | None = None) -> dict[str, object]:

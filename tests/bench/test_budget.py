@@ -1,0 +1,82 @@
+"""bench/budget.py's float16 autocast probe: one wild sample does not move it, and a ratio that
+cannot be (float16 faster than float32 on a CPU without fast float16) is measured again, then
+bounded. The calls advance a fake clock, so nothing here looks at a real time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # the scripts import their shared helpers (bench/timing.py) by name
+
+import budget  # noqa: E402
+
+
+class FakeClock:
+    """A clock that only moves when a fake call says how long it took."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def call(self, seconds):
+        """A matmul call taking ``seconds(k)`` on the clock, ``k`` counting this call's runs."""
+        runs = []
+
+        def run():
+            self.now += seconds(len(runs))
+            runs.append(1)
+            self.calls += 1
+
+        return run
+
+
+def calls_taking(clock: FakeClock, float32, float16, bfloat16=lambda k: 1e-3):
+    return {"float32": clock.call(float32), "float16": clock.call(float16), "bfloat16": clock.call(bfloat16)}
+
+
+def test_one_wild_sample_does_not_move_the_autocast_ratio():
+    # float16 takes 30x float32 in every round, but one round's float32 call is stalled 200x by a
+    # neighbour (a ratio of 0.15 that round) and another's float16 call 50x (1500).
+    steady = 30.0
+    for wild in ({"float32": 3}, {"float16": 4}):
+        clock = FakeClock()
+        f32 = lambda k, w=wild.get("float32"): 1e-3 * (200 if k == w else 1)
+        f16 = lambda k, w=wild.get("float16"): steady * 1e-3 * (50 if k == w else 1)
+        ratios, notes = budget.matmul_slowdown(calls_taking(clock, f32, f16), rounds=7, clock=clock, fast_float16=False)
+        assert ratios["float16"] == pytest.approx(steady, rel=1e-9) and notes == []  # the clock's float sums
+        assert ratios["bfloat16"] == pytest.approx(1.0, rel=1e-9)
+
+
+def test_a_float16_ratio_below_one_without_fast_float16_is_measured_again_then_bounded():
+    clock = FakeClock()
+    fast_f16 = calls_taking(clock, float32=lambda k: 1e-3, float16=lambda k: 0.2e-3)  # "0.2x", every round
+    ratios, notes = budget.matmul_slowdown(fast_f16, rounds=5, clock=clock, fast_float16=False)
+    assert ratios["float16"] == 1.0 and len(notes) == 1 and "0.20x" in notes[0]
+    assert clock.calls == 3 * (5 + 1) + 3 * (2 * 5 + 1)  # measured twice (with warm-up rounds), the second time longer
+
+    # The first reading was a neighbour's: measured again, the second reading is kept, with a note.
+    clock = FakeClock()
+    first_rounds = 3 * (5 + 1)
+    recovers = calls_taking(clock, float32=lambda k: 1e-3 if k >= 6 else 10e-3, float16=lambda k: 8e-3)
+    ratios, notes = budget.matmul_slowdown(recovers, rounds=5, clock=clock, fast_float16=False)
+    assert ratios["float16"] == pytest.approx(8.0, rel=1e-9) and len(notes) == 1 and clock.calls > first_rounds
+
+    # On a CPU with fast float16 a ratio below 1 is plausible: kept as measured.
+    clock = FakeClock()
+    ratios, notes = budget.matmul_slowdown(calls_taking(clock, float32=lambda k: 1e-3, float16=lambda k: 0.2e-3),
+                                           rounds=5, clock=clock, fast_float16=True)  # fmt: skip
+    assert ratios["float16"] == pytest.approx(0.2, rel=1e-9) and notes == []
+
+
+def test_the_real_probe_reports_per_matmul_ratios():
+    # The calls do different numbers of matmuls (budget.MATMULS_PER_CALL); the ratio is per matmul.
+    ratios, notes = budget.matmul_slowdown(rounds=1)
+    assert set(ratios) == {"float16", "bfloat16"} and all(r > 0 for r in ratios.values())
+    assert ratios["float16"] >= 1.0 or budget.FAST_FLOAT16_FLAGS & budget.cpu_flags()  # the bound
