@@ -29,11 +29,12 @@ def quantiles(samples: list[float]) -> dict[str, float]:
 
 
 def band(samples: list[float]) -> tuple[float, float]:
-    """The 20% and 80% quantiles (``statistics.quantiles(n=5)``, its default exclusive method); a
-    single sample is its own band."""
+    """The 20% and 80% quantiles (``statistics.quantiles(n=5, method="inclusive")``: always within
+    the samples' range; the default exclusive method extrapolates past the smallest and largest of
+    a few samples, down to a negative time); a single sample is its own band."""
     if len(samples) < 2:
         return samples[0], samples[0]
-    q = statistics.quantiles(samples, n=5)
+    q = statistics.quantiles(samples, n=5, method="inclusive")
     return q[0], q[3]
 
 

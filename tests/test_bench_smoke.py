@@ -164,7 +164,7 @@ def test_ratio_spread_is_the_p20_p80_of_the_per_round_ratios():
     a = [1.0, 1.2, 0.9, 1.1, 1.3, 1.0, 0.95]
     b = [1.0, 1.0, 1.0, 1.0, 1.0, 1.25, 1.0]
     per_round = [x / y for x, y in zip(a, b)]  # by hand: round r's ratio is a[r] / b[r]
-    q = statistics.quantiles(per_round, n=5)
+    q = statistics.quantiles(per_round, n=5, method="inclusive")
     spread = timing.ratio_spread(a, b)
     assert spread["q20"] == q[0] and spread["q80"] == q[3] and spread["rounds"] == 7
     assert spread["ratio"] == statistics.median(a) / statistics.median(b)
@@ -174,6 +174,8 @@ def test_ratio_spread_is_the_p20_p80_of_the_per_round_ratios():
     faster = timing.ratio_spread([2.0, 2.1, 1.9, 2.2, 2.05], [1.0, 1.0, 1.05, 0.98, 1.0])
     assert faster["q20"] > 1.0 and faster["within_noise"] is False
     assert "within noise" not in timing.format_ratio(faster)
+    few = [0.0215, 0.0020, 0.0410]  # three samples: the exclusive method put p20 at -2.6 ms
+    assert min(few) <= timing.quantiles(few)["q20_ms"] / 1e3 <= timing.quantiles(few)["q80_ms"] / 1e3 <= max(few)
     single = timing.ratio_spread([2.0], [1.0])
     assert single["q20"] == single["q80"] == 2.0 and single["within_noise"] is None
     with pytest.raises(ValueError):
