@@ -28,7 +28,7 @@ import torch
 from ... import host_reads
 from ...grads.flat_runs import as_runs, spans_several
 from ...policy.policy_forms import ON_HOST, rounded_to_float32
-from .base import CheckResult, clip_coefficient, gradient_factor, inverse_scale
+from .base import CheckResult, clip_coefficient, gradient_factor, host_inverse_scale, inverse_scale
 
 
 def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
@@ -162,18 +162,18 @@ def _mean_numel(grads: list[torch.Tensor]) -> float:
     return sum(g.numel() for g in sample) / len(sample)
 
 
-def _finalize_on_host(raw: float, inv_scale: torch.Tensor, max_norm: float | None, plan: list) -> CheckResult:
+def _finalize_on_host(raw: float, scale: torch.Tensor, max_norm: float | None, plan: list) -> CheckResult:
     """The finalize of a step whose float32 norm came out finite and at least ``underflow_floor``
     (so nothing is inf/NaN, nothing overflowed or underflowed: the float64 path would give these
     same values), on Python numbers: the same float32 operations (policy_forms.py), then one new
     tensor per result. Four tensors made instead of ~10 small ops, each a dispatch: with 1/scale on
-    the host too (base.inverse_scale), this is most of what a small step's clip_grad_norm_ saves
+    the host too (base.host_inverse_scale), this is most of what a small step's clip_grad_norm_ saves
     on the CPU."""
-    inverse = inv_scale.item()
+    inverse = host_inverse_scale(scale)
     norm = rounded_to_float32(raw * inverse)
     clip_coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm, ON_HOST)
     factor = gradient_factor(0.0, inverse, clip_coef, form=ON_HOST)  # nothing overflowed here
-    made = [torch.full((), v, dtype=torch.float32, device=inv_scale.device) for v in (0.0, norm, clip_coef, factor)]
+    made = [torch.full((), v, dtype=torch.float32, device=scale.device) for v in (0.0, norm, clip_coef, factor)]
     return CheckResult(*made, plan=plan)
 
 
@@ -191,7 +191,6 @@ class TorchBackend:
         ord = float(norm_type)
         # Views back to back in one buffer (flatten_grads_, DDP buckets) are read as one run each.
         nonempty = [runs for runs in map(as_runs, groups) if runs]
-        inv_scale = inverse_scale(scale)
         per_tensor = (
             _per_tensor_norms(nonempty, ord) if nonempty else torch.zeros(1, dtype=torch.float32, device=scale.device)
         )
@@ -203,7 +202,8 @@ class TorchBackend:
         if host_reads.are_free(per_tensor.device):
             raw = raw32.item()
             if floor <= raw < math.inf:  # the common case on the CPU, decided by one free read
-                return _finalize_on_host(raw, inv_scale, max_norm, nonempty)
+                return _finalize_on_host(raw, scale, max_norm, nonempty)
+        inv_scale = inverse_scale(scale)
         grads = [g for runs in nonempty for g in runs]
         wide = wide_norms(grads, ord, per_tensor) if nonempty else per_tensor.double()
         raw64 = torch.linalg.vector_norm(wide, ord)
