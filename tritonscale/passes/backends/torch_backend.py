@@ -147,10 +147,14 @@ def _multiply_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
     dropped) in one multi-tensor loop, bit for bit as ``_foreach_mul_`` by a float32 0-dim tensor,
     while the foreach op goes tensor by tensor: faster for many small tensors (bfloat16 most of
     all). From ~64K elements per tensor the extra check costs more than the one loop saves, so
-    larger tensors keep the foreach op."""
+    larger tensors keep the foreach op. One float32 tensor (a flat buffer, a bucket's run) takes the
+    plain in-place multiply, the same float32 products without the foreach op's overhead; another
+    dtype would round the 0-dim float32 factor to its own first, so it keeps the foreach op."""
     if grads[0].device.type == "cpu" and _mean_numel(grads) <= SMALL_TENSORS:
         scratch = torch.zeros((), dtype=torch.float32, device=factor.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, scratch, factor)
+    elif len(grads) == 1 and grads[0].dtype is torch.float32:
+        grads[0].mul_(factor)
     else:
         torch._foreach_mul_(grads, factor)
 
