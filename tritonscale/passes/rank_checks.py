@@ -306,16 +306,13 @@ class RankChecks:
             return skip
         return torch.maximum(skip, self.pending.to(skip.device, non_blocking=True).to(skip.dtype))
 
-    def unchanged_if_mismatched(self, state: Any) -> contextlib.AbstractContextManager[None]:
-        """Around update(): where a mismatch is pending, the device state (a ``DeviceState``) ends
-        as it began, on the device (no host read). Nothing to do without a pending flag (a single
-        process never has one): then a shared do-nothing context, no generator made per call."""
-        if self.pending is None or state is None:
-            return _NOTHING_PENDING
-        return self._restored_if_mismatched(state)
-
     @contextlib.contextmanager
-    def _restored_if_mismatched(self, state: Any) -> Iterator[None]:
+    def unchanged_if_mismatched(self, state: Any) -> Iterator[None]:
+        """Around update(): where a mismatch is pending, the device state (a ``DeviceState``) ends
+        as it began, on the device (no host read). Nothing to do without a pending flag."""
+        if self.pending is None or state is None:
+            yield
+            return
         tensors = [getattr(state, f.name) for f in dataclasses.fields(state)]
         saved = [t.clone() for t in tensors]
         try:
@@ -334,9 +331,6 @@ class RankChecks:
         count = state.get("_iteration", state.get("iteration"))
         self.__dict__.update(state, _iteration=count, _uncounted=0, _partners=weakref.WeakKeyDictionary())
         self.__dict__.pop("iteration", None)
-
-
-_NOTHING_PENDING = contextlib.nullcontext()
 
 
 def on_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -166,23 +166,48 @@ def _mean_numel(grads: list[torch.Tensor]) -> float:
     return sum(g.numel() for g in sample) / len(sample)
 
 
-def _finalize_on_host(raw: float, scale: torch.Tensor, max_norm: float | None, plan: list) -> CheckResult:
+def _finalize_on_host(
+    raw: float, scale: torch.Tensor, max_norm: float | None, plan: list, scratch: _Scratch
+) -> CheckResult:
     """The finalize of a step whose float32 norm came out finite and at least ``underflow_floor``
     (so nothing is inf/NaN, nothing overflowed or underflowed: the float64 path would give these
-    same values), on Python numbers: the same float32 operations (policy_forms.py), then one new
-    tensor per result. Four tensors made instead of ~10 small ops, each a dispatch: with 1/scale on
-    the host too (base.host_inverse_scale), this is most of what a small step's clip_grad_norm_ saves
-    on the CPU."""
+    same values), on Python numbers: the same float32 operations (policy_forms.py), then the four
+    results as tensors. ~10 small ops, each a dispatch, saved: with 1/scale on the host too
+    (base.host_inverse_scale), this is most of what a small step's clip_grad_norm_ saves on the CPU.
+    found_inf and the norm, which callers keep, are new tensors; the clip coefficient and the
+    factor, which the clip's own apply or fold reads, are ``scratch``'s, overwritten."""
     inverse = host_inverse_scale(scale)
     norm = rounded_to_float32(raw * inverse)
     clip_coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm, ON_HOST)
     factor = gradient_factor(0.0, inverse, clip_coef, form=ON_HOST)  # nothing overflowed here
-    made = [torch.full((), v, dtype=torch.float32, device=scale.device) for v in (0.0, norm, clip_coef, factor)]
-    return CheckResult(*made, plan=plan)
+    found_inf, norm = (torch.full((), v, dtype=torch.float32, device=scale.device) for v in (0.0, norm))
+    return CheckResult(found_inf, norm, *scratch.filled(scale.device, clip_coef, factor), plan=plan)
+
+
+class _Scratch:
+    """0-dim float32 tensors a clip fills and reads itself, made once per device instead of once
+    per step: the host finalize's clip coefficient and factor. Each use first proves them still
+    what they were made as (0-dim, float32, on the device), and the clip that fills them reads them
+    before the next check fills them again; nothing holding them is handed to a caller (the norm
+    and found_inf are). Example: ``_Scratch().filled(torch.device("cpu"), 0.5, 0.25)``."""
+
+    def __init__(self) -> None:
+        self._made: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def filled(self, device: torch.device, *values: float) -> tuple[torch.Tensor, torch.Tensor]:
+        made = self._made.get(device)
+        if made is None or not all(t.dim() == 0 and t.dtype is torch.float32 and t.device == device for t in made):
+            made = self._made[device] = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in values)
+        for tensor, value in zip(made, values):
+            tensor.fill_(value)
+        return made
 
 
 class TorchBackend:
     name = "torch"
+
+    def __init__(self) -> None:
+        self._scratch = _Scratch()
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         inv_scale = inverse_scale(scale)
@@ -206,7 +231,7 @@ class TorchBackend:
         if host_reads.are_free(per_tensor.device):
             raw = raw32.item()
             if floor <= raw < math.inf:  # the common case on the CPU, decided by one free read
-                return _finalize_on_host(raw, scale, max_norm, nonempty)
+                return _finalize_on_host(raw, scale, max_norm, nonempty, self._scratch)
         inv_scale = inverse_scale(scale)
         grads = [g for runs in nonempty for g in runs]
         wide = wide_norms(grads, ord, per_tensor) if nonempty else per_tensor.double()
