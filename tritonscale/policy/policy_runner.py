@@ -87,13 +87,17 @@ class PolicyRunner:
         if found_inf is None:
             raise AssertionError("No inf checks were recorded prior to update.")
         norm = _last_norm(outcome, device)
-        if policy.needs_host_check():
+        checks = policy.needs_host_check()
+        if checks:
             self._host_check(policy, state, found_inf, skipped)
         self.rule(policy, "update_", device)(
             state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm,
             spike_stats=state.spike_stats,
         )  # fmt: skip
-        self._unread.seen(policy, state)
+        if checks:
+            self._unread.seen(policy, state)
+        else:  # nothing checked now: a later check reads
+            self._unread.forget()
         return found_inf, norm
 
     def _host_check(
