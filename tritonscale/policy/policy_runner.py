@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import host_reads
-from ..flags import combine_flags, flags_on
+from ..flags import combine_flags, flags_on, moved_to
 from .host_checks import HostCheck, UpdatesWithoutRead, act_on_host_checks, host_check_flags
 from .loss_scale_policy import LossScalePolicy
 from .policy_counters import CONSECUTIVE_SKIPS, count_step_
@@ -163,4 +163,4 @@ class PolicyRunner:
 
 def _last_norm(outcome: IterationOutcome, device: torch.device) -> torch.Tensor | None:
     """The iteration's last clip_grad_norm_'s norm on ``device``; None if it clipped nothing."""
-    return outcome.norms[-1].to(device, non_blocking=True) if outcome.norms else None
+    return moved_to(outcome.norms[-1], device) if outcome.norms else None

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..flags import read_flag
+from ..flags import moved_to, read_flag
 from ..grads.grad_groups import Grads, collect_grads
 from ..passes import step_protocols
 from ..passes.backends import check_backend_name
@@ -255,7 +255,7 @@ class GradScaler:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
         ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0."""
         found_inf = record.found_inf_on(device, required)
-        norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
+        norm = moved_to(record.norm, device) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
         skip = skip_decision(found_inf, norm, self._tensors.norm_stats, spike_stats=self._tensors.spike_stats)
         record.skip = skip if self._ranks.pending is None else self._ranks.skip(skip)  # forced on by a mismatch
