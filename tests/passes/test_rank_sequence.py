@@ -37,7 +37,7 @@ def test_ending_iterations_eagerly_runs_no_tensor_op():
 
 
 def test_a_pickle_of_the_count_under_its_old_name_loads():
-    """A scaler pickled by 0.2 holds the count as ``iteration``."""
+    """A scaler pickled before the count moved to ``_iteration`` holds it as ``iteration``."""
     ranks = RankChecks.__new__(RankChecks)
     ranks.__setstate__({"iteration": torch.tensor(7), "_calls": {}, "pending": None, "_seen": None})
     ranks.next_iteration()

@@ -327,7 +327,7 @@ class RankChecks:
         return {"_iteration": self.iteration.cpu(), "_uncounted": 0, "_calls": {}, "pending": None, "_seen": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Partners name optimizers of this process: none travel. A pickle of 0.2 names the count "iteration".
+        # Partners name optimizers of this process: none travel. Older pickles name the count "iteration".
         count = state.get("_iteration", state.get("iteration"))
         self.__dict__.update(state, _iteration=count, _uncounted=0, _partners=weakref.WeakKeyDictionary())
         self.__dict__.pop("iteration", None)
