@@ -24,7 +24,14 @@ def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor | None:
 def flags_on(device: torch.device, flags: Iterable[torch.Tensor]) -> torch.Tensor | None:
     """Flags on any devices moved to ``device`` (no host read) and summed there; None for none.
     Example: ``flags_on(scale.device, record.found_inf_per_device.values())``."""
-    return combine_flags([f.to(device, non_blocking=True) for f in flags])
+    return combine_flags([moved_to(f, device) for f in flags])
+
+
+def moved_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor.to(device, non_blocking=True)``, without the dispatch where it is there already
+    (``to`` returns the tensor itself then, too): a step's flags and norm nearly always are.
+    Example: ``moved_to(found_inf, scale.device)``."""
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
 
 def summed_flag(flags: Iterable[torch.Tensor]) -> torch.Tensor | None:

@@ -238,7 +238,7 @@ def _check_no_overlaps_now(optimizer: torch.optim.Optimizer, dense: dict[torch.d
     """The eager overlap check, per device (meta tensors have no memory). A traced step checks at
     run time instead (``Grads.unchecked``)."""
     for device, grads in dense.items():
-        if device.type != "meta":
+        if len(grads) > 1 and device.type != "meta":  # one gradient overlaps nothing
             _check_no_overlap(optimizer, grads)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import host_reads
+from ..flags import moved_to
 from ..grads.grad_groups import Grads
 from .backends import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .backends.base import unscaled_on_overflow, with_clip
@@ -158,7 +159,7 @@ def clip_grads(
     Example: ``clip_grads(grads, scale, ClipRequest(1.0), backend="auto")``.
     """
     device = _clip_device(grads, scale, group)
-    scale = torch.ones((), dtype=torch.float32, device=device) if scale is None else scale.to(device, non_blocking=True)
+    scale = torch.ones((), dtype=torch.float32, device=device) if scale is None else moved_to(scale, device)
     runner = _backend(backend, device)
     norm_type, max_norm = request.norm_type, request.max_norm
     result = _check_on(runner, grads, device, scale, norm_type, max_norm)
@@ -212,7 +213,7 @@ def _fold_divisor(result: CheckResult, scale: torch.Tensor) -> torch.Tensor:
     step is torch's. Elsewhere (a GPU, a compiled step) nothing is read and no pass is added: the
     step counts as an overflow instead (``found_inf`` raised: skipped, the scale backed off),
     never a silent step of zeros. Example: ``_fold_divisor(result, scale)``."""
-    divisor = scale / result.clip_coef.to(scale.device, non_blocking=True)
+    divisor = scale / moved_to(result.clip_coef, scale.device)
     if host_reads.are_free(divisor.device):
         fits = math.isfinite(divisor.item()) or result.found_inf.item() > 0
         return divisor if fits else scale

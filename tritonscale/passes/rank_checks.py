@@ -197,7 +197,11 @@ class RankChecks:
         #: 0-dim int64 tensor, on the device of the scale once an update() ran there: a device
         #: value, so that a compiled update() counts without a guard on it (a Python int would be
         #: a constant of the graph, recompiled at every iteration) and without a host read.
-        self.iteration = torch.zeros((), dtype=torch.int64)
+        #: Read it through ``iteration``, which adds the eager iterations counted in ``_uncounted``.
+        self._iteration = torch.zeros((), dtype=torch.int64)
+        #: Iterations ended eagerly and not yet added to the tensor: a single process never makes a
+        #: row, so it pays a Python ``+= 1`` per iteration, not a tensor op.
+        self._uncounted = 0
         self._calls: dict[Any, int] = {}  # process group -> combines issued on it this iteration
         #: optimizer -> fingerprint of every rank's layout of it at its last combine (``partners``).
         self._partners: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -205,13 +209,28 @@ class RankChecks:
         self.pending: torch.Tensor | None = None
         self._seen: tuple[torch.Tensor, tuple[str, ...]] | None = None  # what the first one showed
 
+    @property
+    def iteration(self) -> torch.Tensor:
+        """The number of iterations ended (0-dim int64 device tensor), read where a row is made (a
+        process group is in use) and by checkpoints: the eager ones counted on the host are added
+        first. Example: ``int(RankChecks().iteration) == 0``."""
+        if self._uncounted and not torch.compiler.is_compiling():
+            self._iteration.add_(self._uncounted)
+            self._uncounted = 0
+        return self._iteration
+
     def next_iteration(self, device: torch.device | None = None) -> None:
         """The scaler ended an iteration (update(); a disabled scaler's step()). ``device``: where
-        the count is to live from now on (the scale's); None keeps it where it is."""
-        if device is not None and self.iteration.device != device:
-            self.iteration = self.iteration.to(device)
-        self.iteration.add_(1)
-        self._calls = {}
+        the count is to live from now on (the scale's); None keeps it where it is. Eagerly, a
+        Python count (``iteration`` adds it to the tensor when read); traced, the tensor's own op."""
+        if device is not None and self._iteration.device != device:
+            self._iteration = self._iteration.to(device)
+        if torch.compiler.is_compiling():
+            self._iteration.add_(1)
+        else:
+            self._uncounted += 1
+        if self._calls:
+            self._calls = {}
 
     def stamp(self, group: Any, scale: torch.Tensor, agreement: Agreement) -> torch.Tensor:
         """This rank's ``AGREED`` columns for the next combine on ``group`` (float64: a float32 scale,
@@ -305,11 +324,13 @@ class RankChecks:
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups and device flags do not travel; the count does (on the CPU).
-        return {"iteration": self.iteration.cpu(), "_calls": {}, "pending": None, "_seen": None}
+        return {"_iteration": self.iteration.cpu(), "_uncounted": 0, "_calls": {}, "pending": None, "_seen": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Partners name optimizers of this process: none travel.
-        self.__dict__.update(state, _partners=weakref.WeakKeyDictionary())
+        # Partners name optimizers of this process: none travel. Older pickles name the count "iteration".
+        count = state.get("_iteration", state.get("iteration"))
+        self.__dict__.update(state, _iteration=count, _uncounted=0, _partners=weakref.WeakKeyDictionary())
+        self.__dict__.pop("iteration", None)
 
 
 def on_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:

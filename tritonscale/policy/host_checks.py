@@ -188,6 +188,10 @@ class UpdatesWithoutRead:
         """After the rule's update: the state as the rule left it."""
         self.witness = self._witness(policy, state)
 
+    def forget(self) -> None:
+        """After an update that ran no check (a policy with nothing to check): the next check reads."""
+        self.witness = None
+
     def _backoffs_until(self, policy: LossScalePolicy, scale: float, level: float) -> int:
         """The fewest backoffs from ``scale`` that reach ``level`` or below (LOOKAHEAD at most)."""
         for count in range(1, self.LOOKAHEAD + 1):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .policy_forms import ON_DEVICE, RuleForm
+from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
 
 # Slots of the int32 counters tensor.
 (
@@ -64,8 +64,12 @@ def _count_vectors(device: torch.device) -> tuple[torch.Tensor, ...]:
 def count_step_(counters: torch.Tensor, skipped: Any, form: RuleForm = ON_DEVICE) -> None:
     """The skip counters of one finished iteration, in place (also when the scale was set by hand).
 
-    ``skipped``: a bool 0-dim tensor (ON_DEVICE) or a bool (ON_HOST). Two vector ops, whose
-    operands are picked by the flag: ``counters <- counters * keep + add``.
+    ``skipped``: a bool 0-dim tensor (ON_DEVICE) or a bool (ON_HOST). ``counters <- counters *
+    keep + add``, the operands picked by the flag: two vector ops, one ``addcmul`` on the host form.
     """
     keep_stepped, keep_skipped, add_stepped, add_skipped = _count_vectors(counters.device)
-    counters.mul_(form.where(skipped, keep_skipped, keep_stepped)).add_(form.where(skipped, add_skipped, add_stepped))
+    keep, add = form.where(skipped, keep_skipped, keep_stepped), form.where(skipped, add_skipped, add_stepped)
+    if form is ON_HOST:  # one dispatch instead of two (the same integers); never traced, unlike out=
+        torch.addcmul(add, counters, keep, out=counters)
+    else:
+        counters.mul_(keep).add_(add)

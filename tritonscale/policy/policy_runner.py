@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import host_reads
-from ..flags import combine_flags, flags_on
+from ..flags import combine_flags, flags_on, moved_to
 from .host_checks import HostCheck, UpdatesWithoutRead, act_on_host_checks, host_check_flags
 from .loss_scale_policy import LossScalePolicy
 from .policy_counters import CONSECUTIVE_SKIPS, count_step_
@@ -87,13 +87,17 @@ class PolicyRunner:
         if found_inf is None:
             raise AssertionError("No inf checks were recorded prior to update.")
         norm = _last_norm(outcome, device)
-        if policy.needs_host_check():
+        checks = policy.needs_host_check()
+        if checks:
             self._host_check(policy, state, found_inf, skipped)
         self.rule(policy, "update_", device)(
             state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm,
             spike_stats=state.spike_stats,
         )  # fmt: skip
-        self._unread.seen(policy, state)
+        if checks:
+            self._unread.seen(policy, state)
+        else:  # nothing checked now: a later check reads
+            self._unread.forget()
         return found_inf, norm
 
     def _host_check(
@@ -159,4 +163,4 @@ class PolicyRunner:
 
 def _last_norm(outcome: IterationOutcome, device: torch.device) -> torch.Tensor | None:
     """The iteration's last clip_grad_norm_'s norm on ``device``; None if it clipped nothing."""
-    return outcome.norms[-1].to(device, non_blocking=True) if outcome.norms else None
+    return moved_to(outcome.norms[-1], device) if outcome.norms else None

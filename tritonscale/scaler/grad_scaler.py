@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..flags import read_flag
+from ..flags import moved_to, read_flag
 from ..grads.grad_groups import Grads, collect_grads
 from ..passes import step_protocols
 from ..passes.backends import check_backend_name
@@ -151,7 +151,8 @@ class GradScaler:
         group, the collective: the group's flags; ranks that disagree raise before any write."""
         sparse_ok = unscale or not step_protocols.is_torch_fused(inner)
         grads = collect_grads(inner, allow_fp16=not unscale, allow_sparse=sparse_ok)
-        group, agreement, backend = self._group(grads), self._agreement(inner), self._backend_name
+        group, backend = self._group(grads), self._backend_name
+        agreement = None if group is None else self._agreement(inner)  # a single process: no rank code
         if unscale:
             flags = unscale_grads_(grads, scale, backend, group, agreement, self._policy.skip_on_overflow)
             record.stage = OptState.UNSCALED
@@ -202,7 +203,7 @@ class GradScaler:
             ClipRequest(max_norm, norm_type, folds, not self._policy.skip_on_overflow, limit_of=limit_of),
             backend=self._backend_name,
             group=group,
-            agreement=self._agreement(inner, "clip", max_norm, norm_type),
+            agreement=None if group is None else self._agreement(inner, "clip", max_norm, norm_type),
         )
         folded = step_protocols.fold_clip(result.grad_scale, inner, self) if folds else None
         # Only now: a clip that raised leaves the record as it was.
@@ -254,7 +255,7 @@ class GradScaler:
         """Decide on the device whether this optimizer's step is skipped; remember it for update().
         ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0."""
         found_inf = record.found_inf_on(device, required)
-        norm = record.norm.to(device, non_blocking=True) if record.norm is not None else None
+        norm = moved_to(record.norm, device) if record.norm is not None else None
         skip_decision = self._rules.rule(self._policy, "skip_decision", device)
         skip = skip_decision(found_inf, norm, self._tensors.norm_stats, spike_stats=self._tensors.spike_stats)
         record.skip = skip if self._ranks.pending is None else self._ranks.skip(skip)  # forced on by a mismatch
@@ -392,8 +393,7 @@ class GradScaler:
         """step(grad_scaler=...)'s check, called by the optimizer inside :meth:`step`: the still
         scaled gradients checked, not written; the flag per device recorded and returned. With a
         process group, the collective of that step."""
-        scale = self._state_for("_check_inf_per_device").scale
-        inner = unwrap_optimizer(optimizer)
+        scale, inner = self._state_for("_check_inf_per_device").scale, unwrap_optimizer(optimizer)
         record = self._per_optimizer_states[id(inner)]
         self._flags_pass(inner, record, scale, unscale=False)
         return record.found_inf_per_device

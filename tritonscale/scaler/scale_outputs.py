@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..flags import moved_to
 from ..passes.grad_passes import PerDevice
 
 
@@ -20,7 +21,7 @@ def scale_outputs(outputs: Any, scale_on: Callable[[torch.device], torch.Tensor]
     as lazy maps, as torch's do.
     """
     if isinstance(outputs, torch.Tensor):
-        return outputs * scale_on(outputs.device).to(device=outputs.device, non_blocking=True)
+        return outputs * moved_to(scale_on(outputs.device), outputs.device)
     replicas: list[PerDevice] = []
 
     def apply_scale(value: Any) -> Any:

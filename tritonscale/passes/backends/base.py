@@ -24,10 +24,16 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     if host_reads.are_free(scale.device) and scale.numel() == 1:
         # The same float64 division and rounding on the host: one read and one new tensor instead
         # of three ops.
-        value = scale.item()
-        inverse = rounded_to_float32(1.0 / value) if value else math.inf
-        return torch.full(scale.shape, inverse, dtype=torch.float32, device=scale.device)
+        return torch.full(scale.shape, host_inverse_scale(scale), dtype=torch.float32, device=scale.device)
     return scale.double().reciprocal().float()
+
+
+def host_inverse_scale(scale: torch.Tensor) -> float:
+    """:func:`inverse_scale`'s value as a Python float, read from a one-element ``scale`` where
+    reads are free (the host-side finalize needs no tensor of it). Example:
+    ``host_inverse_scale(torch.tensor(4.0)) == 0.25``."""
+    value = scale.item()
+    return rounded_to_float32(1.0 / value) if value else math.inf
 
 
 def clip_coefficient(norm: Any, max_norm: float | torch.Tensor, form: RuleForm = ON_DEVICE) -> Any:

@@ -28,7 +28,7 @@ import torch
 from ... import host_reads
 from ...grads.flat_runs import as_runs, spans_several
 from ...policy.policy_forms import ON_HOST, rounded_to_float32
-from .base import CheckResult, clip_coefficient, gradient_factor, inverse_scale
+from .base import CheckResult, clip_coefficient, gradient_factor, host_inverse_scale, inverse_scale
 
 
 def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
@@ -147,10 +147,14 @@ def _multiply_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
     dropped) in one multi-tensor loop, bit for bit as ``_foreach_mul_`` by a float32 0-dim tensor,
     while the foreach op goes tensor by tensor: faster for many small tensors (bfloat16 most of
     all). From ~64K elements per tensor the extra check costs more than the one loop saves, so
-    larger tensors keep the foreach op."""
+    larger tensors keep the foreach op. One float32 tensor (a flat buffer, a bucket's run) takes the
+    plain in-place multiply, the same float32 products without the foreach op's overhead; another
+    dtype would round the 0-dim float32 factor to its own first, so it keeps the foreach op."""
     if grads[0].device.type == "cpu" and _mean_numel(grads) <= SMALL_TENSORS:
         scratch = torch.zeros((), dtype=torch.float32, device=factor.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, scratch, factor)
+    elif len(grads) == 1 and grads[0].dtype is torch.float32:
+        grads[0].mul_(factor)
     else:
         torch._foreach_mul_(grads, factor)
 
@@ -162,23 +166,48 @@ def _mean_numel(grads: list[torch.Tensor]) -> float:
     return sum(g.numel() for g in sample) / len(sample)
 
 
-def _finalize_on_host(raw: float, inv_scale: torch.Tensor, max_norm: float | None, plan: list) -> CheckResult:
+def _finalize_on_host(
+    raw: float, scale: torch.Tensor, max_norm: float | None, plan: list, scratch: _Scratch
+) -> CheckResult:
     """The finalize of a step whose float32 norm came out finite and at least ``underflow_floor``
     (so nothing is inf/NaN, nothing overflowed or underflowed: the float64 path would give these
-    same values), on Python numbers: the same float32 operations (policy_forms.py), then one new
-    tensor per result. Four tensors made instead of ~10 small ops, each a dispatch: with 1/scale on
-    the host too (base.inverse_scale), this is most of what a small step's clip_grad_norm_ saves
-    on the CPU."""
-    inverse = inv_scale.item()
+    same values), on Python numbers: the same float32 operations (policy_forms.py), then the four
+    results as tensors. ~10 small ops, each a dispatch, saved: with 1/scale on the host too
+    (base.host_inverse_scale), this is most of what a small step's clip_grad_norm_ saves on the CPU.
+    found_inf and the norm, which callers keep, are new tensors; the clip coefficient and the
+    factor, which the clip's own apply or fold reads, are ``scratch``'s, overwritten."""
+    inverse = host_inverse_scale(scale)
     norm = rounded_to_float32(raw * inverse)
     clip_coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm, ON_HOST)
     factor = gradient_factor(0.0, inverse, clip_coef, form=ON_HOST)  # nothing overflowed here
-    made = [torch.full((), v, dtype=torch.float32, device=inv_scale.device) for v in (0.0, norm, clip_coef, factor)]
-    return CheckResult(*made, plan=plan)
+    found_inf, norm = (torch.full((), v, dtype=torch.float32, device=scale.device) for v in (0.0, norm))
+    return CheckResult(found_inf, norm, *scratch.filled(scale.device, clip_coef, factor), plan=plan)
+
+
+class _Scratch:
+    """0-dim float32 tensors a clip fills and reads itself, made once per device instead of once
+    per step: the host finalize's clip coefficient and factor. Each use first proves them still
+    what they were made as (0-dim, float32, on the device), and the clip that fills them reads them
+    before the next check fills them again; nothing holding them is handed to a caller (the norm
+    and found_inf are). Example: ``_Scratch().filled(torch.device("cpu"), 0.5, 0.25)``."""
+
+    def __init__(self) -> None:
+        self._made: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def filled(self, device: torch.device, *values: float) -> tuple[torch.Tensor, torch.Tensor]:
+        made = self._made.get(device)
+        if made is None or not all(t.dim() == 0 and t.dtype is torch.float32 and t.device == device for t in made):
+            made = self._made[device] = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in values)
+        for tensor, value in zip(made, values):
+            tensor.fill_(value)
+        return made
 
 
 class TorchBackend:
     name = "torch"
+
+    def __init__(self) -> None:
+        self._scratch = _Scratch()
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         inv_scale = inverse_scale(scale)
@@ -191,7 +220,6 @@ class TorchBackend:
         ord = float(norm_type)
         # Views back to back in one buffer (flatten_grads_, DDP buckets) are read as one run each.
         nonempty = [runs for runs in map(as_runs, groups) if runs]
-        inv_scale = inverse_scale(scale)
         per_tensor = (
             _per_tensor_norms(nonempty, ord) if nonempty else torch.zeros(1, dtype=torch.float32, device=scale.device)
         )
@@ -203,7 +231,8 @@ class TorchBackend:
         if host_reads.are_free(per_tensor.device):
             raw = raw32.item()
             if floor <= raw < math.inf:  # the common case on the CPU, decided by one free read
-                return _finalize_on_host(raw, inv_scale, max_norm, nonempty)
+                return _finalize_on_host(raw, scale, max_norm, nonempty, self._scratch)
+        inv_scale = inverse_scale(scale)
         grads = [g for runs in nonempty for g in runs]
         wide = wide_norms(grads, ord, per_tensor) if nonempty else per_tensor.double()
         raw64 = torch.linalg.vector_norm(wide, ord)

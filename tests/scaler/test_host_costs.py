@@ -1,0 +1,119 @@
+"""What a step pays on the host: a single process no rank checks, and the clip's own small tensors
+made once, while everything a caller keeps is a new value each step.
+
+Oracles: torch.amp.GradScaler with torch.nn.utils.clip_grad_norm_ on a twin of the same model (the
+norms, the parameters), and the count of update() calls (the iteration count). No timings: the
+structure that costs the time is what is checked.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+import tritonscale
+import tritonscale.scaler.grad_scaler as grad_scaler_module
+from tritonscale.passes.backends import torch_backend
+from tritonscale.passes.rank_checks import RankChecks
+
+STEPS = 10
+
+
+def _model_and_data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(33, generator=g)), torch.nn.Parameter(torch.randn(4, 5, generator=g))]
+    xs = [(torch.randn(33, generator=g), torch.randn(4, 5, generator=g)) for _ in range(STEPS)]
+    return params, xs
+
+
+def _loss(params, x):
+    return sum((p * xi).square().sum() for p, xi in zip(params, x))
+
+
+def _run(kind: str, optimizer_cls, clip: bool, **opt_kw):
+    """STEPS whole scaled steps (scale, backward, clip or unscale_, step, update, zero_grad): the
+    parameters and the clip's norms as returned, each kept from its own step."""
+    params, xs = _model_and_data()
+    opt = optimizer_cls(params, lr=0.1, **opt_kw)
+    if kind == "torch":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    else:
+        scaler = tritonscale.GradScaler("cpu", init_scale=2.0**8, backend="torch")
+    norms = []
+    for x in xs:
+        scaler.scale(_loss(params, x)).backward()
+        if kind == "torch":
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0) if clip else None
+        else:
+            norm = scaler.clip_grad_norm_(opt, 1.0) if clip else scaler.unscale_(opt)
+        norms.append(norm)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return params, norms, scaler
+
+
+def test_a_single_process_step_makes_no_rank_check(monkeypatch):
+    """Without a process group no combine runs, so nothing of the rank checks may run either: no
+    Agreement row is made (clip_grad_norm_, unscale_, a fused step's check), no stamp taken. The
+    iteration count still counts every update(), and travels with a pickle."""
+    made = []
+
+    class CountedAgreement(grad_scaler_module.Agreement):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("kind", args[2] if len(args) > 2 else "flags"))
+            super().__init__(*args, **kwargs)
+
+    def no_stamp(*args, **kwargs):
+        raise AssertionError("a single process made a rank row")
+
+    monkeypatch.setattr(grad_scaler_module, "Agreement", CountedAgreement)
+    monkeypatch.setattr(RankChecks, "stamp", no_stamp)
+    runs = [(torch.optim.AdamW, True, {"fused": True}), (torch.optim.SGD, True, {}), (torch.optim.SGD, False, {}),
+            (torch.optim.Adam, False, {"fused": True})]  # fmt: skip
+    for optimizer_cls, clip, kw in runs:
+        ours, _, scaler = _run("ours", optimizer_cls, clip, **kw)
+        theirs, _, _ = _run("torch", optimizer_cls, clip, **kw)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert int(scaler._ranks.iteration) == STEPS
+        assert int(pickle.loads(pickle.dumps(scaler))._ranks.iteration) == STEPS
+    assert made == [], f"rank agreements made in a single process: {sorted(set(made))}"
+
+
+def test_the_host_finalize_makes_its_scratch_once_and_hands_out_values(monkeypatch):
+    """On the CPU the torch backend's clip finalizes on the host: its clip coefficient and factor,
+    which only the clip reads, are the same two tensors every step, while each step's norm is a
+    new tensor that keeps its value after later steps (torch's norms, step by step)."""
+    results = []
+    finalize = torch_backend._finalize_on_host
+
+    def kept(*args, **kwargs):
+        results.append(finalize(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(torch_backend, "_finalize_on_host", kept)
+    ours, our_norms, _ = _run("ours", torch.optim.AdamW, True, fused=True)
+    theirs, torch_norms, _ = _run("torch", torch.optim.AdamW, True, fused=True)
+    assert len(results) == STEPS
+    assert len({id(r.clip_coef) for r in results}) == 1 and len({id(r.factor) for r in results}) == 1
+    assert len({id(n) for n in our_norms}) == STEPS
+    torch.testing.assert_close(torch.stack(our_norms), torch.stack(torch_norms), rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_scratch_is_made_again_when_it_is_not_what_it_was_made_as():
+    """The proof before each use: a scratch tensor that is no longer a 0-dim float32 tensor on the
+    device (resized, say) is replaced, never written into as it is."""
+    scratch = torch_backend._Scratch()
+    device = torch.device("cpu")
+    first = scratch.filled(device, 0.5, 0.25)
+    assert [t.item() for t in first] == [0.5, 0.25]
+    assert scratch.filled(device, 1.0, 2.0)[0] is first[0]
+    first[1].resize_(3)
+    again = scratch.filled(device, 0.75, 0.125)
+    assert again[0] is not first[0] and [t.item() for t in again] == [0.75, 0.125]
+    assert all(t.dim() == 0 and t.dtype is torch.float32 for t in again)
