@@ -34,6 +34,39 @@ def check_norm_type(norm_type: float) -> float:
     return float(norm_type)
 
 
+def check_clip_args(
+    max_norm: float | torch.Tensor, norm_type: float, error_if_nonfinite: bool = False, foreach: bool | None = None
+) -> tuple[float | torch.Tensor, float]:
+    """All of torch.nn.utils.clip_grad_norm_'s arguments but the parameters, checked: ``(max_norm,
+    norm_type)`` as the clip takes them. Example: ``check_clip_args(1, 2) == (1.0, 2.0)``."""
+    check_torch_clip_options(error_if_nonfinite, foreach)
+    return check_max_norm(max_norm), check_norm_type(norm_type)
+
+
+def check_torch_clip_options(error_if_nonfinite: bool, foreach: bool | None) -> None:
+    """torch.nn.utils.clip_grad_norm_'s two other arguments, as a torch user passes them.
+
+    ``foreach`` picks torch's implementation, never its result: any of None, True, False is taken
+    (the clip here is one fused multi-tensor pass whatever it says). ``error_if_nonfinite=True``
+    asks for an error on an inf/NaN norm, which under loss scaling is an overflow the scaler
+    handles: ``step()`` skips and ``update()`` backs the scale off. Raising there would need a
+    host read every step, so it is refused, naming what does the job. Example:
+    ``check_torch_clip_options(False, True)`` returns; ``check_torch_clip_options(True, None)`` raises."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"foreach must be None, True or False (as torch's clip_grad_norm_ takes it), got {foreach!r}")
+    if error_if_nonfinite is False:  # torch's default; anything but a bool is refused below
+        return
+    if error_if_nonfinite is not True:
+        raise TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+    raise ValueError(
+        "error_if_nonfinite=True is not taken by the scaler's clip_grad_norm_: an inf/NaN gradient norm "
+        "under loss scaling is an overflow, which the scaler handles without a host read (step() skips the "
+        "update, update() backs the scale off). To see it, read scaler.found_inf_for(optimizer) or "
+        "scaler.last_skip_flag() (device tensors); to stop after repeated overflows, pass "
+        "GradScaler(..., max_consecutive_skips=N), which raises once more than N steps in a row were skipped."
+    )
+
+
 def kernels_compute(norm_type: float) -> bool:
     """True for the norm types the kernels compute (1, 2, inf)."""
     return norm_type in NORM_CODES

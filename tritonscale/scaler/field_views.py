@@ -237,3 +237,14 @@ def maybe_opt_step(self: Any, optimizer: torch.optim.Optimizer, optimizer_state:
     if not read_found_inf(optimizer_state["found_inf_per_device"].values()):
         return optimizer.step(*args, **kwargs)
     return None
+
+
+def place_state(self: Any, device: torch.device | str) -> torch.device:
+    """Make the scale and its trackers on ``device`` now, as the first scale() would (state
+    already made stays where it is); return their device. Example: ``scaler.place_state("cuda")``."""
+    return self._scale_on(torch.device(device)).device
+
+
+def check_scale_growth_tracker(self: Any, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+    state = self._state_for(funcname)
+    return state.scale, state.growth_tracker

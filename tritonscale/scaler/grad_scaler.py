@@ -19,7 +19,7 @@ from ..flags import moved_to, read_flag
 from ..grads.grad_groups import Grads, collect_grads
 from ..passes import step_protocols
 from ..passes.backends import check_backend_name
-from ..passes.clip_args import ClipRequest, check_max_norm, check_norm_type, kernels_compute
+from ..passes.clip_args import ClipRequest, check_clip_args, kernels_compute
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
 from ..passes.rank_checks import Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
@@ -168,14 +168,22 @@ class GradScaler:
         return Agreement(self._ranks, scale, kind, optimizer, self._policy, max_norm, norm_type)
 
     def clip_grad_norm_(
-        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0, *, process_group: Any = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        process_group: Any = None,
     ) -> torch.Tensor:
         """Unscale, inf-check and clip the optimizer's gradients by their global norm, fused: the
         norm before clipping (0-dim float32 on the gradients' device), as ``unscale_`` followed by
         ``torch.nn.utils.clip_grad_norm_``; it counts as this iteration's ``unscale_`` (after one it
         only clips). ``process_group`` overrides the scaler's: the norm is then the group's, bitwise
-        the same on each rank. Example: ``norm = scaler.clip_grad_norm_(optimizer, max_norm=1.0)``."""
-        max_norm, norm_type = check_max_norm(max_norm), check_norm_type(norm_type)
+        the same on each rank. torch's ``foreach`` has no effect here (one fused pass), and its
+        ``error_if_nonfinite=True`` is refused (inf/NaN: step() skips). ``scaler.clip_grad_norm_(opt, 1.0)``."""
+        max_norm, norm_type = check_clip_args(max_norm, norm_type, error_if_nonfinite, foreach)
         kernels = kernels_compute(norm_type)
         inner = unwrap_optimizer(optimizer)  # the state is the real optimizer's; the protocol the object's
         folds = StepProtocol.of(optimizer, inner).clip_folds(self._fold)  # hand a fused step scale / clip_coef
@@ -362,11 +370,6 @@ class GradScaler:
             state["_host"], state["_tensors"] = self._host_state(), None
         return state
 
-    def place_state(self, device: torch.device | str) -> torch.device:
-        """Make the scale and its trackers on ``device`` now, as the first scale() would (state
-        already made stays where it is); return their device. Example: ``scaler.place_state("cuda")``."""
-        return self._scale_on(torch.device(device)).device
-
     # -------------------------------------- torch.amp.GradScaler's names (scaler/field_views.py)
     # With torch's meaning, for code outside this package; views of the fields above.
     is_enabled = views.is_enabled
@@ -382,11 +385,8 @@ class GradScaler:
     _lazy_init_scale_growth_tracker = views.lazy_init_scale_growth_tracker
     _get_growth_tracker, _get_scale_async = views.get_growth_tracker, views.get_scale_async
     _found_inf_per_device, _unscale_grads_ = views.found_inf_per_device, views.unscale_grads_
-    _maybe_opt_step = views.maybe_opt_step
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        state = self._state_for(funcname)
-        return state.scale, state.growth_tracker
+    _maybe_opt_step, _check_scale_growth_tracker = views.maybe_opt_step, views.check_scale_growth_tracker
+    place_state = views.place_state
 
     @runs_eagerly
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
