@@ -139,7 +139,7 @@ def dispatch_unit_ms(rounds: int = 7) -> float:
 
     def call():
         y = x
-        for i in range(200):
+        for _ in range(200):
             y = y + 1.0
         "".join(str(i) for i in range(2000))
 

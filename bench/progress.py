@@ -22,8 +22,8 @@ class ProgressBar:
     thread redraws every ``interval_s`` (``start_clock``): toward the next callback at the stage's
     pace so far, and, with ``estimates_s`` (each stage's expected seconds), with the stage's elapsed
     time over its estimate, toward 90% of its share. Either guess slows down as it nears its target
-    and never reaches it (``ease``): the bar never passes the end of a stage that has not ended, never stalls on one that
-    overruns its estimate, and never moves backwards. The line ends with the time spent and the
+    and never reaches it (``ease``): the bar never passes the end of a stage that has not ended,
+    never stalls on one that overruns its estimate, and never moves backwards. The line ends with the time spent and the
     time left (from the estimates, then from the pace so far). ``clock`` reads the time (a fake one
     in tests).
 

@@ -331,8 +331,13 @@ def main(argv=None, progress=None) -> int:
              "layouts": args.layouts}  # fmt: skip
     json_path.write_text(json.dumps({"machine": info, "unfused_optimizer": args.unfused, "sizes": sizes,
                                      "layouts": LAYOUT_NAMES, "points": points}, indent=2))  # fmt: skip
-    png = plot(points, args.out / "sweep.png", f"clip + optimizer step + scale update on {describe(info)}", VARIANTS,
-               LAYOUT_NAMES)
+    png = plot(
+        points,
+        args.out / "sweep.png",
+        f"clip + optimizer step + scale update on {describe(info)}",
+        VARIANTS,
+        LAYOUT_NAMES,
+    )
     print(f"wrote {json_path} and {png}")
     invalid = [p for p in points if p["invalid"]]
     for p in invalid:

@@ -87,8 +87,9 @@ def interleaved(
     still in cache: at 4M float32 elements in 200 tensors that gave whichever variant came first
     ~10% on the 2-core development machine.) ``reset(name)`` runs untimed before every call
     (restore the gradients); ``after(name)`` runs untimed after it (e.g. the scaler's update).
-    The first round is warm-up. ``clock`` reads the time in seconds (a fake one in tests). Returned per variant: ``quantiles`` of its samples and the samples
-    themselves (``samples_ms``, round by round, for ``ratio_spread``).
+    The first round is warm-up. ``clock`` reads the time in seconds (a fake one in tests). Returned
+    per variant: ``quantiles`` of its samples and the samples themselves (``samples_ms``, round by
+    round, for ``ratio_spread``).
     """
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(repeats + 1):

@@ -47,8 +47,9 @@ def test_one_wild_sample_does_not_move_the_autocast_ratio():
     steady = 30.0
     for wild in ({"float32": 3}, {"float16": 4}):
         clock = FakeClock()
-        f32 = lambda k, w=wild.get("float32"): 1e-3 * (200 if k == w else 1)
-        f16 = lambda k, w=wild.get("float16"): steady * 1e-3 * (50 if k == w else 1)
+        wild32, wild16 = wild.get("float32"), wild.get("float16")
+        f32 = lambda k, w=wild32: 1e-3 * (200 if k == w else 1)
+        f16 = lambda k, w=wild16: steady * 1e-3 * (50 if k == w else 1)
         ratios, notes = budget.matmul_slowdown(calls_taking(clock, f32, f16), rounds=7, clock=clock, fast_float16=False)
         assert ratios["float16"] == pytest.approx(steady, rel=1e-9) and notes == []  # the clock's float sums
         assert ratios["bfloat16"] == pytest.approx(1.0, rel=1e-9)

@@ -27,7 +27,10 @@ def test_every_timed_call_starts_from_a_barrier_after_the_restore():
 
 
 def test_rank_spread_is_the_largest_median_over_the_smallest():
-    per_rank = [{"x": {"median_ms": 3.47}, "y": {"median_ms": 1.0}}, {"x": {"median_ms": 0.38}, "y": {"median_ms": 1.0}}]
+    per_rank = [
+        {"x": {"median_ms": 3.47}, "y": {"median_ms": 1.0}},
+        {"x": {"median_ms": 0.38}, "y": {"median_ms": 1.0}},
+    ]
     spread = collectives.rank_spread(per_rank)
     assert spread["x"] == {"median_ms_per_rank": [3.47, 0.38], "spread": 3.47 / 0.38}
     assert spread["y"]["spread"] == 1.0
