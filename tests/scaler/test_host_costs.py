@@ -9,6 +9,7 @@ structure that costs the time is what is checked.
 from __future__ import annotations
 
 import pickle
+import threading
 
 import torch
 
@@ -117,3 +118,48 @@ def test_the_scratch_is_made_again_when_it_is_not_what_it_was_made_as():
     again = scratch.filled(device, 0.75, 0.125)
     assert again[0] is not first[0] and [t.item() for t in again] == [0.75, 0.125]
     assert all(t.dim() == 0 and t.dtype is torch.float32 for t in again)
+
+
+def test_two_threads_clipping_at_once_each_get_their_own_factor(monkeypatch):
+    """The scratch is per thread: a clip in another thread that runs between this thread's check
+    and its multiply (the GIL lets it, torch ops release it) must not hand this clip its factor.
+    Thread B's whole clip (another model, another scale) runs exactly there; each thread's
+    parameters must still be torch's."""
+    multiply, main = torch_backend._multiply_, threading.main_thread()
+    other = {}
+
+    def other_thread_clips_first(grads, factor):
+        if threading.current_thread() is main and not other:
+            worker = threading.Thread(target=lambda: other.update(run=_run_scaled(2.0**4)))
+            worker.start()
+            worker.join()
+        return multiply(grads, factor)
+
+    monkeypatch.setattr(torch_backend, "_multiply_", other_thread_clips_first)
+    ours = _run_scaled(2.0**8, steps=1)
+    monkeypatch.setattr(torch_backend, "_multiply_", multiply)
+    for a, b in zip(ours, _run_scaled(2.0**8, steps=1, kind="torch")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(other["run"], _run_scaled(2.0**4, kind="torch")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _run_scaled(init_scale: float, steps: int = STEPS, kind: str = "ours"):
+    """``steps`` clipped SGD steps at ``init_scale``: the parameters after."""
+    params, xs = _model_and_data()
+    opt = torch.optim.SGD(params, lr=0.1)
+    if kind == "torch":
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    else:
+        scaler = tritonscale.GradScaler("cpu", init_scale=init_scale, backend="torch")
+    for x in xs[:steps]:
+        scaler.scale(_loss(params, x)).backward()
+        if kind == "torch":
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        else:
+            scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return params

@@ -22,6 +22,7 @@ of the norm decides the common case and the finalize runs on Python numbers (``_
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -184,14 +185,16 @@ def _finalize_on_host(
     return CheckResult(found_inf, norm, *scratch.filled(scale.device, clip_coef, factor), plan=plan)
 
 
-class _Scratch:
-    """0-dim float32 tensors a clip fills and reads itself, made once per device instead of once
-    per step: the host finalize's clip coefficient and factor. Each use first proves them still
-    what they were made as (0-dim, float32, on the device), and the clip that fills them reads them
-    before the next check fills them again; nothing holding them is handed to a caller (the norm
-    and found_inf are). Example: ``_Scratch().filled(torch.device("cpu"), 0.5, 0.25)``."""
+class _Scratch(threading.local):
+    """0-dim float32 tensors a clip fills and reads itself, made once per device and thread instead
+    of once per step: the host finalize's clip coefficient and factor. Each use first proves them
+    still what they were made as (0-dim, float32, on the device), and the clip that fills them reads
+    them before the next check in its thread fills them again; nothing holding them is handed to a
+    caller (the norm and found_inf are). Per thread, because the backend is shared by every scaler
+    in the process: another thread's clip may run between this one's check and its multiply.
+    Example: ``_Scratch().filled(torch.device("cpu"), 0.5, 0.25)``."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # runs again in each thread that uses the instance
         self._made: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def filled(self, device: torch.device, *values: float) -> tuple[torch.Tensor, torch.Tensor]:
