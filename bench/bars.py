@@ -6,7 +6,11 @@
    ``torch.linalg.vector_norm(buffer)`` + one ``buffer.mul_(factor)`` over the whole buffer (what
    one hand-written tensor costs). Printed: ``ideal/ours`` (target >= 0.85) and ``torch/ours``, for
    two layouts: views of a ``tritonscale.flatten_grads_`` buffer, and a DDP-like bucket (every
-   gradient assigned as ``bucket[a:b].view(shape)``, back to back, no padding, no flatten_grads_).
+   gradient assigned as ``bucket[a:b].view(shape)``, back to back, no padding, no flatten_grads_);
+   then the same elements as one flat parameter whose ``.grad`` is the buffer (what Megatron-style
+   flat parameters give an optimizer): the two per-parameter layouts pay for proving, every step,
+   that 2000 ``.grad`` are still the buffer's views (``grads/flat_grads.py``); one tensor has
+   nothing to prove, so its line is the section's limit on this machine.
    The gradients are restored (untimed) before every repeat; the scalers update after (untimed);
    once, untimed, the gradients each leaves are compared with torch's (max relative difference).
 2. A tiny whole step against torch: one parameter of 1024 elements, the whole scaled step
@@ -105,14 +109,17 @@ def bar1(args, device: torch.device) -> list[dict]:
     n_tensors, each = args.bar1
     torch.manual_seed(0)
     saved = torch.randn(n_tensors * each, device=device).mul_(SCALE)  # scaled gradients, back to back
-    layouts = ("flatten_grads_", "DDP-like bucket")
+    layouts = ("flatten_grads_", "DDP-like bucket", "one flat parameter")
     return [line for layout in layouts for line in bar1_layout(args, device, saved, layout)]
 
 
 def bar1_layout(args, device: torch.device, saved: torch.Tensor, layout: str) -> list[dict]:
     n_tensors, each = args.bar1
     params = [torch.nn.Parameter(torch.zeros(64, each // 64, device=device)) for _ in range(n_tensors)]
-    if layout == "flatten_grads_":
+    if layout == "one flat parameter":  # the optimizer holds one tensor: its .grad is the buffer
+        params = [torch.nn.Parameter(torch.zeros(n_tensors * each, device=device))]
+        buffer = params[0].grad = torch.zeros(n_tensors * each, device=device)
+    elif layout == "flatten_grads_":
         (buffer,) = tritonscale.flatten_grads_(params)
     else:  # a DDP-like bucket: views back to back in one storage, no padding, no flatten_grads_
         buffer = torch.empty(n_tensors * each, device=device)

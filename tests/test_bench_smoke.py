@@ -136,10 +136,10 @@ def test_bars_prints_every_ratio(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["machine"]["device"] == "cpu"
     ratios = data["ratios"]
-    # bar 1: ideal/ours and torch/ours for two layouts; bar 2: torch/ours and the 3 knobs; bar 3: torch/ours
-    assert [r["bar"] for r in ratios] == ["1"] * 4 + ["2"] * 4 + ["3"]
+    # bar 1: ideal/ours and torch/ours for three layouts; bar 2: torch/ours and the 3 knobs; bar 3: torch/ours
+    assert [r["bar"] for r in ratios] == ["1"] * 6 + ["2"] * 4 + ["3"]
     assert all(r["value"] > 0 and r["spread"]["rounds"] >= 2 for r in ratios)
-    assert all(max(r["max_rel_diff_vs_torch"].values()) < 1e-5 for r in ratios[:4])  # ideal, ours, torch alike
+    assert all(max(r["max_rel_diff_vs_torch"].values()) < 1e-5 for r in ratios[:6])  # ideal, ours, torch alike
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert "cpu (" in lines[0]  # the machine line
