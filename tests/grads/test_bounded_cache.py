@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+from collections import OrderedDict
 
 import pytest
 
@@ -49,3 +51,26 @@ def test_a_hit_keeps_an_entry_from_eviction():
     assert cache.get("a") == 1  # "b" is now the least recent
     cache.put("c", 3)
     assert cache.get("b") is None and cache.get("a") == 1 and cache.get("c") == 3
+
+
+def test_a_put_from_another_thread_between_a_lookup_and_its_move_is_safe():
+    """The layouts cache is one per process, shared by every thread's scaler: a put in another
+    thread that evicts the entry a get just found (the GIL may switch between the two dictionary
+    calls) must neither raise nor leave the cache over its size. The other thread's put runs
+    exactly there; it may have to wait for the get to finish."""
+    cache = BoundedCache(1)
+    cache.put("a", 1)
+    worker = threading.Thread(target=cache.put, args=("b", 2))
+
+    class EvictedMidGet(OrderedDict):
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if key == "a" and not worker.is_alive() and worker.ident is None:
+                worker.start()
+                worker.join(timeout=0.2)  # returns at once without a lock; waits 0.2 s with one
+            return value
+
+    cache._entries = EvictedMidGet(cache._entries)
+    assert cache.get("a") == 1
+    worker.join()
+    assert len(cache) == 1 and cache.get("b") == 2 and cache.get("a") is None

@@ -185,22 +185,24 @@ def _finalize_on_host(
     return CheckResult(found_inf, norm, *scratch.filled(scale.device, clip_coef, factor), plan=plan)
 
 
-class _Scratch(threading.local):
+class _Scratch:
     """0-dim float32 tensors a clip fills and reads itself, made once per device and thread instead
     of once per step: the host finalize's clip coefficient and factor. Each use first proves them
     still what they were made as (0-dim, float32, on the device), and the clip that fills them reads
     them before the next check in its thread fills them again; nothing holding them is handed to a
     caller (the norm and found_inf are). Per thread, because the backend is shared by every scaler
-    in the process: another thread's clip may run between this one's check and its multiply.
-    Example: ``_Scratch().filled(torch.device("cpu"), 0.5, 0.25)``."""
+    in the process: another thread's clip may run between this one's check and its multiply (a
+    thread's id is reused only once it has ended). Example:
+    ``_Scratch().filled(torch.device("cpu"), 0.5, 0.25)``."""
 
-    def __init__(self) -> None:  # runs again in each thread that uses the instance
-        self._made: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def filled(self, device: torch.device, *values: float) -> tuple[torch.Tensor, torch.Tensor]:
-        made = self._made.get(device)
+        key = (threading.get_ident(), device)
+        made = self._made.get(key)
         if made is None or not all(t.dim() == 0 and t.dtype is torch.float32 and t.device == device for t in made):
-            made = self._made[device] = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in values)
+            made = self._made[key] = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in values)
         for tensor, value in zip(made, values):
             tensor.fill_(value)
         return made
