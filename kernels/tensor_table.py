@@ -144,11 +144,18 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     all the work queued before it on the stream. Dropping the pinned block right after the call is
     safe: torch's caching host allocator records the copy's stream event and does not hand the
     block out again until that copy has read it. (A CPU-only torch build cannot pin, and never
-    gets here.) Other devices: a plain copy."""
+    gets here.) Other devices: a plain copy. Under CUDA graph capture a copy would become a node of
+    the graph that reads a pinned block long since given back: refused, naming the fix."""
     if device.type == "cpu":
         return host
     if device.type != "cuda":
         return host.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "tritonscale: these gradients' launch tables are not built yet, and the stream is capturing a CUDA "
+            "graph; run the step once outside the capture first (a warm-up, as torch.cuda.graph requires), "
+            "with the gradients at the addresses the graph will use"
+        )
     pinned = host.pin_memory()
     return torch.empty(pinned.shape, dtype=pinned.dtype, device=device).copy_(pinned, non_blocking=True)
 

@@ -192,6 +192,20 @@ def test_new_sizes_at_the_same_addresses_get_their_own_tables():
     assert again.chunks is chunks_seen[0]  # the first sizes again: their cached table
 
 
+def test_a_table_to_build_under_cuda_graph_capture_is_refused(monkeypatch):
+    """A table first built while the stream captures a CUDA graph would leave in the graph a copy
+    reading a pinned block given back at once: refused, naming the fix (a warm-up step outside the
+    capture), and nothing cached. The capture is stood in for on the CPU: the check comes before
+    any CUDA call."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    caches = (tensor_table._tables, tensor_table._chunk_table)
+    for cache in caches:
+        cache.cache_clear()  # pure functions of their keys: emptying them changes no result
+    with pytest.raises(RuntimeError, match="outside the capture"):
+        tensor_table._tables(torch.device("cuda"), (4096, 8192), (300, 17))
+    assert [cache.cache_info().currsize for cache in caches] == [0, 0]
+
+
 @pytest.mark.gpu
 def test_gpu_reallocated_gradients_tables_without_waiting_or_reading(forbid_host_reads):
     """On CUDA, gradients re-allocated at new addresses get a tensors table equal to a fresh build,
