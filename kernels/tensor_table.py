@@ -17,15 +17,20 @@ Which gradients form one run (a ``flatten_grads_`` buffer, a DDP bucket) is host
 logic, the caller's (``tritonscale/grads/flat_runs.py``): it hands the run in (``run=``), and a
 group without one goes FLAT only when it is a single contiguous tensor.
 
-The tables are cached by (device, dtype, addresses, sizes): everything in a table is computed
-from exactly that key, so a hit is the table these gradients need, whatever happened to the
-memory in between. Gradients that persist between steps (``zero_grad(set_to_none=False)``)
-cost no host work after the first step.
+The tables are cached as pure functions of their keys, so a hit is the table these gradients need,
+whatever happened to the memory in between: the chunks table by (device, sizes), the tensors table
+by (device, addresses, sizes). Gradients that persist between steps (``zero_grad(set_to_none=False)``)
+cost no table work after the first step; gradients re-allocated every step (``set_to_none=True``,
+torch's default) rebuild only the tensors table, on the host in one conversion, and reach the device
+by an asynchronous copy from pinned memory (the host never waits for it).
 """
 
 from __future__ import annotations
 
+import array
 import functools
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,27 +94,70 @@ def _placeholder(device: torch.device) -> torch.Tensor:
 
 
 def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    return _tables(grads[0].device, grads[0].dtype, tuple((g.data_ptr(), g.numel()) for g in grads))
+    addresses = tuple([g.data_ptr() for g in grads])
+    numels = tuple([g.numel() for g in grads])
+    return _tables(grads[0].device, addresses, numels)
 
 
 @functools.lru_cache(maxsize=16)
 def _tables(
-    device: torch.device, dtype: torch.dtype, spans: tuple[tuple[int, int], ...]
+    device: torch.device, addresses: tuple[int, ...], numels: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The (tensors, chunks) tables and the alignment of the gradients at ``spans`` ((address,
-    numel) each): a pure function of its arguments, so a cached entry is always the right one."""
-    addresses = torch.tensor([address for address, _ in spans], dtype=torch.int64)
-    numels = torch.tensor([numel for _, numel in spans], dtype=torch.int64)
-    tensors = torch.stack([addresses, numels], dim=1)
-    per_tensor = (numels + CHUNK - 1) // CHUNK
-    owner = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int64), per_tensor)
-    first_chunk = torch.cumsum(per_tensor, 0) - per_tensor
-    starts = (torch.arange(owner.numel(), dtype=torch.int64) - first_chunk[owner]) * CHUNK
-    chunks = torch.stack([owner, starts], dim=1)
+    """The (tensors, chunks) tables and the alignment of the gradients at ``addresses`` with
+    ``numels`` elements each: a pure function of its arguments, so a cached entry is always the
+    right one. Only the tensors table holds addresses; the chunks table comes from the sizes alone
+    (``_chunk_table``), so gradients re-allocated at new addresses every step
+    (``zero_grad(set_to_none=True)``, torch's default) rebuild only the [T, 2] tensors table."""
+    chunks, sizes_aligned = _chunk_table(device, numels)
+    tensors = torch.stack([_int64(addresses), _int64(numels)], dim=1)
     # Alignment the compiler cannot see through a loaded address; the kernels assert it with
     # tl.multiple_of so that table launches get 16-byte vector loads too.
-    aligned = all(address % 16 == 0 and numel % 16 == 0 for address, numel in spans)
-    return tensors.to(device), chunks.to(device), aligned
+    aligned = sizes_aligned and functools.reduce(operator.or_, addresses) % 16 == 0
+    return _to_device(tensors, device), chunks, aligned
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_table(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
+    """The chunks table [C, 2] (tensor index, first element) of tensors of ``numels`` elements,
+    and whether every numel is a multiple of 16: a pure function of the sizes.
+
+    Example: numels (CHUNK + 1, 5) give the rows (0, 0), (0, CHUNK), (1, 0)."""
+    counts = [(numel + CHUNK - 1) // CHUNK for numel in numels]
+    per_tensor, rows = _int64(counts), sum(counts)
+    owner = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), per_tensor, output_size=rows)
+    first_chunk = torch.cumsum(per_tensor, 0) - per_tensor
+    starts = (torch.arange(rows, dtype=torch.int64) - first_chunk[owner]) * CHUNK
+    chunks = torch.stack([owner, starts], dim=1)
+    return _to_device(chunks, device), functools.reduce(operator.or_, numels) % 16 == 0
+
+
+def _int64(values: Sequence[int]) -> torch.Tensor:
+    """A 1-D int64 host tensor of ``values`` (one C-level conversion, no per-element tensor op)."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a freshly built int64 table) on ``device``, without blocking the host.
+
+    On the CPU the device is the host: no copy. On CUDA/ROCm the table goes through pinned memory
+    with an asynchronous copy: from pageable memory the host would wait for the copy, and so for
+    all the work queued before it on the stream. Dropping the pinned block right after the call is
+    safe: torch's caching host allocator records the copy's stream event and does not hand the
+    block out again until that copy has read it. (A CPU-only torch build cannot pin, and never
+    gets here.) Other devices: a plain copy. Under CUDA graph capture a copy would become a node of
+    the graph that reads a pinned block long since given back: refused, naming the fix."""
+    if device.type == "cpu":
+        return host
+    if device.type != "cuda":
+        return host.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "tritonscale: these gradients' launch tables are not built yet, and the stream is capturing a CUDA "
+            "graph; run the step once outside the capture first (a warm-up, as torch.cuda.graph requires), "
+            "with the gradients at the addresses the graph will use"
+        )
+    pinned = host.pin_memory()
+    return torch.empty(pinned.shape, dtype=pinned.dtype, device=device).copy_(pinned, non_blocking=True)
 
 
 def describe_grads(

@@ -1,19 +1,28 @@
 """tensor_table (kernels/tensor_table.py): which groups run FLAT and which through the pointer table,
-with every pass over each layout; non-dense gradients refused; empty gradients skipped."""
+with every pass over each layout; non-dense gradients refused; empty gradients skipped; the tables
+cached as pure functions of their keys (sizes; addresses and sizes) while gradients move."""
 
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernel_cases import (
+    DTYPES,
+    SETTINGS_SMALL,
     assert_bitwise,
     assert_norm_close,
     check_finalize_result,
     check_partials_summary,
+    make_grads,
     max_norm_for,
+    norm_types_st,
     run_check,
+    scales_st,
+    seeds_st,
 )
-from tritonscale.kernels import apply_factor_, describe_grads
+from tritonscale.kernels import GradLayout, apply_factor_, describe_grads, tensor_table
 from tritonscale.kernels.launch_config import CHUNK
 from tritonscale.kernels.reference import apply_ref, finalize_ref
 
@@ -96,3 +105,126 @@ def test_empty_gradients_are_skipped(shape):
     layout, _, res, _ = run_check(grads, 2.0, 2.0, None)
     assert layout.flat and layout.numel == 33
     assert_norm_close(res[1], finalize_ref(grads, 2.0, 2.0, None).norm, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cached tables while gradients move
+
+
+def fresh_tables(grads: list[torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
+    """The (tensors, chunks) tables of ``grads`` built from scratch in plain Python: the oracle the
+    cached tables must equal."""
+    nonempty = [g for g in grads if g.numel() > 0]
+    tensors = [[g.data_ptr(), g.numel()] for g in nonempty]
+    chunks = [[i, start] for i, g in enumerate(nonempty) for start in range(0, g.numel(), CHUNK)]
+    return tensors, chunks
+
+
+def assert_tables_fresh(layout: GradLayout, grads: list[torch.Tensor]) -> None:
+    tensors, chunks = fresh_tables(grads)
+    assert not layout.flat
+    assert layout.tensors.tolist() == tensors, "tensors table"
+    assert layout.chunks.tolist() == chunks, "chunks table"
+
+
+def check_and_apply(grads: list[torch.Tensor], scale: float, norm_type: float) -> GradLayout:
+    """A check pass and an apply pass through describe_grads, each against the plain-torch reference."""
+    originals = [g.clone() for g in grads]
+    layout, partials, res, result = run_check(grads, scale, norm_type, None)
+    check_partials_summary(partials, layout.programs, grads)
+    check_finalize_result(res, finalize_ref(originals, scale, norm_type, None), grads[0].dtype, scale, None)
+    apply_factor_(layout, result[3:4])
+    for i, (g, e) in enumerate(zip(grads, apply_ref(originals, res[3]))):
+        assert_bitwise(g, e, f"gradient {i}")
+    return layout
+
+
+# At least two non-empty gradients (one alone goes FLAT); small, since each step runs three
+# interpreted launches (gradients over a chunk: test_new_sizes_at_the_same_addresses_get_their_own_tables).
+table_sizes_st = st.lists(st.integers(0, 300), min_size=2, max_size=6).filter(lambda sizes: sum(map(bool, sizes)) >= 2)
+
+
+@settings(SETTINGS_SMALL, max_examples=8)
+@given(
+    sizes=table_sizes_st,
+    steps=st.integers(2, 3),
+    dtype=st.sampled_from(DTYPES),
+    norm_type=norm_types_st,
+    scale=scales_st,
+    seed=seeds_st,
+)
+def test_reallocated_gradients_rebuild_only_the_tensors_table(sizes, steps, dtype, norm_type, scale, seed):
+    """``zero_grad(set_to_none=True)`` (torch's default) hands every step new gradients of the same
+    sizes at new addresses: every pass matches the reference each step, the chunks table (sizes
+    only) is built once (one tensor, the same every step), the tensors table (addresses) is built
+    anew each step (a cache miss each), and both equal a fresh build."""
+    table_builds = tensor_table._tables.cache_info().misses
+    kept, first = [], None
+    for step in range(steps):
+        grads = make_grads(sizes, dtype, seed + step, 1.0)
+        kept.append(grads)  # kept alive: the next step's gradients cannot take these addresses
+        layout = check_and_apply(grads, scale, norm_type)
+        assert_tables_fresh(layout, grads)
+        first = first or layout
+        assert layout.chunks is first.chunks, f"step {step}: chunks table rebuilt for gradients that only moved"
+    assert tensor_table._tables.cache_info().misses - table_builds == steps
+
+
+def test_new_sizes_at_the_same_addresses_get_their_own_tables():
+    """A new parameter set whose gradients start where the old ones did (views of one buffer at fixed
+    offsets): the addresses are equal and the sizes are not, in the same number of chunk rows or
+    another; the tables follow the sizes, the passes match the reference, and the buffer outside the
+    views is untouched."""
+    buffer = torch.randn(2 * CHUNK + 600, generator=torch.Generator().manual_seed(23))
+    offsets = (0, CHUNK + 300)
+    chunks_seen = []
+    for sizes in [(300, CHUNK + 1), (CHUNK + 1, 300), (17, 300)]:
+        grads = [buffer[offset : offset + n] for offset, n in zip(offsets, sizes)]
+        outside = torch.ones(buffer.numel(), dtype=torch.bool)
+        for offset, n in zip(offsets, sizes):
+            outside[offset : offset + n] = False
+        before = buffer[outside].clone()
+        layout = check_and_apply(grads, 2.0**16, 2.0)
+        assert_tables_fresh(layout, grads)
+        assert_bitwise(buffer[outside], before, f"{sizes}: the buffer outside the views")
+        chunks_seen.append(layout.chunks)
+    again = describe_grads([buffer[offset : offset + n] for offset, n in zip(offsets, (300, CHUNK + 1))])
+    assert again.chunks is chunks_seen[0]  # the first sizes again: their cached table
+
+
+def test_a_table_to_build_under_cuda_graph_capture_is_refused(monkeypatch):
+    """A table first built while the stream captures a CUDA graph would leave in the graph a copy
+    reading a pinned block given back at once: refused, naming the fix (a warm-up step outside the
+    capture), and nothing cached. The capture is stood in for on the CPU: the check comes before
+    any CUDA call."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    caches = (tensor_table._tables, tensor_table._chunk_table)
+    for cache in caches:
+        cache.cache_clear()  # pure functions of their keys: emptying them changes no result
+    with pytest.raises(RuntimeError, match="outside the capture"):
+        tensor_table._tables(torch.device("cuda"), (4096, 8192), (300, 17))
+    assert [cache.cache_info().currsize for cache in caches] == [0, 0]
+
+
+@pytest.mark.gpu
+def test_gpu_reallocated_gradients_tables_without_waiting_or_reading(forbid_host_reads):
+    """On CUDA, gradients re-allocated at new addresses get a tensors table equal to a fresh build,
+    uploaded without the host waiting on the stream (sync debug mode "error": a pageable copy
+    synchronizes) and without a device-to-host read; the apply pass through it is exact."""
+    sizes = [(300, 257), (CHUNK + 1,), (5,), (17,)]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    steps = [[torch.randn(size, device="cuda", generator=gen) for size in sizes] for _ in range(2)]
+    first = describe_grads(steps[0])
+    grads = steps[1]  # the first step's gradients stay alive: new addresses, same sizes
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with forbid_host_reads.armed():
+            layout = describe_grads(grads)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert layout.chunks is first.chunks
+    assert_tables_fresh(layout, grads)
+    originals = [g.clone() for g in grads]
+    apply_factor_(layout, torch.tensor([0.5], device="cuda"))
+    for i, (g, e) in enumerate(zip(grads, apply_ref(originals, 0.5))):
+        assert_bitwise(g, e, f"gradient {i}")
