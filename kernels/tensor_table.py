@@ -96,19 +96,27 @@ def _placeholder(device: torch.device) -> torch.Tensor:
 def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
     addresses = tuple([g.data_ptr() for g in grads])
     numels = tuple([g.numel() for g in grads])
-    return _tables(grads[0].device, addresses, numels)
+    device = grads[0].device
+    return _tables(device, _stream_of(device), addresses, numels)
+
+
+def _stream_of(device: torch.device) -> int | None:
+    """The stream a CUDA table is copied on and may be read on (its handle), None elsewhere. Part of
+    the cache keys: the copy is asynchronous, so a table is ordered before the kernels of the
+    stream that copied it only; another stream gets a table of its own."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
 @functools.lru_cache(maxsize=16)
 def _tables(
-    device: torch.device, addresses: tuple[int, ...], numels: tuple[int, ...]
+    device: torch.device, stream: int | None, addresses: tuple[int, ...], numels: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The (tensors, chunks) tables and the alignment of the gradients at ``addresses`` with
     ``numels`` elements each: a pure function of its arguments, so a cached entry is always the
     right one. Only the tensors table holds addresses; the chunks table comes from the sizes alone
     (``_chunk_table``), so gradients re-allocated at new addresses every step
     (``zero_grad(set_to_none=True)``, torch's default) rebuild only the [T, 2] tensors table."""
-    chunks, sizes_aligned = _chunk_table(device, numels)
+    chunks, sizes_aligned = _chunk_table(device, stream, numels)
     tensors = torch.stack([_int64(addresses), _int64(numels)], dim=1)
     # Alignment the compiler cannot see through a loaded address; the kernels assert it with
     # tl.multiple_of so that table launches get 16-byte vector loads too.
@@ -117,7 +125,7 @@ def _tables(
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_table(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
+def _chunk_table(device: torch.device, stream: int | None, numels: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
     """The chunks table [C, 2] (tensor index, first element) of tensors of ``numels`` elements,
     and whether every numel is a multiple of 16: a pure function of the sizes.
 

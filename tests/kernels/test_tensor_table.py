@@ -202,7 +202,7 @@ def test_a_table_to_build_under_cuda_graph_capture_is_refused(monkeypatch):
     for cache in caches:
         cache.cache_clear()  # pure functions of their keys: emptying them changes no result
     with pytest.raises(RuntimeError, match="outside the capture"):
-        tensor_table._tables(torch.device("cuda"), (4096, 8192), (300, 17))
+        tensor_table._tables(torch.device("cuda"), 0, (4096, 8192), (300, 17))
     assert [cache.cache_info().currsize for cache in caches] == [0, 0]
 
 
@@ -228,3 +228,20 @@ def test_gpu_reallocated_gradients_tables_without_waiting_or_reading(forbid_host
     apply_factor_(layout, torch.tensor([0.5], device="cuda"))
     for i, (g, e) in enumerate(zip(grads, apply_ref(originals, 0.5))):
         assert_bitwise(g, e, f"gradient {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_another_stream_gets_tables_of_its_own():
+    """A table's copy is asynchronous on the stream that built it, so only that stream's kernels
+    are ordered after it: the same gradients described on a side stream get tables of their own
+    (equal in content), and the first stream still hits its own."""
+    grads = [torch.randn(300, device="cuda"), torch.randn(CHUNK + 17, device="cuda")]
+    first = describe_grads(grads)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = describe_grads(grads)
+    torch.cuda.synchronize()
+    assert other.tensors is not first.tensors and other.chunks is not first.chunks
+    assert torch.equal(other.tensors, first.tensors) and torch.equal(other.chunks, first.chunks)
+    assert describe_grads(grads).tensors is first.tensors
