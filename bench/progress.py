@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-OVERRUN_LEFT = 0.25  # a stage past its estimate, with no pace to go by, is taken to have this much of its time so far left
+OVERRUN_LEFT = 0.25  # of a stage's time so far, what is taken as left once it overruns its estimate and pace
 # Of the pace that would reach 100% when the time left runs out, what the bar keeps while a stage
 # overruns (``advance``): enough to move, and slower as the overrun makes the time left grow.
 CREEP = 0.5
@@ -25,14 +25,14 @@ class ProgressBar:
     Between a stage's callbacks the bar keeps moving (a ``~`` marks such a guess), and a background
     thread redraws every ``interval_s`` (``start_clock``). Without estimates, toward the next callback
     at the stage's pace so far, slowing down near it (``ease``), never past the end of the stage's
-    share. With ``estimates_s`` (each stage's expected seconds; ``set_estimates`` re-plans them) the
-    bar shows the time spent over the time spent and left (``time_left``: the stage's estimate, its
-    pace, or, once it overruns both, a quarter of its time so far; then the later stages'), so the
-    shares follow the stages' real lengths; when a stage overruns, the bar does not wait for that
-    fraction to catch up but keeps covering the rest at the pace that ends it when the time left
-    does (``advance``). Either way it never moves backwards and reaches 100% only when the last
-    stage ends. The line ends with the time spent and left. ``clock`` reads the time (a fake one in
-    tests).
+    share. With ``estimates_s`` (each stage's expected seconds; ``set_estimates`` re-plans them) it
+    also guesses toward 90% of the stage's share with its time over its estimate, and shows the
+    time spent over the time spent and left where that is further (``time_left``: the stage's
+    estimate, its pace, or, once it overruns both, a quarter of its time so far; then the later
+    stages'): the shares follow the stages' real lengths. When a stage overruns, the bar does not
+    wait for that fraction to catch up but keeps covering part of the rest (``advance``). Either way
+    it never moves backwards and reaches 100% only when the last stage ends. The line ends with the
+    time spent and left. ``clock`` reads the time (a fake one in tests).
 
     Example::
 
@@ -120,12 +120,11 @@ class ProgressBar:
         return max(elapsed / (elapsed + left), creep), self.state[1] < self.state[2]
 
     def fraction(self, now: float) -> tuple[float, bool]:
-        """The share done: reported by the stages, or guessed from the time (then True)."""
+        """The share done: reported by the stages, or guessed from the time (then True); with
+        estimates, or the time's share (``advance``) when it is further."""
         stage, done, total, began, reported_at = self.state
         if stage is None:
             return 0.0, False
-        if self.estimates_s:
-            return self.advance(now)
         offset, weight = self.offsets[stage]
         reported = min(1.0, done / max(total, 1))
         guessed = 0.0
@@ -137,8 +136,9 @@ class ProgressBar:
             estimate = self.estimates_s.get(stage)
             if estimate:
                 guessed = max(guessed, GUESS_CEILING * ease((now - began) / estimate / GUESS_CEILING))
-        within = max(reported, guessed)
-        return min(1.0, (offset + weight * within) / self.total), guessed > reported
+        shares = min(1.0, (offset + weight * max(reported, guessed)) / self.total)
+        timed, timed_guess = self.advance(now) if self.estimates_s else (0.0, False)
+        return max(shares, timed), (timed_guess if timed > shares else guessed > reported)
 
     def redraw(self, timer: bool = False) -> None:
         with self.lock:
