@@ -145,7 +145,7 @@ def dispatch_unit_ms(rounds: int = 7) -> float:
     return samples["unit"]["median_ms"]
 
 
-def lm_step_ms(d_model: int, dtype: torch.dtype | None, p) -> float:
+def lm_step_ms(d_model: int, dtype: torch.dtype | None, p, calls: int = 1) -> float:
     """Forward + backward of the experiments' transformer at ``d_model`` under ``dtype`` autocast,
     per step of ``p.batch`` sequences (measured at ``PILOT_BATCH``, scaled)."""
     import experiments
@@ -159,7 +159,7 @@ def lm_step_ms(d_model: int, dtype: torch.dtype | None, p) -> float:
             loss = model(tokens).float().logsumexp(-1).mean()
         loss.backward()
 
-    return typical_ms(call) * p.batch / PILOT_BATCH
+    return typical_ms(call, calls) * p.batch / PILOT_BATCH
 
 
 def mlp_step_ms(p) -> float:

@@ -5,7 +5,10 @@ run printed 228 s and took 537 s (the sweep ran 5x its estimate while the test s
 it); nothing after the pilots looked at the clock. Here, before each stage, the stages left are
 sized (``budget.fit``) to the time left of the estimate, with every estimate multiplied by the
 slowdown seen so far (the stages done: real over estimated seconds, pulled toward 1 by a prior of
-``SLOWDOWN_PRIOR_S`` seconds, so that two short fixed stages do not swing it). A run behind may go
+``SLOWDOWN_PRIOR_S`` seconds, so that two short fixed stages do not swing it) and, where run_all
+passes it, the load now (``probe_slowdown``: one of the pilots again, against its pilot; the two
+combined by their geometric mean, since the stages done are real work but past, the probe current
+but a proxy; load that starts after the pilots shows there before a stage overruns). A run behind may go
 below the plan's smallest sizes (``budget.levels(late=True)``); a run ahead may grow back up to
 the largest. The stages run with the most resizable one last (``RUN_ORDER``: the experiments,
 whose steps come in steps of 10), so that whatever the others overran, it can absorb.
@@ -52,15 +55,16 @@ class Replanner:
         expected = sum(estimate for _, estimate in self.done.values())
         return (real + SLOWDOWN_PRIOR_S) / (expected + SLOWDOWN_PRIOR_S)
 
-    def before(self, stage: str, elapsed_s: float) -> str | None:
+    def before(self, stage: str, elapsed_s: float, probe: float | None = None) -> str | None:
         """Re-size ``stage`` and the stages after it to the time left (``elapsed_s`` since the start of
         the job, the measurement included) unless they are expected within ``RESIZE_MARGIN`` of it
         (a margin, so that rounding does not trade a width for a few seconds); the line to print
-        when a size changed, else None."""
-        if not self.done:
+        when a size changed, else None. ``probe``: ``probe_slowdown``'s reading now, if any."""
+        if not self.done and probe is None:
             return None
         left = list(self.order[self.order.index(stage):])
-        time_left, scale = self.estimate_s - elapsed_s, self.slowdown()
+        seen = self.slowdown()
+        time_left, scale = self.estimate_s - elapsed_s, seen if probe is None else (seen * probe) ** 0.5
         sizes = {s: self.sizes[s] for s in left}
         estimates = {s: scale * budget.estimate_s(self.m, s, sizes[s]) for s in left}
         if abs(sum(estimates.values()) - time_left) > RESIZE_MARGIN * max(time_left, 0.0):
@@ -69,13 +73,15 @@ class Replanner:
         self.sizes.update(sizes)
         self.estimates.update(estimates)
         self.replans.append({"before": stage, "elapsed_s": elapsed_s, "time_left_s": time_left, "slowdown": scale,
-                             "sizes": sizes, "stage_estimate_s": estimates})  # fmt: skip
+                             "stages_slowdown": seen, "probe": probe, "sizes": sizes,
+                             "stage_estimate_s": estimates})  # fmt: skip
         if not changed:
             return None
         what = "; ".join(f"{s} {shown(old)} -> {shown(new)}" for s, (old, new) in changed.items())
         over = sum(estimates.values()) - time_left
         still = f"; still ~{over:.0f} s over at the smallest sizes" if over > 0 else ""
-        return (f"run_all: re-sized {what}: the stages so far took {scale:.2f}x their estimates, "
+        now = f", a probe of the load now reads {probe:.2f}x its pilot (taken as {scale:.2f}x)" if probe else ""
+        return (f"run_all: re-sized {what}: the stages so far took {seen:.2f}x their estimates{now}, "
                 f"{max(time_left, 0.0):.0f} s left of the {self.estimate_s:.0f} s estimate{still}")  # fmt: skip
 
     def after(self, stage: str, seconds: float) -> None:
@@ -88,3 +94,15 @@ class Replanner:
         real seconds, and every re-plan (the slowdown and time left it saw, the sizes it chose)."""
         return {"estimate_s": self.estimate_s, "order": list(self.order), "stages": self.stages,
                 "replans": self.replans}  # fmt: skip
+
+
+def probe_slowdown(m: dict) -> float:
+    """How much slower than during the pilots torch work runs now: the bfloat16 step of the
+    experiments' transformer (a pilot of ``budget.measure``, a fraction of a second even loaded),
+    the median of three calls, over its pilot's figure in ``m``."""
+    import experiments
+    import torch
+
+    p = experiments.PRESETS["cpu"]
+    pilot = m["lm_step_ms"][f"bfloat16@{p.d_model}"]
+    return budget.lm_step_ms(p.d_model, torch.bfloat16, p, calls=3) / pilot

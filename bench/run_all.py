@@ -48,7 +48,7 @@ import kernel_report
 import sweep
 import train_step
 from progress import ProgressBar
-from replan import RUN_ORDER, Replanner, shown
+from replan import RUN_ORDER, Replanner, probe_slowdown, shown
 from timing import describe, machine
 
 # Share of the progress bar per stage where nothing was measured (--quick, --device cuda); a
@@ -145,7 +145,7 @@ def run_stages(args: argparse.Namespace, plan: dict | None, start: float) -> tup
     for stage in order:
         stage_args = arguments[stage]
         if replanner is not None:
-            note = replanner.before(stage, time.perf_counter() - start)
+            note = replanner.before(stage, time.perf_counter() - start, probe_slowdown(plan["measurement"]))
             if note:
                 bar.message(note)
             bar.set_estimates(replanner.estimates)

@@ -33,15 +33,16 @@ def measurement() -> dict:
     }
 
 
-def fake_run(slowdown, replanning: bool = True) -> tuple[float, float, replan.Replanner, list[str]]:
+def fake_run(slowdown, replanning: bool = True, probe: bool = False) -> tuple[float, float, replan.Replanner, list]:
     """(estimate, fake seconds the run took, the replanner, its notes): each stage takes the pilots'
-    estimate at the size it is given times ``slowdown(k, stage)`` (k: its place in the run)."""
+    estimate at the size it is given times ``slowdown(k, stage)`` (k: its place in the run); with
+    ``probe``, a probe of the load before each stage reads that slowdown."""
     m = measurement()
     plan = budget.plan(m, 240.0, PRESET_STEPS)
     replanner = replan.Replanner(m, plan, PRESET_STEPS)
     clock, notes = m["seconds"], []
     for k, stage in enumerate(replanner.order):
-        note = replanner.before(stage, clock) if replanning else None
+        note = replanner.before(stage, clock, slowdown(k, stage) if probe else None) if replanning else None
         notes += [note] if note else []
         seconds = budget.estimate_s(m, stage, replanner.sizes[stage]) * slowdown(k, stage)
         clock += seconds
@@ -87,3 +88,13 @@ def test_the_slowdown_seen_is_pulled_toward_one_by_its_prior():
     assert 1.0 < replanner.slowdown() < 3.0  # one short stage is little evidence
     replanner.after("sweep", 3 * budget.estimate_s(replanner.m, "sweep", replanner.sizes["sweep"]))
     assert 2.5 < replanner.slowdown() < 3.0  # a long one is more
+
+
+def test_a_probe_of_the_load_resizes_before_the_first_stage_overruns():
+    # Two busy loops started after the pilots: every stage runs 3x, and the probe reads it before
+    # the first stage, where the stages done have nothing to say yet.
+    estimate, took, replanner, notes = fake_run(lambda k, stage: 3.0, probe=True)
+    first = replanner.replans[0]
+    assert first["before"] == replanner.order[0] and first["probe"] == 3.0 and 1.0 < first["slowdown"] <= 3.0
+    assert "probe of the load now reads 3.00x" in notes[0]
+    assert abs(took / estimate - 1.0) <= 0.25, (took, estimate)
