@@ -44,11 +44,8 @@ class ProgressBar:
     def __init__(self, weights: dict[str, float], stream: TextIO | None = None, width: int = 30,
                  estimates_s: dict[str, float] | None = None, interval_s: float | None = None,
                  clock: Callable[[], float] = time.perf_counter):  # fmt: skip
-        self.offsets, total = {}, 0.0
-        for stage, weight in weights.items():
-            self.offsets[stage] = (total, weight)
-            total += weight
-        self.total = total
+        self.set_weights(weights)
+        self.took: dict[str, float] = {}  # seconds of each stage done
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.tty = self.stream.isatty()
@@ -78,14 +75,35 @@ class ProgressBar:
             now = self.clock_fn()
             same = self.state[0] == stage
             began = self.state[3] if same else now
+            if not same and self.state[0] is not None and self.state[0] not in self.took:
+                self.took[self.state[0]] = now - self.state[3]
+            if done >= total:
+                self.took[stage] = now - began
+            if self.estimates_s and self.took:
+                self.reweigh()
             reported = self.state[4] if same and (done, total) == self.state[1:3] else now
             self.state = (stage, done, total, began, reported)
         self.redraw()
 
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """Each stage's share: where it starts and how much of the bar it takes."""
+        self.offsets, total = {}, 0.0
+        for stage, weight in weights.items():
+            self.offsets[stage] = (total, weight)
+            total += weight
+        self.total = total
+
     def set_estimates(self, estimates_s: dict[str, float]) -> None:
-        """Each stage's expected seconds, as re-planned (the stages done keep their real time)."""
+        """Each stage's expected seconds, as re-planned. With estimates, the shares follow the seconds
+        (``reweigh``, also when a stage ends): else stages done early leave the later ones' shares
+        too small, and the bar near 100% with minutes left."""
         with self.lock:
             self.estimates_s = dict(estimates_s)
+            self.reweigh()
+
+    def reweigh(self) -> None:
+        """The shares from the seconds: the stages done's real ones, the others' estimates."""
+        self.set_weights({s: self.took.get(s, self.estimates_s.get(s, 0.0)) for s in self.offsets})
 
     def message(self, text: str, out: TextIO | None = None) -> None:
         """Print ``text`` (to stdout) on a line of its own, off the bar's line on a terminal."""

@@ -121,3 +121,24 @@ def test_a_stage_that_runs_3x_its_estimate_moves_the_bar_every_few_seconds_and_n
     bar.update("train_step", 1, 1)
     assert bar.shown == 1.0
     bar.close()
+
+
+def test_when_the_stages_before_take_less_than_planned_the_shares_follow_and_the_bar_is_not_near_100():
+    # The run that planned 906 s: its first stages took a tenth of their estimates, the last was
+    # re-planned at 250 s; the bar stood at 99% with 190 s left (the first stages' shares planned).
+    clock = FakeClock()
+    estimates = {"a": 400.0, "b": 400.0, "c": 100.0}
+    bar = progress.ProgressBar({k: v / 900.0 for k, v in estimates.items()}, stream=io.StringIO(), interval_s=0.0,
+                               estimates_s=estimates, clock=clock)  # fmt: skip
+    for stage in ("a", "b"):
+        bar.update(stage, 0, 1)
+        clock.now += 40.0
+        bar.update(stage, 1, 1)
+    bar.update("c", 0, 10)
+    bar.set_estimates({"a": 400.0, "b": 400.0, "c": 250.0})
+    for done in range(1, 6):
+        clock.now += 25.0
+        bar.update("c", done, 10)
+    spent, left = clock.now, 125.0  # half of c done at its estimate's pace
+    assert bar.shown <= spent / (spent + left) + 0.05  # the time's share, not 80 s of 900 planned plus half of c
+    bar.close()
