@@ -1,14 +1,14 @@
 """How long the main job will take on this machine, and how big its slow stages may be to fit a budget.
 
 Why: the same CPU run took a few minutes on one 2-core machine and 20 on another, whose CPU has no
-fast float16 (no AVX512-FP16 or AMX): there one float16-autocast step of the experiments' model took
-many times as long (issue 22). Instead of fixed sizes, ``run_all.py`` measures the work its stages are made of, on
-this machine, in a few seconds (``measure``), then picks sizes that fit its time budget
-(``plan``, a pure function of the measurement, so tests feed it made-up machines) and prints the
-estimate before it starts. Every measurement, the sizes chosen, the estimate per stage and the
-time each stage really took go to ``run_all.json``, so an estimate that drifts is visible.
+fast float16 (no AVX512-FP16 or AMX; issue 22). So ``run_all.py`` measures the work its stages are
+made of, on this machine (``measure``), picks sizes that fit its budget (``plan``, a pure function
+of the measurement, so tests feed it made-up machines), prints the estimate, and holds the run to
+it: between stages, ``replan.py`` re-sizes the stages left from the time left and the slowdown seen.
 
-What is measured (each a pilot of the real work, the median of a few calls after a warm-up):
+What is measured (pilots of the real work; every pilot once per pass, three passes spread over the
+measurement, each figure the median over the passes, so that a neighbour's load peak that lands
+in one pass does not inflate the estimate: ``median_of_passes``):
 
 * matmul under float16 / bfloat16 autocast against float32 (reported: why float16 is slow here);
 * forward + backward of the experiments' transformer (float16 at two widths, bfloat16) and MLP
@@ -19,14 +19,11 @@ What is measured (each a pilot of the real work, the median of a few calls after
 
 The stages that cannot be resized (compiling kernels, spawning ranks, torch.compile) and each
 stage's fixed part (imports, plots) are estimated in units of a dispatch-bound probe of tiny ops
-on one thread (``dispatch_unit_ms``), which a loaded machine moves little; the sweep's per-round
-overhead, the unit before, read 10x to 500x its idle value on a loaded 2-core machine and blew every
-fixed estimate up with it. ``FIXED_UNITS`` holds those factors, from runs on the development
-machine, and ``run_all.json`` shows how close they come (``stage_drift``: real over estimated).
-
-The float16 probe runs on one thread, interleaved and repeated, and is sanity-bounded
-(``matmul_slowdown``). The whole measurement takes a few seconds on an idle machine and longer on
-a loaded one; ``run_all`` prints how long it took.
+on one thread (``dispatch_unit_ms``), which a loaded machine moves little (the sweep's per-round
+overhead, the unit before, read 10x to 500x its idle value on a loaded 2-core machine).
+``FIXED_UNITS`` holds those factors, from runs on the development machine; ``run_all.json`` shows
+how close they come (``stage_drift``: real over estimated). The float16 probe runs on one thread,
+interleaved and repeated, and is sanity-bounded (``matmul_slowdown``).
 """
 
 from __future__ import annotations
@@ -44,8 +41,9 @@ from timing import cpu_flags, interleaved
 MIN_STEPS = 40
 FP16_WIDTHS = (64, 32)  # d_model of the float16 transformer experiments, preferred first
 SWEEP_MAX_SIZES = (2**26, 2**24, 2**22)  # largest sweep point, preferred first
-SWEEP_REPEATS = (15, 9, 5)
-TRAIN_STEP_STEPS = (60, 40, 20)
+SWEEP_REPEATS, TRAIN_STEP_STEPS = (15, 9, 5), (60, 50, 40, 30, 20)  # preferred first
+LATE_TRAIN_STEP_STEPS, LATE_SWEEP_MAX_SIZE, LATE_SWEEP_REPEATS = (10,), 2**20, (3,)  # levels(late=True) only
+PILOT_PASSES = 3  # passes over every pilot; each figure is the median over the passes (``median_of_passes``)
 PROBE_ROUNDS = 7  # interleaved rounds of the autocast probe (after one warm-up round)
 MATMULS_PER_CALL = {"float32": 8, "float16": 1, "bfloat16": 8}  # see matmul_calls
 FAST_FLOAT16_FLAGS = {"avx512_fp16", "amx_fp16"}  # /proc/cpuinfo flags of a CPU with fast float16 matmuls
@@ -57,10 +55,10 @@ FIXED_UNITS = {"kernel_report": 5000, "collectives": 7000, "train_step_compile":
                "sweep_fixed": 4200}  # fmt: skip
 
 
-def typical_ms(fn: Callable[[], object], calls: int = 3) -> float:
+def typical_ms(fn: Callable[[], object], calls: int = 1) -> float:
     """The median of ``calls`` timed calls after one untimed warm-up, in ms. The median, not the
     minimum: on a loaded machine the stages pay their typical time, not their best, and one wild
-    call does not move it."""
+    call does not move it. One call by default: ``measure`` takes the median over passes instead."""
     fn()
     times = []
     for _ in range(calls):
@@ -147,7 +145,7 @@ def dispatch_unit_ms(rounds: int = 7) -> float:
     return samples["unit"]["median_ms"]
 
 
-def lm_step_ms(d_model: int, dtype: torch.dtype | None, p) -> float:
+def lm_step_ms(d_model: int, dtype: torch.dtype | None, p, calls: int = 1) -> float:
     """Forward + backward of the experiments' transformer at ``d_model`` under ``dtype`` autocast,
     per step of ``p.batch`` sequences (measured at ``PILOT_BATCH``, scaled)."""
     import experiments
@@ -161,7 +159,7 @@ def lm_step_ms(d_model: int, dtype: torch.dtype | None, p) -> float:
             loss = model(tokens).float().logsumexp(-1).mean()
         loss.backward()
 
-    return typical_ms(call) * p.batch / PILOT_BATCH
+    return typical_ms(call, calls) * p.batch / PILOT_BATCH
 
 
 def mlp_step_ms(p) -> float:
@@ -229,28 +227,54 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def measure(fp16_slowdown: float = 1.0) -> dict[str, object]:
-    """Every pilot above, on this machine. ``fp16_slowdown`` multiplies the float16 autocast times:
-    > 1 simulates a CPU without fast float16 (to test the sizing on one that has it)."""
+def median_of_passes(pilots: dict[str, Callable[[], object]], passes: int = PILOT_PASSES) -> dict[str, object]:
+    """Every pilot once per pass, pass after pass, and each figure's median over the passes.
+
+    Why: pilots timed back to back inside a neighbour's load peak read many times their usual value
+    and inflated the estimate (predicted 989 s, took 143 s). Spread over passes, a peak shorter than
+    a pass lands in one pass of each pilot, and the median of three drops it. A pilot returns a
+    number or a dict of numbers. Example::
+
+        median_of_passes({"unit_ms": dispatch_unit_ms})   # {"unit_ms": 0.7}
+    """
+    runs = [{name: pilot() for name, pilot in pilots.items()} for _ in range(passes)]
+    return {name: median_of([run[name] for run in runs]) for name in pilots}
+
+
+def median_of(values: list) -> object:  # numbers, or dicts of numbers key by key
+    if isinstance(values[0], dict):
+        return {key: median_of([v[key] for v in values]) for key in values[0]}
+    return statistics.median(values)
+
+
+def measure(fp16_slowdown: float = 1.0, passes: int = PILOT_PASSES) -> dict[str, object]:
+    """Every pilot above, in ``passes`` passes (``median_of_passes``). ``fp16_slowdown`` multiplies the
+    float16 times: > 1 simulates a CPU without fast float16 on one that has it. Example: ``measure()``."""
     import experiments
 
     start = time.perf_counter()
     p = experiments.PRESETS["cpu"]
     with one_thread():
         matmul, notes = matmul_slowdown()
-    m = {
-        "matmul_time_vs_float32": {k: v * (fp16_slowdown if k == "float16" else 1.0) for k, v in matmul.items()},
-        "notes": notes,
-        "unit_ms": dispatch_unit_ms(),
-        "lm_step_ms": {
+    pilots = {
+        "unit_ms": lambda: dispatch_unit_ms(rounds=3),
+        "lm_step_ms": lambda: {
             **{f"float16@{d}": lm_step_ms(d, torch.float16, p) * fp16_slowdown for d in FP16_WIDTHS},
             f"bfloat16@{p.d_model}": lm_step_ms(p.d_model, torch.bfloat16, p),
         },
-        "mlp_float16_step_ms": mlp_step_ms(p) * fp16_slowdown,
-        "sweep": sweep_pilot(),
-        "train_step": train_step_pilot(),
+        "mlp_float16_step_ms": lambda: mlp_step_ms(p) * fp16_slowdown,
+        "sweep": sweep_pilot,
+        "train_step": train_step_pilot,
+    }
+    m = {
+        "matmul_time_vs_float32": {k: v * (fp16_slowdown if k == "float16" else 1.0) for k, v in matmul.items()},
+        "notes": notes,
+        **median_of_passes(pilots, passes),
+        "pilot_passes": passes,
         "simulated_fp16_slowdown": fp16_slowdown,
     }
+    wide, narrow = (f"float16@{d}" for d in FP16_WIDTHS)  # a narrower model is not slower (a load artefact)
+    m["lm_step_ms"][narrow] = min(m["lm_step_ms"][narrow], m["lm_step_ms"][wide])
     m["seconds"] = time.perf_counter() - start
     return m
 
@@ -304,14 +328,17 @@ def unit_s(m: dict) -> float:
     return m["sweep"]["round_overhead_ms"] / SWEEP_OVERHEAD_UNITS / 1e3
 
 
-def levels(preset_steps: int) -> dict[str, list[dict]]:
-    """Each resizable stage's sizes, largest first: what ``plan`` may step down through."""
-    steps = sorted({preset_steps, *(s for s in (100, 70, MIN_STEPS) if s < preset_steps)}, reverse=True)
+def levels(preset_steps: int, late: bool = False) -> dict[str, list[dict]]:
+    """Each resizable stage's sizes, largest first: what ``plan`` may step down through. ``late``
+    adds smaller sizes still, for a run that is behind its estimate (``replan``)."""
+    steps = sorted({preset_steps, *range(preset_steps - 10, MIN_STEPS - 1, -10), MIN_STEPS}, reverse=True)
     experiments = [{"steps": preset_steps, "fp16_d_model": FP16_WIDTHS[0]}]
     experiments += [{"steps": s, "fp16_d_model": FP16_WIDTHS[-1]} for s in steps]
     sweep = [{"max_size": n, "repeats": r} for n in SWEEP_MAX_SIZES for r in SWEEP_REPEATS[:2]]
     sweep.append({"max_size": SWEEP_MAX_SIZES[-1], "repeats": SWEEP_REPEATS[-1]})
-    return {"experiments": experiments, "sweep": sweep, "train_step": [{"steps": s} for s in TRAIN_STEP_STEPS]}
+    sweep += [{"max_size": LATE_SWEEP_MAX_SIZE, "repeats": r} for r in SWEEP_REPEATS[-1:] + LATE_SWEEP_REPEATS] * late
+    train_steps = [{"steps": s} for s in TRAIN_STEP_STEPS + LATE_TRAIN_STEP_STEPS * late]
+    return {"experiments": experiments, "sweep": sweep, "train_step": train_steps}
 
 
 def estimate_s(m: dict, stage: str, size: dict) -> float:
@@ -325,34 +352,39 @@ def estimate_s(m: dict, stage: str, size: dict) -> float:
     return FIXED_UNITS[stage] * unit_s(m)
 
 
-def plan(m: dict, budget_s: float, preset_steps: int = 150) -> dict[str, object]:
-    """Sizes of the stages that fit ``budget_s`` seconds on the machine measured as ``m``.
+def fit(m: dict, stages: list[str], target_s: float, options: dict[str, list[dict]],
+        scale: float = 1.0) -> tuple[dict[str, dict], dict[str, float]]:  # fmt: skip
+    """Sizes of ``stages`` whose estimates (times ``scale``) add up to at most ``target_s``, and those
+    estimates: all at their largest size in ``options``, then, while over, the stage with the largest
+    estimate steps down a size (over at the smallest sizes when nothing fits). Example::
 
-    Starts every stage at its largest size and, while the total estimate exceeds the budget, steps
-    the stage with the largest estimate down to its next size (the float16 experiments' width
-    first, then their steps; the sweep's repeats, then its largest point). When even the smallest
-    sizes do not fit, the plan says so (``over_budget``) and runs them anyway.
-    """
-    options = levels(preset_steps)
-    chosen = {stage: 0 for stage in options}
-    stages = ["experiments", "sweep", "kernel_report", "collectives", "train_step"]
+        sizes, estimates = fit(m, ["sweep", "collectives"], 30.0, levels(150))"""
+    chosen = {stage: 0 for stage in stages if stage in options}
 
     def current(stage):
-        size = options[stage][chosen[stage]] if stage in options else {}
-        return size, estimate_s(m, stage, size)
+        size = options[stage][chosen[stage]] if stage in chosen else {}
+        return size, scale * estimate_s(m, stage, size)
 
     while True:
         estimates = {stage: current(stage)[1] for stage in stages}
-        total = sum(estimates.values()) + m.get("seconds", 0.0)
-        movable = [s for s in options if chosen[s] + 1 < len(options[s])]
-        if total <= budget_s or not movable:
-            break
-        chosen[max(movable, key=lambda s: estimates[s])] += 1
+        movable = [s for s in chosen if chosen[s] + 1 < len(options[s])]
+        if sum(estimates.values()) <= target_s or not movable:
+            return {stage: current(stage)[0] for stage in stages}, estimates
+        chosen[max(movable, key=estimates.get)] += 1
+
+
+def plan(m: dict, budget_s: float, preset_steps: int = 150) -> dict[str, object]:
+    """Sizes of the stages that fit ``budget_s`` seconds on the machine measured as ``m`` (``fit``: the
+    float16 experiments' width first, then their steps; the sweep's repeats, then its largest point).
+    When even the smallest sizes do not fit, the plan says so (``over_budget``) and runs them anyway."""
+    stages = ["experiments", "sweep", "kernel_report", "collectives", "train_step"]
+    sizes, estimates = fit(m, stages, budget_s - m.get("seconds", 0.0), levels(preset_steps))
+    total = sum(estimates.values()) + m.get("seconds", 0.0)
     return {
         "budget_s": budget_s,
         "estimate_s": total,
         "over_budget": total > budget_s,
-        "sizes": {stage: current(stage)[0] for stage in stages},
+        "sizes": sizes,
         "stage_estimate_s": estimates,
     }
 

@@ -8,6 +8,10 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+OVERRUN_LEFT = 0.25  # of a stage's time so far, what is taken as left once it overruns its estimate and pace
+# Of the pace that would reach 100% when the time left runs out, what the bar keeps while a stage
+# overruns (``advance``): enough to move, and slower as the overrun makes the time left grow.
+CREEP = 0.5
 EASE_KNEE = 0.8  # share of a guessed stretch filled linearly before the guess slows down (``ease``)
 GUESS_CEILING = 0.9  # of a stage's share, what a guess from its estimate approaches (its callbacks fill the rest)
 
@@ -19,13 +23,16 @@ class ProgressBar:
     at least every ``interval_s`` seconds, so a log shows the job alive from its first seconds.
 
     Between a stage's callbacks the bar keeps moving (a ``~`` marks such a guess), and a background
-    thread redraws every ``interval_s`` (``start_clock``): toward the next callback at the stage's
-    pace so far, and, with ``estimates_s`` (each stage's expected seconds), with the stage's elapsed
-    time over its estimate, toward 90% of its share. Either guess slows down as it nears its target
-    and never reaches it (``ease``): the bar never passes the end of a stage that has not ended,
-    never stalls on one that overruns its estimate, and never moves backwards. The line ends with the time spent and the
-    time left (from the estimates, then from the pace so far). ``clock`` reads the time (a fake one
-    in tests).
+    thread redraws every ``interval_s`` (``start_clock``). Without estimates, toward the next callback
+    at the stage's pace so far, slowing down near it (``ease``), never past the end of the stage's
+    share. With ``estimates_s`` (each stage's expected seconds; ``set_estimates`` re-plans them) it
+    also guesses toward 90% of the stage's share with its time over its estimate, and shows the
+    time spent over the time spent and left where that is further (``time_left``: the stage's
+    estimate, its pace, or, once it overruns both, a quarter of its time so far; then the later
+    stages'): the shares follow the stages' real lengths. When a stage overruns, the bar does not
+    wait for that fraction to catch up but keeps covering part of the rest (``advance``). Either way
+    it never moves backwards and reaches 100% only when the last stage ends. The line ends with the
+    time spent and left. ``clock`` reads the time (a fake one in tests).
 
     Example::
 
@@ -37,11 +44,8 @@ class ProgressBar:
     def __init__(self, weights: dict[str, float], stream: TextIO | None = None, width: int = 30,
                  estimates_s: dict[str, float] | None = None, interval_s: float | None = None,
                  clock: Callable[[], float] = time.perf_counter):  # fmt: skip
-        self.offsets, total = {}, 0.0
-        for stage, weight in weights.items():
-            self.offsets[stage] = (total, weight)
-            total += weight
-        self.total = total
+        self.set_weights(weights)
+        self.took: dict[str, float] = {}  # seconds of each stage done
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.tty = self.stream.isatty()
@@ -51,7 +55,7 @@ class ProgressBar:
         self.start = self.last_printed = clock()
         self.last_logged = -1
         self.state = (None, 0, 1, self.start, self.start)  # stage, done, total, when it began, last report
-        self.shown = 0.0
+        self.shown, self.drawn_at = 0.0, self.start
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.clock: threading.Thread | None = None
@@ -71,12 +75,71 @@ class ProgressBar:
             now = self.clock_fn()
             same = self.state[0] == stage
             began = self.state[3] if same else now
+            if not same and self.state[0] is not None and self.state[0] not in self.took:
+                self.took[self.state[0]] = now - self.state[3]
+            if done >= total:
+                self.took[stage] = now - began
+            if self.estimates_s and self.took:
+                self.reweigh()
             reported = self.state[4] if same and (done, total) == self.state[1:3] else now
             self.state = (stage, done, total, began, reported)
         self.redraw()
 
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """Each stage's share: where it starts and how much of the bar it takes."""
+        self.offsets, total = {}, 0.0
+        for stage, weight in weights.items():
+            self.offsets[stage] = (total, weight)
+            total += weight
+        self.total = total
+
+    def set_estimates(self, estimates_s: dict[str, float]) -> None:
+        """Each stage's expected seconds, as re-planned. With estimates, the shares follow the seconds
+        (``reweigh``, also when a stage ends): else stages done early leave the later ones' shares
+        too small, and the bar near 100% with minutes left."""
+        with self.lock:
+            self.estimates_s = dict(estimates_s)
+            self.reweigh()
+
+    def reweigh(self) -> None:
+        """The shares from the seconds: the stages done's real ones, the others' estimates."""
+        self.set_weights({s: self.took.get(s, self.estimates_s.get(s, 0.0)) for s in self.offsets})
+
+    def message(self, text: str, out: TextIO | None = None) -> None:
+        """Print ``text`` (to stdout) on a line of its own, off the bar's line on a terminal."""
+        with self.lock:
+            if self.tty:
+                self.stream.write("\r" + " " * 80 + "\r")
+                self.stream.flush()
+            print(text, file=out or sys.stdout, flush=True)
+
+    def time_left(self, now: float) -> float:
+        """Seconds left: the current stage's (the most of what its estimate, its pace so far and
+        ``OVERRUN_LEFT`` of its time so far leave), then the later stages' estimates."""
+        stage, done, total, began, reported_at = self.state
+        part = min(1.0, done / max(total, 1))
+        in_stage = now - began
+        left = max(self.estimates_s.get(stage, 0.0) - in_stage, OVERRUN_LEFT * in_stage * (1.0 - part))
+        if 0.0 < part < 1.0:
+            left = max(left, (reported_at - began) / part * (1.0 - part) - (now - reported_at))
+        later = list(self.offsets)[list(self.offsets).index(stage) + 1:]
+        return left + sum(self.estimates_s.get(s, 0.0) for s in later)
+
+    def advance(self, now: float) -> tuple[float, bool]:
+        """The share done from the time (with estimates): spent over spent and left, or, when that
+        falls behind what is shown (a stage overruns: the time left grows), what is shown plus
+        ``CREEP`` of the pace that would reach 100% when the time left runs out. Never back, never
+        100% while time is left."""
+        elapsed, left = now - self.start, self.time_left(now)
+        if left <= 0.0:
+            return 1.0, False
+        dt = max(0.0, now - self.drawn_at)
+        creep = self.shown + CREEP * (1.0 - self.shown) * dt / (left + dt)
+        return max(elapsed / (elapsed + left), creep), self.state[1] < self.state[2]
+
     def fraction(self, now: float) -> tuple[float, bool]:
-        """The share done: reported by the stages, or guessed from the time (then True)."""
+        """The share done: reported by the stages, or guessed from the time (then True); with
+        estimates, or the time's share (``advance``) when it is further."""
         stage, done, total, began, reported_at = self.state
         if stage is None:
             return 0.0, False
@@ -91,21 +154,22 @@ class ProgressBar:
             estimate = self.estimates_s.get(stage)
             if estimate:
                 guessed = max(guessed, GUESS_CEILING * ease((now - began) / estimate / GUESS_CEILING))
-        within = max(reported, guessed)
-        return min(1.0, (offset + weight * within) / self.total), guessed > reported
+        shares = min(1.0, (offset + weight * max(reported, guessed)) / self.total)
+        timed, timed_guess = self.advance(now) if self.estimates_s else (0.0, False)
+        return max(shares, timed), (timed_guess if timed > shares else guessed > reported)
 
     def redraw(self, timer: bool = False) -> None:
         with self.lock:
             now = self.clock_fn()
             fraction, guess = self.fraction(now)
-            self.shown = max(self.shown, fraction)
+            self.shown, self.drawn_at = max(self.shown, fraction), now
             stage, done, total = self.state[:3]
             if stage is None:
                 return
             elapsed = now - self.start
             filled = int(self.shown * self.width)
             line = (f"[{'#' * filled}{'.' * (self.width - filled)}] {'~' if guess else ' '}{self.shown:4.0%} "
-                    f"{stage} {done}/{total} {elapsed:5.0f} s{self.left(elapsed)}")  # fmt: skip
+                    f"{stage} {done}/{total} {elapsed:5.0f} s{self.left(elapsed, now)}")  # fmt: skip
             if self.tty:
                 self.stream.write("\r" + line.ljust(80))
             elif int(self.shown * 10) > self.last_logged or now - self.last_printed >= self.interval_s:
@@ -116,17 +180,15 @@ class ProgressBar:
                 return
             self.stream.flush()
 
-    def left(self, elapsed: float) -> str:
-        """``, ~N s left``: from the estimates at first, from the pace so far after a fifth of the run."""
+    def left(self, elapsed: float, now: float) -> str:
+        """``, ~N s left``: ``time_left`` with estimates, else from the pace so far."""
         if self.shown >= 1.0:
             return ""
-        if self.shown >= 0.2 or not self.estimates_s:
-            if self.shown <= 0.0:
-                return ""
-            remaining = elapsed / self.shown * (1 - self.shown)
-        else:
-            remaining = max(0.0, sum(self.estimates_s.values()) - elapsed)
-        return f", ~{remaining:.0f} s left"
+        if self.estimates_s:
+            return f", ~{self.time_left(now):.0f} s left"
+        if self.shown <= 0.0:
+            return ""
+        return f", ~{elapsed / self.shown * (1 - self.shown):.0f} s left"
 
     def close(self) -> None:
         self.stop.set()

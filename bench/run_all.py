@@ -18,8 +18,11 @@ On CPU the job first measures this machine (a few seconds: float16 autocast agai
 the stages' own work at small sizes; ``budget.py``), sizes the slow stages to fit ``--budget``
 seconds (fewer steps and a narrower model for the float16 experiments, fewer repeats and sizes for
 the sweep, fewer steps for the whole-step benchmark), prints the sizes and how long it expects to
-take, then runs. ``run_all.json`` in the output folder records the measurement, the sizes, the
-estimate and each stage's real time.
+take, then runs them in ``replan.RUN_ORDER`` (the fixed stages first, the experiments, the most
+resizable, last) and holds the run to that estimate: before each stage the stages left are
+re-sized to the time left and the slowdown seen so far, and the output says when and why
+(``replan.py``). ``run_all.json`` in the output folder records the measurement, the planned sizes,
+the estimate, every re-plan, and each stage's size, estimate and real time.
 
     python bench/run_all.py                     # CPU: sized to about 4 minutes, results in out/
     python bench/run_all.py --budget 600        # CPU: bigger sizes, where they fit 10 minutes
@@ -45,6 +48,7 @@ import kernel_report
 import sweep
 import train_step
 from progress import ProgressBar
+from replan import RUN_ORDER, Replanner, probe_slowdown, shown
 from timing import describe, machine
 
 # Share of the progress bar per stage where nothing was measured (--quick, --device cuda); a
@@ -118,44 +122,58 @@ def size_to_budget(args: argparse.Namespace) -> dict | None:
           f"measured in {measured['seconds']:.1f} s")  # fmt: skip
     for note in measured["notes"]:
         print(f"run_all: note: {note}")
-    for stage, size in plan["sizes"].items():
-        shown = ", ".join(f"{k} {v}" for k, v in size.items()) or "fixed size"
-        print(f"run_all:   {stage:<14} {shown:<36} ~{plan['stage_estimate_s'][stage]:.0f} s")
+    for stage in RUN_ORDER:
+        print(f"run_all:   {stage:<14} {shown(plan['sizes'][stage]):<36} ~{plan['stage_estimate_s'][stage]:.0f} s")
     over = " (OVER the budget even at the smallest sizes)" if plan["over_budget"] else ""
-    print(f"run_all: expected to take about {plan['estimate_s'] / 60:.1f} min ({plan['estimate_s']:.0f} s){over}",
-          flush=True)  # fmt: skip
+    print(f"run_all: expected to take about {plan['estimate_s'] / 60:.1f} min ({plan['estimate_s']:.0f} s){over}; "
+          "the stages left are re-sized between stages to hold it", flush=True)  # fmt: skip
     return plan
 
 
-def run_stages(args: argparse.Namespace, plan: dict | None) -> tuple[dict, dict, list]:
-    """Every stage with its stdout to a log file and the bar on stderr: (logs, seconds, failed)."""
+def run_stages(args: argparse.Namespace, plan: dict | None, start: float) -> tuple[dict, dict, list, dict | None]:
+    """Every stage with its stdout to a log file and the bar on stderr: (logs, seconds, failed, the
+    re-plans' record). A sized run runs the stages in ``replan.RUN_ORDER`` and re-sizes the stages
+    left before each one (``replan.Replanner``), saying so; ``start`` is when the job began."""
+    replanner = Replanner(plan["measurement"], plan, experiments.PRESETS["cpu"].steps) if plan else None
+    order = replanner.order if plan else tuple(WEIGHTS)
     estimates = plan["stage_estimate_s"] if plan else None
-    weights = {k: v / sum(estimates.values()) for k, v in estimates.items()} if plan else WEIGHTS
+    weights = {k: estimates[k] / sum(estimates.values()) for k in order} if plan else WEIGHTS
     bar = ProgressBar(weights, estimates_s=estimates)
     bar.start_clock()
     logs, seconds, failed = {}, {}, []
-    sizes = budget.stage_arguments(plan["sizes"]) if plan else None
-    for stage, stage_args in stage_arguments(args, sizes).items():
-        began = time.perf_counter()
-        bar.update(stage, 0, 1)
-        progress = lambda done, total, stage=stage: bar.update(stage, done, total)
-        log = io.StringIO()
-        # The stages' tables go to a log (printed below) so that the bar is not torn by them.
-        with contextlib.redirect_stdout(log):
-            print(f"$ python bench/{stage}.py {' '.join(stage_args)}")
-            try:
-                code = ENTRY_POINTS[stage](stage_args, progress=progress)
-            except Exception:
-                traceback.print_exc(file=log)
-                code = 1
-        bar.update(stage, 1, 1)
-        seconds[stage] = time.perf_counter() - began
+    arguments = stage_arguments(args)
+    for stage in order:
+        stage_args = arguments[stage]
+        if replanner is not None:
+            note = replanner.before(stage, time.perf_counter() - start, probe_slowdown(plan["measurement"]))
+            if note:
+                bar.message(note)
+            bar.set_estimates(replanner.estimates)
+            stage_args = stage_args + budget.stage_arguments(replanner.sizes).get(stage, [])
+        code, logs[stage], seconds[stage] = run_stage(stage, stage_args, bar)
         if code != 0:
             failed.append(stage)
-        logs[stage] = log.getvalue()
         (args.out / f"{stage}.log").write_text(logs[stage])
+        if replanner is not None:
+            replanner.after(stage, seconds[stage])
     bar.close()
-    return logs, seconds, failed
+    return logs, seconds, failed, replanner.record() if replanner else None
+
+
+def run_stage(stage: str, stage_args: list[str], bar: ProgressBar) -> tuple[int, str, float]:
+    """One stage, its stdout to a log (so that the bar is not torn by its tables): (exit code, log, seconds)."""
+    began = time.perf_counter()
+    bar.update(stage, 0, 1)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        print(f"$ python bench/{stage}.py {' '.join(stage_args)}")
+        try:
+            code = ENTRY_POINTS[stage](stage_args, progress=lambda done, total: bar.update(stage, done, total))
+        except Exception:
+            traceback.print_exc(file=log)
+            code = 1
+    bar.update(stage, 1, 1)
+    return code, log.getvalue(), time.perf_counter() - began
 
 
 def drift(plan: dict | None, seconds: dict[str, float], total: float) -> dict[str, float] | None:
@@ -167,21 +185,35 @@ def drift(plan: dict | None, seconds: dict[str, float], total: float) -> dict[st
     return {**ratios, "total": total / plan["estimate_s"]}
 
 
+def stage_table(replans: dict) -> str:
+    """Each stage's planned size and estimate against the size it ran at and its real seconds."""
+    lines = [f"run_all: {'stage':<14} {'planned':<32} {'ran at':<32} {'planned':>8} {'re-planned':>10} {'real':>6}"]
+    for stage, r in replans["stages"].items():
+        if "seconds" in r:
+            sizes = f"{shown(r['planned_size']):<32} {shown(r['size']):<32}"
+            times = f"{r['planned_estimate_s']:>7.0f}s {r['estimate_s']:>9.0f}s {r['seconds']:>5.0f}s"
+            lines.append(f"run_all: {stage:<14} {sizes} {times}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     plan = size_to_budget(args)
-    logs, seconds, failed = run_stages(args, plan)
+    logs, seconds, failed, replans = run_stages(args, plan, start)
     for stage, text in logs.items():
         print(f"== {stage}{' (FAILED)' if stage in failed else ''} ({seconds[stage]:.0f} s)\n{text}")
     total = time.perf_counter() - start
     arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     record = {"machine": machine(), "args": arguments, "plan": plan, "stage_seconds": seconds,
-              "total_seconds": total, "failed": failed, "stage_drift": drift(plan, seconds, total)}  # fmt: skip
+              "total_seconds": total, "failed": failed, "stage_drift": drift(plan, seconds, total),
+              "replanning": replans}  # fmt: skip
     (args.out / "run_all.json").write_text(json.dumps(record, indent=2))
     written = sorted(p for p in args.out.rglob("*") if p.suffix in (".png", ".json", ".log"))
-    expected = f" (expected {plan['estimate_s']:.0f} s)" if plan else ""
+    expected = f" (expected {plan['estimate_s']:.0f} s: {total / plan['estimate_s'] - 1:+.0%})" if plan else ""
+    if replans:
+        print(stage_table(replans))
     print(f"done in {total:.0f} s{expected}; results in {args.out.resolve()}:")
     for path in written:
         print(f"  {path}")

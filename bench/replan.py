@@ -1,0 +1,108 @@
+"""Holding the main job to the estimate it printed: the stages left are re-sized between stages.
+
+Why: a pilot taken at the start cannot foresee the load of a shared machine during the run. One
+run printed 228 s and took 537 s (the sweep ran 5x its estimate while the test suite ran beside
+it); nothing after the pilots looked at the clock. Here, before each stage, the stages left are
+sized (``budget.fit``) to the time left of the estimate, with every estimate multiplied by the
+slowdown seen so far (the stages done: real over estimated seconds, pulled toward 1 by a prior of
+``SLOWDOWN_PRIOR_S`` seconds, so that two short fixed stages do not swing it) and, where run_all
+passes it, the load now (``probe_slowdown``: one of the pilots again, against its pilot; the two
+combined by their geometric mean, since the stages done are real work but past, the probe current
+but a proxy; load that starts after the pilots shows there before a stage overruns). A run behind may go
+below the plan's smallest sizes (``budget.levels(late=True)``); a run ahead may grow back up to
+the largest. The stages run with the most resizable one last (``RUN_ORDER``: the experiments,
+whose steps come in steps of 10), so that whatever the others overran, it can absorb.
+
+Example (``run_all.run_stages`` does this)::
+
+    replanner = Replanner(measurement, plan, preset_steps=150)
+    for stage in RUN_ORDER:
+        note = replanner.before(stage, elapsed_s=clock() - start)   # None, or why it re-sized
+        ...  # run the stage with replanner.sizes[stage]
+        replanner.after(stage, seconds)
+"""
+
+from __future__ import annotations
+
+import budget
+
+RUN_ORDER = ("kernel_report", "collectives", "sweep", "train_step", "experiments")
+SLOWDOWN_PRIOR_S = 5.0  # seconds of evidence at 1.0x that the slowdown seen so far is pulled toward
+RESIZE_MARGIN = 0.1  # the sizes stay while the stages left are expected within 10% of the time left
+
+
+def shown(size: dict) -> str:
+    """``steps 60, fp16_d_model 64``: a size as run_all prints it."""
+    return ", ".join(f"{k} {v}" for k, v in size.items()) or "fixed size"
+
+
+class Replanner:
+    """The stages' sizes and estimates as last planned, re-planned before each stage (``before``),
+    and a record of it all for ``run_all.json`` (``record``)."""
+
+    def __init__(self, m: dict, plan: dict, preset_steps: int, order: tuple[str, ...] = RUN_ORDER):
+        self.m, self.preset_steps, self.order = m, preset_steps, order
+        self.estimate_s = plan["estimate_s"]
+        self.sizes = dict(plan["sizes"])
+        self.estimates = dict(plan["stage_estimate_s"])  # expected seconds, slowdown included
+        self.done: dict[str, tuple[float, float]] = {}  # stage: (seconds, pilots' estimate at its size)
+        self.stages = {s: {"planned_size": self.sizes[s], "planned_estimate_s": self.estimates[s]} for s in order}
+        self.replans: list[dict] = []
+
+    def slowdown(self) -> float:
+        """Real over estimated seconds of the stages done, with ``SLOWDOWN_PRIOR_S`` at 1.0x."""
+        real = sum(seconds for seconds, _ in self.done.values())
+        expected = sum(estimate for _, estimate in self.done.values())
+        return (real + SLOWDOWN_PRIOR_S) / (expected + SLOWDOWN_PRIOR_S)
+
+    def before(self, stage: str, elapsed_s: float, probe: float | None = None) -> str | None:
+        """Re-size ``stage`` and the stages after it to the time left (``elapsed_s`` since the start of
+        the job, the measurement included) unless they are expected within ``RESIZE_MARGIN`` of it
+        (a margin, so that rounding does not trade a width for a few seconds); the line to print
+        when a size changed, else None. ``probe``: ``probe_slowdown``'s reading now, if any."""
+        if not self.done and probe is None:
+            return None
+        left = list(self.order[self.order.index(stage):])
+        seen = self.slowdown()
+        time_left, scale = self.estimate_s - elapsed_s, seen if probe is None else (seen * probe) ** 0.5
+        sizes = {s: self.sizes[s] for s in left}
+        estimates = {s: scale * budget.estimate_s(self.m, s, sizes[s]) for s in left}
+        if abs(sum(estimates.values()) - time_left) > RESIZE_MARGIN * max(time_left, 0.0):
+            sizes, estimates = budget.fit(self.m, left, time_left, budget.levels(self.preset_steps, late=True), scale)
+        changed = {s: (self.sizes[s], sizes[s]) for s in left if sizes[s] != self.sizes[s]}
+        self.sizes.update(sizes)
+        self.estimates.update(estimates)
+        self.replans.append({"before": stage, "elapsed_s": elapsed_s, "time_left_s": time_left, "slowdown": scale,
+                             "stages_slowdown": seen, "probe": probe, "sizes": sizes,
+                             "stage_estimate_s": estimates})  # fmt: skip
+        if not changed:
+            return None
+        what = "; ".join(f"{s} {shown(old)} -> {shown(new)}" for s, (old, new) in changed.items())
+        over = sum(estimates.values()) - time_left
+        still = f"; still ~{over:.0f} s over at the smallest sizes" if over > 0 else ""
+        now = f", a probe of the load now reads {probe:.2f}x its pilot (taken as {scale:.2f}x)" if probe else ""
+        return (f"run_all: re-sized {what}: the stages so far took {seen:.2f}x their estimates{now}, "
+                f"{max(time_left, 0.0):.0f} s left of the {self.estimate_s:.0f} s estimate{still}")  # fmt: skip
+
+    def after(self, stage: str, seconds: float) -> None:
+        """Record that ``stage`` took ``seconds`` at the size it was given."""
+        self.done[stage] = (seconds, budget.estimate_s(self.m, stage, self.sizes[stage]))
+        self.stages[stage].update(size=self.sizes[stage], estimate_s=self.estimates[stage], seconds=seconds)
+
+    def record(self) -> dict:
+        """For ``run_all.json``: the estimate, each stage's planned and run sizes and estimates and its
+        real seconds, and every re-plan (the slowdown and time left it saw, the sizes it chose)."""
+        return {"estimate_s": self.estimate_s, "order": list(self.order), "stages": self.stages,
+                "replans": self.replans}  # fmt: skip
+
+
+def probe_slowdown(m: dict) -> float:
+    """How much slower than during the pilots torch work runs now: the bfloat16 step of the
+    experiments' transformer (a pilot of ``budget.measure``, a fraction of a second even loaded),
+    the median of three calls, over its pilot's figure in ``m``."""
+    import experiments
+    import torch
+
+    p = experiments.PRESETS["cpu"]
+    pilot = m["lm_step_ms"][f"bfloat16@{p.d_model}"]
+    return budget.lm_step_ms(p.d_model, torch.bfloat16, p, calls=3) / pilot

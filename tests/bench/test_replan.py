@@ -1,0 +1,100 @@
+"""bench/replan.py on a fake run: fake stages that take their estimate times a factor on a fake
+clock, re-planned as run_all does. The oracle is the estimate the run printed (the budget's plan);
+nothing here looks at a real time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # the scripts import their shared helpers (bench/timing.py) by name
+
+import budget  # noqa: E402
+import replan  # noqa: E402
+
+PRESET_STEPS = 150
+
+
+def measurement() -> dict:
+    """A made-up machine in ``budget.measure``'s shape, with figures close to the committed CPU run's
+    (bench/results/cpu/run_all.json: a 2-core EPYC, float16 autocast ~30x float32)."""
+    return {
+        "matmul_time_vs_float32": {"float16": 31.0, "bfloat16": 0.7},
+        "notes": [],
+        "unit_ms": 0.7,
+        "lm_step_ms": {"float16@64": 82.0, "float16@32": 29.0, "bfloat16@64": 12.0},
+        "mlp_float16_step_ms": 10.0,
+        "sweep": {"round_overhead_ms": 4.9, "ms_per_mb": 0.023, "setup_ms_per_melement": 48.0},
+        "train_step": {"forward_backward_ms": 47.0, "adamw_step_ms": 2.1},
+        "seconds": 1.0,
+    }
+
+
+def fake_run(slowdown, replanning: bool = True, probe: bool = False) -> tuple[float, float, replan.Replanner, list]:
+    """(estimate, fake seconds the run took, the replanner, its notes): each stage takes the pilots'
+    estimate at the size it is given times ``slowdown(k, stage)`` (k: its place in the run); with
+    ``probe``, a probe of the load before each stage reads that slowdown."""
+    m = measurement()
+    plan = budget.plan(m, 240.0, PRESET_STEPS)
+    replanner = replan.Replanner(m, plan, PRESET_STEPS)
+    clock, notes = m["seconds"], []
+    for k, stage in enumerate(replanner.order):
+        note = replanner.before(stage, clock, slowdown(k, stage) if probe else None) if replanning else None
+        notes += [note] if note else []
+        seconds = budget.estimate_s(m, stage, replanner.sizes[stage]) * slowdown(k, stage)
+        clock += seconds
+        replanner.after(stage, seconds)
+    return plan["estimate_s"], clock, replanner, notes
+
+
+SCENARIOS = {
+    "the sweep runs 3x its estimate": lambda k, stage: 3.0 if stage == "sweep" else 1.0,
+    "the whole-step benchmark runs 3x": lambda k, stage: 3.0 if stage == "train_step" else 1.0,
+    "every stage runs 2x (load from after the pilots)": lambda k, stage: 2.0,
+    "every stage runs 3x": lambda k, stage: 3.0,
+    "2.5x from the second stage on": lambda k, stage: 2.5 if k >= 1 else 1.0,
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_a_run_that_falls_behind_is_resized_and_ends_within_25_percent_of_its_estimate(scenario):
+    estimate, unplanned, _, _ = fake_run(SCENARIOS[scenario], replanning=False)
+    assert unplanned > 1.25 * estimate  # without re-planning this run misses its estimate
+    estimate, took, replanner, notes = fake_run(SCENARIOS[scenario])
+    assert abs(took / estimate - 1.0) <= 0.25, (took, estimate)
+    resized = [s for s, r in replanner.stages.items() if r["size"] != r["planned_size"]]
+    assert resized and notes and all(stage in " ".join(notes) for stage in resized)  # said when and why
+    assert all("their estimates" in note and "left of the" in note for note in notes)
+    record = replanner.record()
+    assert record["estimate_s"] == estimate and len(record["replans"]) == len(replanner.order) - 1
+    assert all({"planned_size", "size", "planned_estimate_s", "estimate_s", "seconds"} <= set(r)
+               for r in record["stages"].values())  # fmt: skip
+
+
+def test_a_run_on_time_keeps_its_plan():
+    estimate, took, replanner, notes = fake_run(lambda k, stage: 1.0)
+    assert notes == [] and all(r["size"] == r["planned_size"] for r in replanner.stages.values())
+    assert took == pytest.approx(estimate)
+
+
+def test_the_slowdown_seen_is_pulled_toward_one_by_its_prior():
+    replanner = replan.Replanner(measurement(), budget.plan(measurement(), 240.0, PRESET_STEPS), PRESET_STEPS)
+    assert replanner.slowdown() == 1.0  # nothing run yet
+    expected = budget.estimate_s(replanner.m, "kernel_report", {})
+    replanner.after("kernel_report", 3 * expected)
+    assert 1.0 < replanner.slowdown() < 3.0  # one short stage is little evidence
+    replanner.after("sweep", 3 * budget.estimate_s(replanner.m, "sweep", replanner.sizes["sweep"]))
+    assert 2.5 < replanner.slowdown() < 3.0  # a long one is more
+
+
+def test_a_probe_of_the_load_resizes_before_the_first_stage_overruns():
+    # Two busy loops started after the pilots: every stage runs 3x, and the probe reads it before
+    # the first stage, where the stages done have nothing to say yet.
+    estimate, took, replanner, notes = fake_run(lambda k, stage: 3.0, probe=True)
+    first = replanner.replans[0]
+    assert first["before"] == replanner.order[0] and first["probe"] == 3.0 and 1.0 < first["slowdown"] <= 3.0
+    assert "probe of the load now reads 3.00x" in notes[0]
+    assert abs(took / estimate - 1.0) <= 0.25, (took, estimate)
