@@ -117,3 +117,24 @@ def test_the_scratch_is_made_again_when_it_is_not_what_it_was_made_as():
     again = scratch.filled(device, 0.75, 0.125)
     assert again[0] is not first[0] and [t.item() for t in again] == [0.75, 0.125]
     assert all(t.dim() == 0 and t.dtype is torch.float32 for t in again)
+
+
+def test_a_single_process_update_makes_no_context_to_undo_it(monkeypatch):
+    """Without a pending rank mismatch (a single process never has one) update() has nothing to
+    undo: the context its rule runs in is one shared do-nothing context, the same object every
+    step, not a save-and-restore context made per step. The steps stay torch's."""
+    handed = []
+    undo_context = RankChecks.unchanged_if_mismatched
+
+    def recorded(self, state):
+        handed.append(undo_context(self, state))
+        return handed[-1]
+
+    monkeypatch.setattr(RankChecks, "unchanged_if_mismatched", recorded)
+    ours, our_norms, scaler = _run("ours", torch.optim.AdamW, True, fused=True)
+    theirs, torch_norms, _ = _run("torch", torch.optim.AdamW, True, fused=True)
+    assert len(handed) == STEPS and all(context is handed[0] for context in handed)
+    assert scaler._ranks.pending is None
+    torch.testing.assert_close(torch.stack(our_norms), torch.stack(torch_norms), rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -276,13 +276,13 @@ class GradScaler:
         """Back the scale off if a step this iteration saw inf/NaN, else maybe grow it, on the device.
         ``new_scale`` sets the scale instead; ``found_inf`` (a bool or a 0-dim device tensor) adds an
         overflow the caller found itself (a scale manager's). Example: ``scaler.update()``."""
-        records = list(self._per_optimizer_states.values())
         if update_stays_eager(self._process_group, self._ranks, self._policy, new_scale):
             return call_eagerly(self.update, new_scale, found_inf=found_inf)
         if not self._enabled:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
         scale = self._state_for("update").scale
+        records = list(self._per_optimizer_states.values())
         if found_inf is not None:
             record = OptimizerRecord.from_flag(found_inf, scale.device)
             self._skip_flag(record, scale.device)
