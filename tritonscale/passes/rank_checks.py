@@ -306,17 +306,13 @@ class RankChecks:
             return skip
         return torch.maximum(skip, self.pending.to(skip.device, non_blocking=True).to(skip.dtype))
 
-    def unchanged_if_mismatched(self, state: Any) -> contextlib.AbstractContextManager[None]:
-        """Around update(): where a mismatch is pending, the device state (a ``DeviceState``) ends
-        as it began, on the device (no host read). Nothing to do without a pending flag: then a
-        context that does nothing, the same one every step (a single process never has one).
-        Example: ``with ranks.unchanged_if_mismatched(state): rule(state)``."""
-        if self.pending is None or state is None:
-            return _NOTHING_TO_RESTORE
-        return self._restored_if_mismatched(state)
-
     @contextlib.contextmanager
-    def _restored_if_mismatched(self, state: Any) -> Iterator[None]:
+    def unchanged_if_mismatched(self, state: Any) -> Iterator[None]:
+        """Around update(): where a mismatch is pending, the device state (a ``DeviceState``) ends
+        as it began, on the device (no host read). Nothing to do without a pending flag."""
+        if self.pending is None or state is None:
+            yield
+            return
         tensors = [getattr(state, f.name) for f in dataclasses.fields(state)]
         saved = [t.clone() for t in tensors]
         try:
@@ -337,9 +333,9 @@ class RankChecks:
         self.__dict__.pop("iteration", None)
 
 
-#: What ``unchanged_if_mismatched`` hands out while nothing is pending: a ``nullcontext`` keeps no
-#: state, so one serves every update().
-_NOTHING_TO_RESTORE = contextlib.nullcontext()
+#: The context update() runs its rule in while no mismatch is pending (a single process never has
+#: one): nothing to undo. A ``nullcontext`` keeps no state, so one serves every update().
+NOTHING_TO_UNDO = contextlib.nullcontext()
 
 
 def on_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:

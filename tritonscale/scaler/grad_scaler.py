@@ -21,7 +21,7 @@ from ..passes import step_protocols
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import ClipRequest, check_clip_args, kernels_compute
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
-from ..passes.rank_checks import Agreement, RankChecks
+from ..passes.rank_checks import NOTHING_TO_UNDO, Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
 from ..passes.step_protocols import StepProtocol, unwrap_optimizer
 from ..policy.loss_scale_policy import LossScalePolicy
@@ -288,7 +288,7 @@ class GradScaler:
             self._skip_flag(record, scale.device)
             records.append(record)
         outcome = OptimizerRecord.outcome(records)
-        with self._ranks.unchanged_if_mismatched(self._tensors):
+        with NOTHING_TO_UNDO if self._ranks.pending is None else self._ranks.unchanged_if_mismatched(self._tensors):
             if new_scale is not None:
                 set_scale_(scale, new_scale)
                 self._last_found_inf, self._last_norm = self._rules.count_only_(self._policy, self._tensors, outcome)
