@@ -163,3 +163,25 @@ def _run_scaled(init_scale: float, steps: int = STEPS, kind: str = "ours"):
         scaler.update()
         opt.zero_grad()
     return params
+
+
+def test_a_single_process_update_makes_no_context_to_undo_it(monkeypatch):
+    """Without a pending rank mismatch (a single process never has one) update() has nothing to
+    undo: its rule runs in one shared do-nothing context, and no save-and-restore context is made
+    per step (``RankChecks.unchanged_if_mismatched`` is never asked). The steps stay torch's, and
+    the iteration count counts every update()."""
+    asked = []
+    undo_context = RankChecks.unchanged_if_mismatched
+
+    def counted(self, state):
+        asked.append(state)
+        return undo_context(self, state)
+
+    monkeypatch.setattr(RankChecks, "unchanged_if_mismatched", counted)
+    ours, our_norms, scaler = _run("ours", torch.optim.AdamW, True, fused=True)
+    theirs, torch_norms, _ = _run("torch", torch.optim.AdamW, True, fused=True)
+    assert asked == [] and scaler._ranks.pending is None
+    assert int(scaler._ranks.iteration) == STEPS
+    torch.testing.assert_close(torch.stack(our_norms), torch.stack(torch_norms), rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -333,6 +333,11 @@ class RankChecks:
         self.__dict__.pop("iteration", None)
 
 
+#: The context update() runs its rule in while no mismatch is pending (a single process never has
+#: one): nothing to undo. A ``nullcontext`` keeps no state, so one serves every update().
+NOTHING_TO_UNDO = contextlib.nullcontext()
+
+
 def on_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Host numbers as a tensor on ``device``, copied without waiting for the device's queue (a
     ``torch.tensor(..., device=cuda)`` copy waits for the stream)."""

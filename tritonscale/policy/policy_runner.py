@@ -63,16 +63,17 @@ class PolicyRunner:
         compiled = self._compiles(device)
         form = self.form(device, compiled)
         key = (name, id(policy), form, compiled)
-        if key not in self._rules:
+        made = self._rules.get(key)
+        if made is None:
             # A new policy (load_state_dict) drops the rules made for the old one.
             self._rules = {k: v for k, v in self._rules.items() if k[1] == id(policy)}
             method = getattr(policy, name)
-            self._rules[key] = (
+            made = self._rules[key] = (
                 torch.compile(method, fullgraph=True, dynamic=False)
                 if compiled
                 else functools.partial(method, form=form)
             )
-        return self._rules[key]
+        return made
 
     def update_(
         self,

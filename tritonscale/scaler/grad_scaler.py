@@ -21,7 +21,7 @@ from ..passes import step_protocols
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import ClipRequest, check_clip_args, kernels_compute
 from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
-from ..passes.rank_checks import Agreement, RankChecks
+from ..passes.rank_checks import NOTHING_TO_UNDO, Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
 from ..passes.step_protocols import StepProtocol, unwrap_optimizer
 from ..policy.loss_scale_policy import LossScalePolicy
@@ -276,19 +276,19 @@ class GradScaler:
         """Back the scale off if a step this iteration saw inf/NaN, else maybe grow it, on the device.
         ``new_scale`` sets the scale instead; ``found_inf`` (a bool or a 0-dim device tensor) adds an
         overflow the caller found itself (a scale manager's). Example: ``scaler.update()``."""
-        records = list(self._per_optimizer_states.values())
         if update_stays_eager(self._process_group, self._ranks, self._policy, new_scale):
             return call_eagerly(self.update, new_scale, found_inf=found_inf)
         if not self._enabled:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
         scale = self._state_for("update").scale
+        records = list(self._per_optimizer_states.values())
         if found_inf is not None:
             record = OptimizerRecord.from_flag(found_inf, scale.device)
             self._skip_flag(record, scale.device)
             records.append(record)
         outcome = OptimizerRecord.outcome(records)
-        with self._ranks.unchanged_if_mismatched(self._tensors):
+        with NOTHING_TO_UNDO if self._ranks.pending is None else self._ranks.unchanged_if_mismatched(self._tensors):
             if new_scale is not None:
                 set_scale_(scale, new_scale)
                 self._last_found_inf, self._last_norm = self._rules.count_only_(self._policy, self._tensors, outcome)
