@@ -122,7 +122,7 @@ class ProgressBar:
         left = max(self.estimates_s.get(stage, 0.0) - in_stage, OVERRUN_LEFT * in_stage * (1.0 - part))
         if 0.0 < part < 1.0:
             left = max(left, (reported_at - began) / part * (1.0 - part) - (now - reported_at))
-        later = list(self.offsets)[list(self.offsets).index(stage) + 1:]
+        later = list(self.offsets)[list(self.offsets).index(stage) + 1 :]
         return left + sum(self.estimates_s.get(s, 0.0) for s in later)
 
     def advance(self, now: float) -> tuple[float, bool]:

@@ -62,7 +62,7 @@ class Replanner:
         when a size changed, else None. ``probe``: ``probe_slowdown``'s reading now, if any."""
         if not self.done and probe is None:
             return None
-        left = list(self.order[self.order.index(stage):])
+        left = list(self.order[self.order.index(stage) :])
         seen = self.slowdown()
         time_left, scale = self.estimate_s - elapsed_s, seen if probe is None else (seen * probe) ** 0.5
         sizes = {s: self.sizes[s] for s in left}
