@@ -85,6 +85,17 @@ def scaler(kind: str, device: torch.device, backend: str, **knobs):
     return s
 
 
+def target_verdict(spread: dict, target: str) -> bool | None:
+    """Whether a ratio meets ``target`` (``">= 0.85"``, ``"<= 1.10"``) beyond this run's noise: True
+    when its whole p20-p80 band is on the target's side, False when the whole band misses it, None
+    when the band straddles it (the median alone cannot tell). ``target_verdict({"q20": 0.9,
+    "q80": 1.2}, ">= 1.0") is None``."""
+    op, value = target.split()
+    low, high = (spread["q20"], spread["q80"]) if op == ">=" else (-spread["q80"], -spread["q20"])
+    bound = float(value) if op == ">=" else -float(value)
+    return True if low >= bound else False if high < bound else None
+
+
 def ratio_line(bar: str, what: str, num: str, den: str, timed: dict, target: str | None = None, note: str = "") -> dict:
     """One printed line (and its JSON record): the ratio of two medians with its p20-p80 spread over
     the interleaved rounds (``timing.ratio_spread``; "within noise" when the spread contains 1.0),
@@ -92,11 +103,9 @@ def ratio_line(bar: str, what: str, num: str, den: str, timed: dict, target: str
     a, b = timed[num]["median_ms"], timed[den]["median_ms"]
     spread = spread_of(timed, num, den)
     ratio = spread["ratio"]
-    ok = None
-    if target is not None:
-        op, value = target.split()
-        ok = ratio >= float(value) if op == ">=" else ratio <= float(value)
-    verdict = note if target is None else f" (target {target}: {'met' if ok else 'MISSED'})"
+    ok = None if target is None else target_verdict(spread, target)
+    shown = {True: "met", False: "MISSED", None: "not clear: its p20-p80 straddles it"}
+    verdict = note if target is None else f" (target {target}: {shown[ok]})"
     print(f"{bar} {what}: {num}/{den} = {format_ratio(spread, 3)}{verdict}  [median ms: {num} {a:.4g}, {den} {b:.4g}]")
     return {"bar": bar, "what": what, "ratio": f"{num}/{den}", "value": ratio, "spread": spread, "target": target,
             "met": ok, "numerator": timed[num], "denominator": timed[den]}  # fmt: skip
