@@ -196,10 +196,19 @@ def stage_table(replans: dict) -> str:
     return "\n".join(lines)
 
 
+def files_written(out: Path, since: float) -> tuple[list[Path], int]:
+    """The PNG, JSON and log files under ``out`` modified at or after ``since`` (a ``time.time()``),
+    sorted, and how many others are there: a folder used before keeps files this run did not write,
+    which its list of results must not claim."""
+    found = [p for p in out.rglob("*") if p.suffix in (".png", ".json", ".log")]
+    written = sorted(p for p in found if p.stat().st_mtime >= since)
+    return written, len(found) - len(written)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     plan = size_to_budget(args)
     logs, seconds, failed, replans = run_stages(args, plan, start)
     for stage, text in logs.items():
@@ -210,13 +219,15 @@ def main(argv=None) -> int:
               "total_seconds": total, "failed": failed, "stage_drift": drift(plan, seconds, total),
               "replanning": replans}  # fmt: skip
     (args.out / "run_all.json").write_text(json.dumps(record, indent=2))
-    written = sorted(p for p in args.out.rglob("*") if p.suffix in (".png", ".json", ".log"))
+    written, older = files_written(args.out, started_at - 1.0)  # file times tick coarser than time.time()
     expected = f" (expected {plan['estimate_s']:.0f} s: {total / plan['estimate_s'] - 1:+.0%})" if plan else ""
     if replans:
         print(stage_table(replans))
     print(f"done in {total:.0f} s{expected}; results in {args.out.resolve()}:")
     for path in written:
         print(f"  {path}")
+    if older:
+        print(f"  ({older} older file{'s' * (older != 1)} there, not written by this run)")
     if failed:
         print(f"failed stages: {', '.join(failed)} (see their logs above)")
     return 1 if failed else 0
