@@ -24,6 +24,8 @@ Example (``run_all.run_stages`` does this)::
 
 from __future__ import annotations
 
+import time
+
 import budget
 
 RUN_ORDER = ("kernel_report", "collectives", "sweep", "train_step", "experiments")
@@ -106,3 +108,54 @@ def probe_slowdown(m: dict) -> float:
     p = experiments.PRESETS["cpu"]
     pilot = m["lm_step_ms"][f"bfloat16@{p.d_model}"]
     return budget.lm_step_ms(p.d_model, torch.bfloat16, p, calls=3) / pilot
+
+
+# ------------------------------------------------------- torch's threads on a shared machine
+# OpenMP threads wait for each other at the end of every parallel op. When a neighbour holds a core,
+# the thread on it runs only in the scheduler's slices and the others spin until it does: with two
+# busy loops beside it on a 2-core machine, a parallel op on torch's two threads ran an order of
+# magnitude slower than on one thread, and a main job whose neighbours started after its pilots
+# overran its estimate even at the smallest sizes. One thread slows down only by the share of the
+# core it loses, which the re-planning can absorb (figures: docs/performance.md).
+PARALLEL_OP_NUMEL = 2**20  # a size torch splits over its threads
+PARALLEL_OP_CALLS = 40
+
+
+def parallel_op_ms(threads: int, calls: int = PARALLEL_OP_CALLS) -> float:
+    """Mean milliseconds of one parallel torch op (an in-place add over ``PARALLEL_OP_NUMEL``
+    float32 elements) over ``calls`` calls back to back on ``threads`` torch threads; torch's thread
+    count is restored after. The mean, not a median: a waiting thread stalls one call in several for
+    a scheduler slice, and those stalls are what a stage's long run of ops pays (a median of five
+    calls read an unstalled two threads while a stage beside it ran several times its estimate)."""
+    import torch
+
+    before = torch.get_num_threads()
+    x = torch.zeros(PARALLEL_OP_NUMEL)
+    torch.set_num_threads(threads)
+    try:
+        x.add_(1.0)  # the first call at a thread count starts its threads
+        start = time.perf_counter()
+        for _ in range(calls):
+            x.add_(1.0)
+        return 1e3 * (time.perf_counter() - start) / calls
+    finally:
+        torch.set_num_threads(before)
+
+
+def threads_for_load(threads: int, op_ms=parallel_op_ms) -> tuple[int, dict[str, float] | None]:
+    """The torch thread count for the stages left: 1 when ``threads`` run a parallel op slower than
+    one thread does (a neighbour holds a core: see above), else ``threads``; and the two timings
+    (None when ``threads`` is 1 already). ``op_ms(threads)`` times the op (a fake one in tests).
+    Example: ``threads_for_load(2, lambda n: {2: 3.8, 1: 0.2}[n]) == (1, {"2 threads": 3.8, "1 thread": 0.2})``."""
+    if threads <= 1:
+        return threads, None
+    many, one = op_ms(threads), op_ms(1)
+    return (1 if many > one else threads), {f"{threads} threads": many, "1 thread": one}
+
+
+def fewer_threads_note(timings: dict[str, float], where: str) -> str:
+    """The line run_all prints when it drops to one thread ``where`` (``"before sweep"``)."""
+    many, one = timings.items()
+    return (f"run_all: torch threads {many[0].split()[0]} -> 1 {where} and for the rest of the run: a parallel op "
+            f"took {many[1]:.2f} ms on {many[0]} against {one[1]:.2f} ms on {one[0]} (a neighbour holds a core; "
+            "threads waiting for each other cost more than one thread loses)")  # fmt: skip

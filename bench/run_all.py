@@ -22,7 +22,12 @@ take, then runs them in ``replan.RUN_ORDER`` (the fixed stages first, the experi
 resizable, last) and holds the run to that estimate: before each stage the stages left are
 re-sized to the time left and the slowdown seen so far, and the output says when and why
 (``replan.py``). ``run_all.json`` in the output folder records the measurement, the planned sizes,
-the estimate, every re-plan, and each stage's size, estimate and real time.
+the estimate, every re-plan, and each stage's size, estimate and real time. On a machine where a
+neighbour holds a core, torch's threads wait for each other at every parallel op (an order of
+magnitude slower than one thread; replan.py): before the pilots and before each stage the job
+times one parallel op on torch's threads and on one, and goes to one thread for the rest of the run
+when that is faster (``replan.threads_for_load``), saying so; ``run_all.json`` records it under
+``threads``, and each stage's results name the threads they ran on.
 
     python bench/run_all.py                     # CPU: sized to about 4 minutes, results in out/
     python bench/run_all.py --budget 600        # CPU: bigger sizes, where they fit 10 minutes
@@ -46,9 +51,10 @@ import collectives
 import experiments
 import kernel_report
 import sweep
+import torch
 import train_step
 from progress import ProgressBar
-from replan import RUN_ORDER, Replanner, probe_slowdown, shown
+from replan import RUN_ORDER, Replanner, fewer_threads_note, probe_slowdown, shown, threads_for_load
 from timing import describe, machine
 
 # Share of the progress bar per stage where nothing was measured (--quick, --device cuda); a
@@ -106,12 +112,29 @@ def stage_arguments(args: argparse.Namespace, sizes: dict[str, list[str]] | None
     return stages
 
 
-def size_to_budget(args: argparse.Namespace) -> dict | None:
-    """Measure this machine and plan the stages' sizes (CPU runs but ``--quick``); print the plan."""
+def fit_threads(where: str, threads: dict) -> str | None:
+    """Drop torch to one thread for the rest of the run where a neighbour's load makes its threads
+    wait for each other (``replan.threads_for_load``), recording it in ``threads`` (run_all.json's
+    ``threads``); the line to print when it did, else None. Once one thread, the run stays there."""
+    chosen, timings = threads_for_load(torch.get_num_threads())
+    if timings is None or chosen == torch.get_num_threads():
+        return None
+    torch.set_num_threads(chosen)
+    threads["changes"].append({"where": where, "threads": chosen, "parallel_op_ms": timings})
+    return fewer_threads_note(timings, where)
+
+
+def size_to_budget(args: argparse.Namespace, threads: dict) -> dict | None:
+    """Measure this machine and plan the stages' sizes (CPU runs but ``--quick``); print the plan.
+    Under a neighbour's load torch first goes to one thread (``fit_threads``), so that the pilots
+    measure what the stages will run on."""
     if args.quick or args.device != "cpu":
         why = "--quick: tiny sizes" if args.quick else "GPU presets"
         print(f"run_all: {why}, not sized to a budget", flush=True)
         return None
+    note = fit_threads("before measuring", threads)
+    if note:
+        print(note, flush=True)
     print(f"run_all: measuring this machine to size the stages for a {args.budget:.0f} s budget ...", flush=True)
     measured = budget.measure(args.simulate_slow_fp16)
     plan = budget.plan(measured, args.budget, experiments.PRESETS["cpu"].steps)
@@ -130,10 +153,13 @@ def size_to_budget(args: argparse.Namespace) -> dict | None:
     return plan
 
 
-def run_stages(args: argparse.Namespace, plan: dict | None, start: float) -> tuple[dict, dict, list, dict | None]:
+def run_stages(
+    args: argparse.Namespace, plan: dict | None, start: float, threads: dict
+) -> tuple[dict, dict, list, dict | None]:
     """Every stage with its stdout to a log file and the bar on stderr: (logs, seconds, failed, the
-    re-plans' record). A sized run runs the stages in ``replan.RUN_ORDER`` and re-sizes the stages
-    left before each one (``replan.Replanner``), saying so; ``start`` is when the job began."""
+    re-plans' record). A sized run runs the stages in ``replan.RUN_ORDER``; before each one it goes
+    to one torch thread if a neighbour's load calls for it (``fit_threads``), then re-sizes the
+    stages left (``replan.Replanner``), saying so; ``start`` is when the job began."""
     replanner = Replanner(plan["measurement"], plan, experiments.PRESETS["cpu"].steps) if plan else None
     order = replanner.order if plan else tuple(WEIGHTS)
     estimates = plan["stage_estimate_s"] if plan else None
@@ -145,6 +171,9 @@ def run_stages(args: argparse.Namespace, plan: dict | None, start: float) -> tup
     for stage in order:
         stage_args = arguments[stage]
         if replanner is not None:
+            fewer = fit_threads(f"before {stage}", threads)
+            if fewer:
+                bar.message(fewer)
             note = replanner.before(stage, time.perf_counter() - start, probe_slowdown(plan["measurement"]))
             if note:
                 bar.message(note)
@@ -209,15 +238,19 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     start, started_at = time.perf_counter(), time.time()
-    plan = size_to_budget(args)
-    logs, seconds, failed, replans = run_stages(args, plan, start)
+    threads = {"at_start": torch.get_num_threads(), "changes": []}
+    try:
+        plan = size_to_budget(args, threads)
+        logs, seconds, failed, replans = run_stages(args, plan, start, threads)
+    finally:  # run_all.main called in a process that goes on (a test) gets its threads back
+        torch.set_num_threads(threads["at_start"])
     for stage, text in logs.items():
         print(f"== {stage}{' (FAILED)' if stage in failed else ''} ({seconds[stage]:.0f} s)\n{text}")
     total = time.perf_counter() - start
     arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     record = {"machine": machine(), "args": arguments, "plan": plan, "stage_seconds": seconds,
               "total_seconds": total, "failed": failed, "stage_drift": drift(plan, seconds, total),
-              "replanning": replans}  # fmt: skip
+              "replanning": replans, "threads": threads}  # fmt: skip
     (args.out / "run_all.json").write_text(json.dumps(record, indent=2))
     written, older = files_written(args.out, started_at - 1.0)  # file times tick coarser than time.time()
     expected = f" (expected {plan['estimate_s']:.0f} s: {total / plan['estimate_s'] - 1:+.0%})" if plan else ""

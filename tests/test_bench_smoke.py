@@ -136,10 +136,15 @@ def test_bars_prints_every_ratio(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["machine"]["device"] == "cpu"
     ratios = data["ratios"]
-    # bar 1: ideal/ours and torch/ours for three layouts; bar 2: torch/ours and the 3 knobs; bar 3: torch/ours
-    assert [r["bar"] for r in ratios] == ["1"] * 6 + ["2"] * 4 + ["3"]
+    # bar 1: ideal/ours and torch/ours for three layouts, and the reach of the two per-parameter ones;
+    # bar 2: torch/ours and the 3 knobs; bar 3: torch/ours
+    assert [r["bar"] for r in ratios] == ["1"] * 8 + ["2"] * 4 + ["3"]
     assert all(r["value"] > 0 and r["spread"]["rounds"] >= 2 for r in ratios)
-    assert all(max(r["max_rel_diff_vs_torch"].values()) < 1e-5 for r in ratios[:6])  # ideal, ours, torch alike
+    compared = [r for r in ratios[:8] if "its reach" not in r["what"]]
+    assert len(compared) == 6 and all(max(r["max_rel_diff_vs_torch"].values()) < 1e-5 for r in compared)
+    for reach in (r for r in ratios[:8] if "its reach" in r["what"]):  # ideal over ideal plus the reads
+        ideal, summed = reach["numerator"]["samples_ms"], reach["denominator"]["samples_ms"]
+        assert reach["ratio"] == "ideal/(ideal + reads)" and all(s > i for i, s in zip(ideal, summed))
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert "cpu (" in lines[0]  # the machine line

@@ -98,3 +98,65 @@ def test_a_probe_of_the_load_resizes_before_the_first_stage_overruns():
     assert first["before"] == replanner.order[0] and first["probe"] == 3.0 and 1.0 < first["slowdown"] <= 3.0
     assert "probe of the load now reads 3.00x" in notes[0]
     assert abs(took / estimate - 1.0) <= 0.25, (took, estimate)
+
+
+# ------------------------------------------------------- torch's threads on a shared machine
+
+
+def test_threads_go_to_one_only_when_one_thread_runs_the_parallel_op_faster():
+    contended = {2: 3.8, 1: 0.2}  # the figures of two busy loops beside a 2-core machine
+    assert replan.threads_for_load(2, contended.get) == (1, {"2 threads": 3.8, "1 thread": 0.2})
+    assert replan.threads_for_load(2, {2: 0.11, 1: 0.18}.get) == (2, {"2 threads": 0.11, "1 thread": 0.18})
+
+    def never(threads):
+        raise AssertionError("one thread already: nothing to time")
+
+    assert replan.threads_for_load(1, never) == (1, None)
+    note = replan.fewer_threads_note({"2 threads": 3.8, "1 thread": 0.2}, "before sweep")
+    assert note.startswith("run_all: torch threads 2 -> 1 before sweep") and "3.80 ms on 2 threads" in note
+
+
+def test_the_parallel_op_is_timed_on_the_threads_asked_and_leaves_torchs_threads_as_they_were():
+    import torch
+
+    before = torch.get_num_threads()
+    seen = []
+    real_add = torch.Tensor.add_
+
+    def add_(self, *args):
+        seen.append(torch.get_num_threads())
+        return real_add(self, *args)
+
+    torch.Tensor.add_ = add_
+    try:
+        assert replan.parallel_op_ms(1) > 0.0
+    finally:
+        torch.Tensor.add_ = real_add
+    assert seen == [1] * (replan.PARALLEL_OP_CALLS + 1) and torch.get_num_threads() == before
+
+
+def test_under_load_the_pilots_and_every_stage_after_run_on_one_thread(monkeypatch, capsys):
+    # The oracle: the thread count the fake pilots see, and what run_all records and prints.
+    import run_all
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(run_all, "threads_for_load", lambda threads: (1, {f"{threads} threads": 3.8, "1 thread": 0.2}))
+    pilots_ran_on = []
+
+    def fake_measure(fp16_slowdown):
+        pilots_ran_on.append(torch.get_num_threads())
+        return measurement()
+
+    monkeypatch.setattr(run_all.budget, "measure", fake_measure)
+    threads = {"at_start": 2, "changes": []}
+    torch.set_num_threads(2)
+    try:
+        plan = run_all.size_to_budget(run_all.parse_args([]), threads)
+        assert plan is not None and pilots_ran_on == [1] and torch.get_num_threads() == 1
+        assert run_all.fit_threads("before sweep", threads) is None  # one thread already: stays
+    finally:
+        torch.set_num_threads(before)
+    assert threads["changes"] == [{"where": "before measuring", "threads": 1,
+                                   "parallel_op_ms": {"2 threads": 3.8, "1 thread": 0.2}}]  # fmt: skip
+    assert "run_all: torch threads 2 -> 1 before measuring" in capsys.readouterr().out
