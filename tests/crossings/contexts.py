@@ -29,6 +29,7 @@ class GradsContext:
     name = "plain"
     sparse = False  # the model's first parameter gets a sparse gradient
     keeps_views = False  # ours keeps gradient views: zero_grad(set_to_none=False)
+    skips_rows: tuple[str, ...] = ()  # rows this context does not apply to (they run their own backward)
 
     def setup(self, side: Side) -> None:
         """After the side is built, before step 0 (ours is set up before the twin)."""
@@ -41,6 +42,9 @@ class GradsContext:
 
     def after_backward(self, side: Side, step: int) -> None:
         """After the scaled backward, before any scaler call of the iteration."""
+
+    def accumulate(self, side: Side, step: int, scaled_backward) -> None:
+        """After the first scaled backward of the iteration: more micro-batches, if any."""
 
 
 class Flat(GradsContext):
@@ -153,6 +157,18 @@ class RetypedInPlace(Flat):
         _convert_state(side, p, lambda t: t.to(torch.bfloat16))
 
 
+class Accumulated(GradsContext):
+    """Gradient accumulation: two more scaled backwards (other micro-batches) into the same
+    gradients before the scaler's calls, as a loop with ``accumulation_steps=3`` does."""
+
+    name = "accumulated"
+    skips_rows = ("Updater",)  # the Updater runs its own backward, one per update
+
+    def accumulate(self, side: Side, step: int, scaled_backward) -> None:
+        for micro in (1, 2):
+            scaled_backward(side.model.loss(step + 100 * micro))
+
+
 class Sparse(GradsContext):
     """The first parameter is an embedding table with sparse gradients."""
 
@@ -185,6 +201,7 @@ GRADS = [
     ResizedInPlace(),
     RetypedInPlace(),
     Sparse(),
+    Accumulated(),
 ]
 
 

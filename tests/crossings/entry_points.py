@@ -18,6 +18,7 @@ import tritonscale
 from tritonscale import DynamicLossScaleManager, LossScaleOptimizer, LossScalePolicy, Updater
 
 from .contexts import inject_overflow
+from .policies import spike_hook
 from .twins import (
     FLOOR,
     OVERFLOWS,
@@ -54,23 +55,40 @@ class EntryPoint:
     disabled: bool = True
     min_scale: float = 0.0
     triton: bool = False
+    #: Which policy columns the row runs under (None: every one). Rows that build a scaler of their
+    #: own (the API shapes) run under the default only; an importer row under its peer's preset.
+    policies: Callable[[Any], bool] | None = None
+    #: The row runs on the central columns only (plain, flat and accumulated gradients; the
+    #: ordinary and floor scales, disabled): what it adds is its own crossing with the policy column.
+    narrow: bool = False
+
+    def applies_to(self, policy: Any) -> bool:
+        return policy.default if self.policies is None and self.builds_scaler else (
+            self.policies is None or self.policies(policy)
+        )
+
+    @property
+    def builds_scaler(self) -> bool:
+        return self.name == "LossScaleOptimizer" or self.name.endswith("LossScaleManager")
 
 
 # ------------------------------------------------------------------------- an iteration's parts
 def after_backward(side: Side, step: int) -> None:
     side.cell.grads.after_backward(side, step)
     inject_overflow(side, step)
+    spike_hook(side, step)
 
 
 def backward(side: Side, step: int, scaled_backward: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
     """The contexts' hooks, ``zero_grad``, the scaled backward, the noise and the overflow."""
     side.cell.grads.before_zero_grad(side, step)
-    side.optimizer.zero_grad(set_to_none=side.cell.grads.set_to_none(side))
+    for optimizer in side.optimizers():
+        optimizer.zero_grad(set_to_none=side.cell.grads.set_to_none(side))
     loss = side.model.loss(step)
     if scaled_backward is None:
-        side.scaler.scale(loss).backward()
-    else:
-        scaled_backward(loss)
+        scaled_backward = lambda micro_loss: side.scaler.scale(micro_loss).backward()
+    scaled_backward(loss)
+    side.cell.grads.accumulate(side, step, scaled_backward)
     after_backward(side, step)
     return loss.detach()
 
@@ -128,7 +146,7 @@ def update_ours(side: Side, step: int) -> Observations:
 
 def update_oracle(side: Side, step: int) -> Observations:
     expected = clip_oracle(side, step)
-    expected.update(last_skip_flag=side.found, last_step_skipped=side.found)
+    expected.update(last_skip_flag=side.skipped_now, last_step_skipped=side.skipped_now)
     return {**expected, "last_norm": expected["norm"]} if side.scaler.is_enabled() else expected
 
 
@@ -148,8 +166,8 @@ def new_scale_ours(side: Side, step: int) -> Observations:
 def new_scale_oracle(side: Side, step: int) -> Observations:
     backward(side, step)
     norm = torch_clip(side, *step_args(step))
-    found = torch_step_update(side, norm, new_scale=new_scale(side, step))
-    return {"norm": norm, "stats": torch_stats(side, norm, found)}
+    torch_step_update(side, norm, new_scale=new_scale(side, step))
+    return {"norm": norm, "stats": torch_stats(side, norm, side.found)}
 
 
 def stats_ours(side: Side, step: int) -> Observations:
@@ -189,7 +207,7 @@ def found_inf_oracle(side: Side, step: int) -> Observations:
 def round_trip(side: Side) -> None:
     """state_dict() into a new scaler built with the same arguments, between two iterations."""
     saved = side.scaler.state_dict()
-    side.scaler = make_scaler(side.ours, side.cell.scale, side.cell.scaler_backend())
+    side.scaler = make_scaler(side.ours, side.cell.scale, side.cell.scaler_backend(), side.cell.policy)
     side.scaler.load_state_dict(saved)
 
 
@@ -367,7 +385,14 @@ ENTRY_POINTS = [
     EntryPoint("step", "sgd", step_ours, step_oracle, grads_after=True, disabled=False),
     EntryPoint("step_fused", "fused_adamw", step_ours, step_oracle, disabled=False),
     EntryPoint("update", "sgd", update_ours, update_oracle, grads_after=True),
-    EntryPoint("update(new_scale)", "fused_adamw", new_scale_ours, new_scale_oracle, disabled=False),
+    EntryPoint(
+        "update(new_scale)",
+        "fused_adamw",
+        new_scale_ours,
+        new_scale_oracle,
+        disabled=False,
+        policies=lambda policy: policy.torch_scale_rule,
+    ),
     EntryPoint("stats()", "fused_adamw", stats_ours, stats_oracle),
     EntryPoint("found_inf_for+overflowed", "sgd", found_inf_ours, found_inf_oracle, grads_after=True, disabled=False),
     EntryPoint("state_dict_round_trip", "fused_adamw", round_trip_ours, round_trip_oracle),

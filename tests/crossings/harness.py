@@ -20,6 +20,7 @@ from tolerances import TORCH_BACKEND_NORM_RTOL
 
 from .contexts import GradsContext, ScaleContext
 from .entry_points import EntryPoint
+from .policies import POLICY_NAMES, PolicyContext, TwinRule
 from .twins import FOLDING, KEPT_AFTER, OPTIMIZERS, OVERFLOWS, SPARSE_CAPABLE, STEPS, Model, Side, make_scaler
 
 #: Parameters after many steps, ours against the twin: the clip coefficient differs from torch's by
@@ -38,22 +39,38 @@ class Cell:
     grads: GradsContext
     scale: ScaleContext
     backend: str
+    policy: PolicyContext = POLICY_NAMES["default"]
     layout: list = field(default_factory=list)  # the flat context's (offset, numel) per gradient
     buffer_size: int = 0
+    twin_rule: TwinRule | None = None  # the twin's rule, where a row of ours needs the peer's state
 
     @property
     def id(self) -> str:
-        return f"{self.row.name}-{self.grads.name}-{self.scale.name}-{self.backend}"
+        policy = "" if self.policy.default else f"-{self.policy.name}"
+        return f"{self.row.name}-{self.grads.name}-{self.scale.name}-{self.backend}{policy}"
 
     def scaler_backend(self) -> str:
         return "triton" if self.backend.startswith("triton") else self.backend
 
 
-def applies(row: EntryPoint, grads: GradsContext, scale: ScaleContext, backend: str) -> bool:
+def applies(
+    row: EntryPoint, grads: GradsContext, scale: ScaleContext, backend: str, policy: PolicyContext | None = None
+) -> bool:
     """Whether a cell exists. The Triton backend runs the rows whose passes differ there, over
     every gradient context at the ordinary scale and every scale on plain gradients (each kernel
     launch costs ~25 ms in the interpreter: the whole product would be minutes); the stopwatch
-    column runs the clip on plain and flat gradients."""
+    column runs the clip on plain and flat gradients. A policy other than the default runs every
+    row it applies to on plain gradients (and the clip on the other layouts) at the ordinary scale
+    with the torch backend (the clip on Triton too), and the clip on a disabled scaler."""
+    policy = policy or POLICY_NAMES["default"]
+    if not row.applies_to(policy):
+        return False
+    if not policy.default and not policies_apply(row, grads, scale, backend, policy):
+        return False
+    if row.narrow and (grads.name not in ("plain", "flat", "accumulated") or scale.name in ("tiny", "near_max")):
+        return False
+    if row.name in grads.skips_rows or (grads.name == "accumulated" and scale.name not in ("ordinary", "disabled")):
+        return False
     if grads.sparse and row.optimizer not in SPARSE_CAPABLE:
         return False  # torch's fused optimizers take dense gradients only
     if not scale.enabled and not row.disabled:
@@ -70,10 +87,24 @@ def applies(row: EntryPoint, grads: GradsContext, scale: ScaleContext, backend: 
     return row.name == "clip_grad_norm_" and grads.name in ("plain", "flat") and scale.name == "ordinary"
 
 
+def policies_apply(row: EntryPoint, grads: GradsContext, scale: ScaleContext, backend: str, policy) -> bool:
+    """The cells of a policy column (see ``applies``)."""
+    clip = row.name == "clip_grad_norm_"
+    if not scale.enabled:  # a disabled scaler accepts a preset and ignores it; it refuses the norm rules
+        return clip and grads.name == "plain" and backend == "torch" and policy.spike is None
+    if scale.name != "ordinary" or backend == "triton_retimed":
+        return False
+    if backend == "triton":
+        return clip and grads.name == "plain"
+    return grads.name == "plain" or (clip and grads.name in ("flat", "accumulated"))
+
+
 def build_side(cell: Cell, ours: bool) -> Side:
     model = Model(sparse=cell.grads.sparse)
     optimizer = OPTIMIZERS[cell.row.optimizer](model.parameters())
-    side = Side(ours, model, optimizer, make_scaler(ours, cell.scale, cell.scaler_backend()), cell)
+    side = Side(ours, model, optimizer, make_scaler(ours, cell.scale, cell.scaler_backend(), cell.policy), cell)
+    if not ours and not cell.policy.default and cell.scale.enabled:
+        side.rule = cell.twin_rule = TwinRule(cell.policy)
     cell.grads.setup(side)
     if cell.row.setup is not None:
         cell.row.setup(side)
@@ -101,9 +132,12 @@ def check_step(cell: Cell, ours: Side, twin: Side, seen: dict, expected: dict, s
     rtol = max(TORCH_BACKEND_NORM_RTOL[p.dtype] for p in ours.params())
     for name, value in expected.items():
         compare(name, seen.get(name, "<not handed out>"), value, rtol, not twin.scaler.is_enabled())
-    assert ours.scaler.get_scale() == twin.scaler.get_scale(), "scale differs from torch's"
-    assert ours.scaler._get_growth_tracker() == twin.scaler._get_growth_tracker(), "growth tracker differs"
-    compare_state_dicts(ours.scaler.state_dict(), twin.scaler.state_dict(), twin)
+    assert ours.scaler.get_scale() == twin.scaler.get_scale(), "scale differs from the twin's"
+    if twin.rule is None:  # torch's rule: its tracker and state_dict are the oracle's
+        assert ours.scaler._get_growth_tracker() == twin.scaler._get_growth_tracker(), "growth tracker differs"
+        compare_state_dicts(ours.scaler.state_dict(), twin.scaler.state_dict(), twin)
+    else:  # another rule: its scale (above) and the skips the twin counted
+        compare_state_dicts(ours.scaler.state_dict(), {"scale": twin.scaler.get_scale()}, twin)
     for i, (p, q) in enumerate(zip(ours.params(), twin.params())):
         assert_close(f"parameter {i}", p.detach(), q.detach(), PARAM_TOL)
     folds = cell.row.optimizer in FOLDING and ours.scaler.is_enabled()
@@ -125,8 +159,11 @@ def compare(name: str, ours: Any, theirs: Any, rtol: float, disabled: bool) -> N
     kind), flags as truth values, stats() key by key, everything else equal."""
     if isinstance(theirs, dict):
         compare_stats(ours, theirs, rtol, disabled)
-    elif name in ("norm", "last_norm", "loss"):
+    elif name in ("norm", "last_norm", "loss") or name.startswith("norm_"):
         assert_same_norm(name, ours, theirs, rtol)
+    elif isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor), f"{name}: ours handed out {ours!r}"
+        assert_close(name, ours, theirs, GRAD_TOL)
     elif isinstance(theirs, bool):
         assert ours is not None and bool(ours) == theirs, f"{name}: ours {ours!r}, torch's {theirs}"
     else:

@@ -14,7 +14,7 @@ from torch.optim import lr_scheduler
 import tritonscale
 
 from .entry_points import EntryPoint, Observations, clip_oracle, clip_ours
-from .twins import STEPS, Side
+from .twins import STEPS, Side, torch_stats
 
 
 def warmup_then_steps(optimizer: torch.optim.Optimizer) -> lr_scheduler.SequentialLR:
@@ -46,7 +46,7 @@ def skip_aware_ours(side: Side, step: int) -> Observations:
 
 def skip_aware_oracle(side: Side, step: int) -> Observations:
     expected = clip_oracle(side, step)
-    if not side.found:
+    if not side.skipped_now:
         side.objects["scheduler"].step()
     rates = {f"lr{i}": float(group["lr"]) for i, group in enumerate(side.optimizer.param_groups)}
     return {**expected, "rates": rates, "applied_steps": step + 1 - side.skipped_steps}
@@ -62,4 +62,86 @@ LOOP_ROWS = [
         setup=skip_aware_setup(False),
         grads_after=True,
     ),
+]
+
+
+# ------------------------------------------------------------------ logging without a sync
+LOG_DELAY = 2
+
+
+def logged(side: Side, step: int, rows: list) -> Observations:
+    """What a StepLog handed out this step, by the step each row belongs to (norms as tensors, as
+    the harness compares norms)."""
+    return {f"log{s}": {k: torch.tensor(v) if k == "norm" else v for k, v in values.items()} for s, values in rows}
+
+
+def step_log_setup(side: Side) -> None:
+    side.objects["log"] = tritonscale.StepLog(delay=LOG_DELAY) if side.ours else []
+
+
+def step_log_ours(side: Side, step: int) -> Observations:
+    """``StepLog.record`` after every update; the rows ``ready()`` hands out (``flush()`` at the
+    end) against the twin's stats of those steps."""
+    seen = clip_ours(side, step)
+    log = side.objects["log"]
+    log.record(side.scaler, step)
+    rows = log.ready() + (log.flush() if step == STEPS - 1 else [])
+    return {**seen, **logged(side, step, rows)}
+
+
+def step_log_oracle(side: Side, step: int) -> Observations:
+    """The rows due: each step's stats once LOG_DELAY later records exist, every row left at the end."""
+    expected = clip_oracle(side, step)
+    history = side.objects["log"]
+    history.append(torch_stats(side, expected["norm"], side.found))
+    handed = side.objects.get("handed", 0)
+    due = len(history) if step == STEPS - 1 else max(handed, len(history) - LOG_DELAY)
+    side.objects["handed"] = due
+    return {**expected, **{f"log{s}": history[s] for s in range(handed, due)}}
+
+
+def applied_setup(side: Side) -> None:
+    if side.ours:
+        side.objects["applied"] = tritonscale.AppliedSteps()
+
+
+def applied_ours(side: Side, step: int) -> Observations:
+    seen = clip_ours(side, step)
+    applied = side.objects["applied"]
+    applied.record(side.scaler)
+    return {**seen, "skipped": applied.skipped(), "count": applied.count}
+
+
+def applied_oracle(side: Side, step: int) -> Observations:
+    expected = clip_oracle(side, step)
+    return {**expected, "skipped": side.skipped_now, "count": step + 1 - side.skipped_steps}
+
+
+def history_setup(side: Side) -> None:
+    side.objects["history"] = tritonscale.ScaleHistory() if side.ours else []
+
+
+def history_ours(side: Side, step: int) -> Observations:
+    """``ScaleHistory.record`` every step; its lists at the end against the twin's scales and skips."""
+    seen = clip_ours(side, step)
+    side.objects["history"].record(side.scaler)
+    if step < STEPS - 1:
+        return seen
+    lists = side.objects["history"].to_lists()
+    return {**seen, "scales": lists["scale"], "skips": [int(s) for s in lists["skipped"]]}
+
+
+def history_oracle(side: Side, step: int) -> Observations:
+    expected = clip_oracle(side, step)
+    side.objects["history"].append((side.scaler.get_scale(), int(side.skipped_now)))
+    if step < STEPS - 1:
+        return expected
+    scales, skips = zip(*side.objects["history"])
+    return {**expected, "scales": list(scales), "skips": list(skips)}
+
+
+LOOP_ROWS += [
+    EntryPoint("StepLog", "fused_adamw", step_log_ours, step_log_oracle, setup=step_log_setup, disabled=False),
+    EntryPoint("AppliedSteps", "sgd", applied_ours, applied_oracle, setup=applied_setup, grads_after=True),
+    EntryPoint("ScaleHistory", "fused_adamw", history_ours, history_oracle, setup=history_setup, disabled=False),
 ]

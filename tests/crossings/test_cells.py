@@ -8,9 +8,9 @@ import torch
 from scaler_twins import same_bits
 
 from .contexts import BACKENDS, GRADS, SCALES
-from .entry_points import ENTRY_POINTS
 from .harness import Cell, applies, run_cell
-from .loop_rows import LOOP_ROWS
+from .policies import POLICIES
+from .rows import ROWS
 from .stopwatch import stopwatch
 
 pytestmark = [
@@ -20,12 +20,13 @@ pytestmark = [
 ]
 
 CELLS = [
-    Cell(row, grads, scale, backend)
+    Cell(row, grads, scale, backend, policy)
+    for policy in POLICIES
     for backend in BACKENDS
-    for row in ENTRY_POINTS + LOOP_ROWS
+    for row in ROWS
     for grads in GRADS
     for scale in SCALES
-    if applies(row, grads, scale, backend)
+    if applies(row, grads, scale, backend, policy)
 ]
 
 

@@ -116,26 +116,40 @@ class Side:
     objects: dict = field(default_factory=dict)
     kept: list = field(default_factory=list)
     found: bool = False  # the twin's: whether this iteration overflowed
+    skipped_now: bool = False  # the twin's: whether this iteration's step was skipped (an overflow or a spike)
+    rule: Any = None  # the twin's rule under a policy column (policies.TwinRule); None: torch's GradScaler
     skipped_steps: int = 0  # the twin's count of skipped steps, and of skips in a row
     consecutive_skips: int = 0
 
     def params(self) -> list[torch.nn.Parameter]:
         return list(self.model.weights)
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The side's optimizer, and a second one where a row serves two on one scaler."""
+        return [self.optimizer, *([self.objects["b"]] if "b" in self.objects else [])]
+
     def count(self, skipped: bool) -> None:
         self.skipped_steps += int(skipped)
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
 
 
-def make_scaler(ours: bool, scale_ctx: Any, backend: str) -> Any:
+def make_scaler(ours: bool, scale_ctx: Any, backend: str, policy: Any = None) -> Any:
+    """A side's scaler: ours with the scale context's arguments, or the policy column's (its rule
+    and initial scale, with the context's ``enabled``); the twin's is torch's, whose scale a
+    policy's rule then sets after every update."""
+    kwargs = scale_ctx.kwargs()
     if ours:
-        return tritonscale.GradScaler("cpu", backend=backend, **scale_ctx.kwargs())
-    return torch.amp.GradScaler("cpu", **scale_ctx.kwargs())
+        if policy is not None and not policy.default:
+            kwargs = {**policy.kwargs(), "enabled": scale_ctx.enabled}
+        return tritonscale.GradScaler("cpu", backend=backend, **kwargs)
+    if policy is not None and not policy.default:
+        kwargs["init_scale"] = policy.scale_rule().scale
+    return torch.amp.GradScaler("cpu", **kwargs)
 
 
 # ------------------------------------------------------------------ the twin's torch calls
 def optimizer_stage(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> str:
-    record = scaler._per_optimizer_states.get(id(optimizer))
+    record = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))  # a disabled scaler keeps none
     return "READY" if record is None else record["stage"].name
 
 
@@ -146,15 +160,23 @@ def torch_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimiz
     return bool(sum(float(flag) for flag in flags))
 
 
-def torch_clip(side: Side, max_norm: float, norm_type: float) -> torch.Tensor:
-    """torch's ``unscale_`` (enabled, not yet unscaled) + ``clip_grad_norm_``. torch's clip has no
-    sparse kernel: a sparse gradient counts by its coalesced values (ours' documented rule)."""
-    scaler, optimizer = side.scaler, side.optimizer
+def torch_clip(side: Side, max_norm: float, norm_type: float, optimizer: Any = None) -> torch.Tensor:
+    """torch's ``unscale_`` (enabled, not yet unscaled) + ``clip_grad_norm_`` of ``optimizer``'s
+    parameters (default: the side's optimizer). torch's clip has no sparse kernel: a sparse
+    gradient counts by its coalesced values (ours' documented rule)."""
+    scaler, optimizer = side.scaler, optimizer or side.optimizer
     if scaler.is_enabled() and optimizer_stage(scaler, optimizer) != "UNSCALED":
         scaler.unscale_(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not any(p.grad.is_sparse for p in params):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        if side.rule is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)  # torch's clip, in its two halves
+        if math.isfinite(float(norm)) or not side.rule.applies_overflow:
+            torch.nn.utils.clip_grads_with_norm_(params, side.rule.clip_limit(float(norm), max_norm), norm)
+        # else: a rule whose overflowed steps go ahead applies the unscaled gradients, unclipped
+        # (docs/differences-from-torch.md: "An overflowed clip_grad_norm_ leaves ...")
+        return norm
     for p in params:
         p.grad = p.grad.coalesce() if p.grad.is_sparse else p.grad
     values = [p.grad.values() if p.grad.is_sparse else p.grad for p in params]
@@ -170,29 +192,57 @@ def torch_step_update(
     returns whether the iteration overflowed. A disabled scaler: torch's plain step, skipped where
     the clip found inf/NaN (ours' documented behaviour for ``enabled=False``)."""
     scaler, optimizer = side.scaler, side.optimizer
-    if scaler.is_enabled():
+    skipped = None
+    if not scaler.is_enabled():
+        found = norm is not None and not math.isfinite(float(norm))
+        if not found:
+            optimizer.step()
+    elif side.rule is None:
         scaler.step(optimizer) if step is None else step()
         found = torch_found_inf(scaler, optimizer)
         scaler.update(new_scale)
         scaler._scale.clamp_(min=FLOOR)
     else:
-        found = norm is not None and not math.isfinite(float(norm))
-        if not found:
-            optimizer.step()
+        found, skipped = rule_step_update(side, [(optimizer, norm, step)], new_scale)[0]
     side.found = found
-    side.count(found)
-    return found
+    side.skipped_now = found if skipped is None else skipped
+    side.count(side.skipped_now)
+    return side.skipped_now
+
+
+def rule_step_update(side: Side, steps: list, new_scale: float | None) -> list[tuple[bool, bool]]:
+    """The twin's iteration under a policy column's rule, for each ``(optimizer, norm, step)``:
+    torch's ``unscale_`` (if the optimizer is not unscaled yet), the rule's decisions, each step
+    unless skipped (``step``: another way to step it), then torch's scale set to the rule's.
+    Returns each optimizer's (overflowed, skipped)."""
+    scaler, rule = side.scaler, side.rule
+    for optimizer, _, _ in steps:
+        if optimizer_stage(scaler, optimizer) == "READY":
+            scaler.unscale_(optimizer)
+    found = [torch_found_inf(scaler, optimizer) for optimizer, _, _ in steps]
+    spiked = [rule.spiked(None if norm is None else float(norm)) for _, norm, _ in steps]
+    overflow_skips = rule.update(any(found), new_scale)
+    outcome = []
+    for (optimizer, norm, step), overflowed, spike in zip(steps, found, spiked):
+        skipped = (overflowed and overflow_skips) or spike
+        if not skipped:
+            optimizer.step() if step is None else step()
+            rule.stepped(None if norm is None else float(norm))
+        outcome.append((overflowed, skipped))
+    scaler.update(new_scale=rule.scale)
+    return outcome
 
 
 def torch_stats(side: Side, norm: torch.Tensor | None, found: bool) -> dict[str, Any]:
     """What ``stats()`` must report after this update, from the twin."""
     scaler = side.scaler
+    tracker = {} if side.rule is not None else {"growth_tracker": scaler._get_growth_tracker()}  # a rule's own
     return {
         "scale": scaler.get_scale(),
-        "growth_tracker": scaler._get_growth_tracker(),
+        **tracker,
         "norm": norm if norm is not None else math.nan,
         "found_inf": found,
-        "skipped": int(found),
+        "skipped": int(side.skipped_now),
         "skipped_steps": side.skipped_steps,
         "consecutive_skips": side.consecutive_skips,
     }

@@ -115,9 +115,10 @@ def stats(self: Any) -> dict[str, torch.Tensor]:
 
 def folds_clip_into(self: Any, optimizer: torch.optim.Optimizer) -> bool:
     """Whether :meth:`clip_grad_norm_` hands ``optimizer``'s fused step ``scale / clip_coef``
-    (the gradients then stay scaled until :meth:`step`) rather than writing the gradients.
+    (the gradients then stay scaled until :meth:`step`) rather than writing the gradients. A
+    disabled scaler's clip is a plain clip: it writes them, and this is False.
     Example: ``if not scaler.folds_clip_into(opt): grads_are_unscaled_after_the_clip()``."""
-    return StepProtocol.of(optimizer, unwrap_optimizer(optimizer)).clip_folds(self._fold)
+    return self._enabled and StepProtocol.of(optimizer, unwrap_optimizer(optimizer)).clip_folds(self._fold)
 
 
 def get_policy(self: Any) -> LossScalePolicy:
