@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 from peer_rules import DeepSpeedFP16Rule, DeepSpeedZeroRule, FairseqRule
@@ -185,8 +186,6 @@ def test_every_value_an_importer_reads_is_checked_naming_the_key(who, key, bad):
 
 @pytest.mark.parametrize("who", sorted(GOOD))
 def test_one_element_tensors_and_numpy_numbers_load_as_the_plain_numbers(who):
-    import numpy as np
-
     plain = _call(who, GOOD[who]())
     as_tensors = {key: torch.tensor(plain_value) for key, plain_value in _read_values(who).items()}
     as_numpy = {key: np.array(plain_value)[()] for key, plain_value in _read_values(who).items()}
