@@ -96,7 +96,10 @@ class _Saved:
         return int(value)
 
     def flag(self, key: str, default: bool) -> bool:
-        value = self.fields.get(key, default)
+        """A saved bool; ``default`` (the argument's, checked where it is used) where the key is absent."""
+        if key not in self.fields:
+            return default
+        value = self.fields[key]
         if not isinstance(value, bool):
             raise self._refused(key, "True or False", value)
         return value
