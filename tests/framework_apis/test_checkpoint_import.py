@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 from peer_rules import DeepSpeedFP16Rule, DeepSpeedZeroRule, FairseqRule
@@ -107,3 +108,96 @@ def test_malformed_checkpoints_are_named():
         from_deepspeed(
             {"cur_scale": 2.0, "cur_iter": 0, "last_overflow_iter": -1, "scale_window": 10, "scale_factor": 3.0}
         )
+
+
+# ------------------------------------------------ what each importer reads is checked, by key
+IMPORTERS = {"from_megatron": from_megatron, "from_deepspeed": from_deepspeed, "from_apex": from_apex,
+             "from_fairseq": from_fairseq}  # fmt: skip
+
+
+@pytest.mark.parametrize("state", [None, [4096.0, 0, 2], "ckpt.pt", 4096.0], ids=["none", "list", "path", "float"])
+@pytest.mark.parametrize("name", sorted(IMPORTERS))
+def test_a_state_that_is_not_a_dict_is_refused_naming_the_importer_and_what_it_takes(name, state):
+    shown = "None" if state is None else type(state).__name__
+    with pytest.raises(ScalerConfigError, match=rf"^{name} takes .*state_dict\(\) \(a dict.*\), got {shown}"):
+        IMPORTERS[name](state)
+
+
+def _zero_scaler(**changed):
+    """A pickled ZeRO DynamicLossScaler's attributes (DeepSpeed's names), ``changed`` replacing some."""
+    fields = {"cur_scale": 1024.0, "cur_iter": 9, "last_overflow_iter": 4, "scale_factor": 2.0, "scale_window": 4,
+              "min_scale": 1.0, "delayed_shift": 2, "cur_hysteresis": 1, "consecutive_hysteresis": False,
+              "raise_error_at_min_scale": True}  # fmt: skip
+    return types.SimpleNamespace(**{**fields, **changed})
+
+
+# Each importer's good state, and the path of each value it reads in it: (importer, state, key, kind).
+GOOD = {
+    "from_megatron": lambda **c: {"scale": torch.tensor([4096.0]), "growth_tracker": 3, "hysteresis_tracker": -1, **c},
+    "from_deepspeed": lambda **c: {"dynamic_loss_scale": True, "cur_scale": 1024.0, "cur_iter": 3,
+                                   "last_overflow_iter": -1, "scale_factor": 2.0, "scale_window": 1000, **c},
+    "from_deepspeed(zero)": lambda **c: {"loss_scaler": _zero_scaler(**c)},
+    "from_apex": lambda **c: {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 5, **c}},
+    "from_fairseq": lambda **c: {"loss_scale": 128.0, **c},
+}  # fmt: skip
+READ = [
+    ("from_megatron", "scale", "scale"),
+    ("from_megatron", "growth_tracker", "count"),
+    ("from_megatron", "hysteresis_tracker", "count"),
+    ("from_deepspeed", "cur_scale", "scale"),
+    ("from_deepspeed", "cur_iter", "count"),
+    ("from_deepspeed", "last_overflow_iter", "count"),
+    ("from_deepspeed", "scale_window", "count"),
+    ("from_deepspeed", "scale_factor", "scale"),
+    ("from_deepspeed", "dynamic_loss_scale", "flag"),
+    ("from_deepspeed(zero)", "cur_scale", "scale"),
+    ("from_deepspeed(zero)", "min_scale", "scale"),
+    ("from_deepspeed(zero)", "delayed_shift", "count"),
+    ("from_deepspeed(zero)", "cur_hysteresis", "count"),
+    ("from_deepspeed(zero)", "consecutive_hysteresis", "flag"),
+    ("from_deepspeed(zero)", "raise_error_at_min_scale", "flag"),
+    ("from_apex", "loss_scale", "scale"),
+    ("from_apex", "unskipped", "count"),
+    ("from_fairseq", "loss_scale", "scale"),
+]
+BAD = {
+    # Each as GradScaler.load_state_dict would refuse it for its scale (it loads 0 as torch's underflow,
+    # which no peer saves: refused here), and for a tracker (an int, also as a one-element tensor).
+    "scale": ["abc", None, True, torch.tensor([1.0, 2.0]), float("nan"), float("inf"), -1.0, 0.0, 1e300],
+    "count": ["3", None, 2.5, torch.tensor([1, 2]), -5],
+    "flag": ["yes", 1, None],
+}
+# Megatron's hysteresis tracker goes below 0 (each overflow past the budget backs off): -5 is in range.
+IN_RANGE = {("hysteresis_tracker", "-5")}
+CASES = [(w, k, bad) for w, k, kind in READ for bad in BAD[kind] if (k, repr(bad)) not in IN_RANGE]
+
+
+def _call(who, state):
+    return IMPORTERS[who.split("(")[0]](state)
+
+
+@pytest.mark.parametrize("who, key, bad", CASES, ids=[f"{w}-{k}-{i}" for i, (w, k, _) in enumerate(CASES)])
+def test_every_value_an_importer_reads_is_checked_naming_the_key(who, key, bad):
+    _call(who, GOOD[who]())  # the good state loads
+    importer = who.split("(")[0]
+    with pytest.raises(ScalerConfigError, match=rf"^{importer}: state(\['loss_scaler0?'\])?\['{key}'\]"):
+        _call(who, GOOD[who](**{key: bad}))
+
+
+@pytest.mark.parametrize("who", sorted(GOOD))
+def test_one_element_tensors_and_numpy_numbers_load_as_the_plain_numbers(who):
+    plain = _call(who, GOOD[who]())
+    as_tensors = {key: torch.tensor(plain_value) for key, plain_value in _read_values(who).items()}
+    as_numpy = {key: np.array(plain_value)[()] for key, plain_value in _read_values(who).items()}
+    assert _call(who, GOOD[who](**as_tensors)) == plain
+    assert _call(who, GOOD[who](**as_numpy)) == plain
+    scaler = GradScaler("cpu", backend="torch")
+    scaler.load_state_dict(plain)  # what the importer returns loads
+
+
+def _read_values(who):
+    """The numbers (not flags) of ``who``'s good state that the importer reads."""
+    state = GOOD[who]()
+    fields = vars(state["loss_scaler"]) if who.endswith("(zero)") else state.get("loss_scaler0", state)
+    numbers = {key: fields[key] for w, key, kind in READ if w == who and kind != "flag"}
+    return {key: float(v) if isinstance(v, torch.Tensor) else v for key, v in numbers.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from integrations.skip_truth import SKIP_CASES
@@ -95,8 +96,10 @@ def test_a_disabled_scaler_is_refused_and_the_log_is_left_as_it_was():
         ({"delay": 1.5}, TypeError, "takes an int"),
         ({"delay": True}, TypeError, "takes an int"),
         ({"delay": 3, "slots": 3}, ValueError, "slots must be at least 4"),
+        ({"on_ready": 5}, TypeError, r"on_ready=\.\.\.\) takes a callable \(step, values\).*or None; got int 5"),
+        ({"on_ready": "log.txt"}, TypeError, r"on_ready=\.\.\.\) takes a callable"),
     ],
-    ids=["negative-delay", "float-delay", "bool-delay", "ring-no-larger-than-delay"],
+    ids=["negative-delay", "float-delay", "bool-delay", "ring-no-larger-than-delay", "int-writer", "path-writer"],
 )
 def test_bad_arguments_say_what_works(kwargs, error, words):
     with pytest.raises(error, match=words):
@@ -115,6 +118,61 @@ def test_a_tensor_step_or_torchs_scaler_is_refused_before_any_change():
 
     run_case("sgd", each_step, steps=3)
     assert exact(log.flush()) == exact(oracle_rows("sgd", steps=3))
+
+
+class FlakyWriter:
+    """A writer (a file on a full disk, a socket) that raises once, when given step ``fail_at``."""
+
+    def __init__(self, fail_at: int):
+        self.rows, self.fail_at, self.failed = [], fail_at, False
+
+    def __call__(self, step: int, values: dict) -> None:
+        if step == self.fail_at and not self.failed:
+            self.failed = True
+            raise OSError(28, "No space left on device")
+        self.rows.append((step, values))
+
+
+@pytest.mark.parametrize("read_each_step", [True, False], ids=["ready-each-step", "flush-at-the-end"])
+def test_a_writer_that_raises_loses_no_row_and_gets_none_twice(read_each_step):
+    writer, returned, steps = FlakyWriter(fail_at=2), [], 6
+    log = StepLog(delay=0, on_ready=writer)
+
+    def each_step(step, scaler):
+        log.record(scaler, step)
+        if read_each_step:
+            try:
+                returned.extend(log.ready())
+            except OSError:
+                assert step == 2 and len(log) == 1  # the row that failed is still held
+
+    run_case("hysteresis", each_step, steps)
+    if not read_each_step:
+        with pytest.raises(OSError, match="No space left"):
+            log.flush()
+        assert len(log) == steps - 2 and [s for s, _ in writer.rows] == [0, 1]  # 0, 1 delivered; 2.. held
+    returned += log.flush()
+    # The writer got every step once, in order, with the values read at once at that step.
+    assert exact(writer.rows) == exact(oracle_rows("hysteresis", steps=steps))
+    delivered_before_the_error = [] if read_each_step else writer.rows[:2]  # the raising flush returned nothing
+    assert exact(delivered_before_the_error + returned) == exact(writer.rows)
+    assert len(log) == 0 and log.flush() == []
+
+
+def test_a_step_that_is_not_an_int_is_refused_before_any_change():
+    log = StepLog(delay=0)
+
+    def each_step(step, scaler):
+        for bad in (step + 0.5, float(step), True, str(step), [step]):
+            with pytest.raises(TypeError, match=r"step takes a Python int \(or None for the count of rows"):
+                log.record(scaler, bad)
+        assert len(log) == 0  # nothing recorded by a refused call
+        log.record(scaler, np.int64(step))  # numpy ints are steps (operator.index takes them)
+        (row,) = log.ready()
+        assert type(row[0]) is int and row[0] == step
+
+    run_case("sgd", each_step, steps=3)
+    assert len(log) == 0
 
 
 def test_the_docstring_example_runs():

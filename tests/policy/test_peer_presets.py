@@ -13,6 +13,7 @@ fairseq's FloatingPointError).
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -209,6 +210,35 @@ def test_a_deepspeed_version_as_pip_reports_it_picks_the_rule(version, delayed):
 def test_a_bad_peer_argument_is_named_with_its_preset(make, match):
     with pytest.raises(ScalerConfigError, match=match):
         make()
+
+
+@pytest.mark.parametrize("loss_scale", ["Dynamic", "DYNAMIC", "auto", "dynamic ", None, b"dynamic"])
+def test_apex_takes_loss_scale_as_amp_reads_it_and_refuses_other_strings(loss_scale):
+    # amp's Properties: loss_scale == "dynamic" or float(loss_scale) (so "Dynamic" fails in amp too).
+    with pytest.raises(ScalerConfigError, match=r'presets.apex\(loss_scale=...\) takes "dynamic" .*or a number, got'):
+        presets.apex(loss_scale=loss_scale)
+
+
+def test_apex_reads_a_number_in_a_string_as_amp_does():
+    # apex's examples pass --loss-scale from argparse as a string: amp reads it with float().
+    assert presets.apex(loss_scale="128") == presets.apex(loss_scale=128.0) == presets.apex(loss_scale=128)
+    assert presets.apex(loss_scale="dynamic") == presets.apex()
+
+
+#: Every preset argument that takes a number (its default is one, or None), with a string given.
+NUMBER_ARGS = [
+    (name, arg)
+    for name, make in presets.PRESETS.items()
+    for arg, parameter in inspect.signature(make).parameters.items()
+    if arg != "version" and (parameter.default is None or type(parameter.default) in (int, float))
+]
+
+
+@pytest.mark.parametrize("name, arg", NUMBER_ARGS, ids=[f"{name}-{arg}" for name, arg in NUMBER_ARGS])
+def test_a_string_where_a_number_goes_is_refused_naming_the_argument(name, arg):
+    function = presets.PRESETS[name].__name__
+    with pytest.raises(ScalerConfigError, match=rf"^presets\.{function}\({arg}=\.\.\.\) takes (a number|an int)"):
+        presets.preset(name, **{arg: "1"})
 
 
 # ------------------------------------------------ the edges where a peer and its preset part (docs/policies.md)

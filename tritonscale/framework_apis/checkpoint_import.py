@@ -22,26 +22,119 @@ Key mapping (theirs -> ours):
   -> ``_growth_tracker``.
 * fairseq ``FP16Optimizer.state_dict()``: ``loss_scale`` -> ``scale`` (fairseq saves nothing else:
   its counters restart, and so do ours).
+
+Every value an importer reads goes through one reader (``_Saved``): a state that is not a dict, a
+missing key, a scale that is not a positive finite number (or a one-element tensor) that float32
+holds, a tracker that is not an int, a flag that is not a bool -- each is a ScalerConfigError that
+names the importer and the key, what it got and what it needs. A scale of 0 is refused too:
+``GradScaler.load_state_dict`` loads torch's 0 (its float32 backoff's underflow) as the policy's
+floor, but no peer's rule continues from 0 that way.
 """
 
 from __future__ import annotations
 
+from collections import abc
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ..errors import ScalerConfigError
 from ..policy import peer_presets
+from ..policy.knob_checks import check_scale_value, is_int, is_number
 from ..policy.peer_presets import PeerPreset
 from ..scaler.scaler_args import TORCH_KNOBS
 
 
-def _number(value: Any) -> float:
-    return float(value.item() if hasattr(value, "item") else value)
+@dataclass(frozen=True)
+class _Saved:
+    """One section of a peer's saved state, as an importer reads it: every value goes through
+    :meth:`scale`, :meth:`count` or :meth:`flag`, so a value of the wrong kind is refused with the
+    importer, the key, what it got and what it needs -- not a ``float()`` error naming nothing.
+    Example: ``_saved(state, "from_megatron", "Megatron-LM's ...", ("scale",)).scale("scale")``."""
+
+    fields: abc.Mapping
+    importer: str  # "from_megatron"
+    path: str  # "state", "state['loss_scaler0']"
+    what: str  # the peer's name for this state, for a missing key
+
+    def require(self, *keys: str) -> None:
+        missing = [key for key in keys if key not in self.fields]
+        if missing:
+            raise ScalerConfigError(f"{self.importer}: {self.path} ({self.what}) is missing {missing}")
+
+    def section(self, key: str, what: str, keys: tuple[str, ...]) -> _Saved:
+        """The mapping (or pickled object, as DeepSpeed's ZeRO saves its scaler) under ``key``."""
+        value = self.fields[key]
+        fields = value if isinstance(value, abc.Mapping) else getattr(value, "__dict__", None)
+        if fields is None:
+            raise self._refused(key, f"{what} (a dict or an object)", value)
+        saved = _Saved(fields, self.importer, f"{self.path}[{key!r}]", what)
+        saved.require(*keys)
+        return saved
+
+    def scale(self, key: str) -> float:
+        """A loss scale (or a floor on one): what ``GradScaler.load_state_dict`` takes for its scale,
+        positive and finite in float32, but not 0 (torch's own underflow, no peer's saved state)."""
+        need = "a positive finite number or a one-element tensor"
+        value = self._value(key, need)
+        if not is_number(value):
+            raise self._refused(key, need, value)
+        return check_scale_value(f"{self.importer}: {self.path}[{key!r}]", float(value))
+
+    def count(self, key: str, default: int | None = None, minimum: int | None = None) -> int:
+        """A tracker or a count: an int (a one-element tensor, a float with an integer value);
+        ``default`` where the key is absent (None: the key is required)."""
+        if default is not None and key not in self.fields:
+            return default
+        need = f"an int{'' if minimum is None else f' >= {minimum}'} or a one-element tensor"
+        value = self._value(key, need)
+        if is_number(value) and not is_int(value) and float(value).is_integer():
+            value = int(value)
+        if not is_int(value) or (minimum is not None and value < minimum):
+            raise self._refused(key, need, value)
+        return int(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        """A saved bool; ``default`` (the argument's, checked where it is used) where the key is absent."""
+        if key not in self.fields:
+            return default
+        value = self.fields[key]
+        if not isinstance(value, bool):
+            raise self._refused(key, "True or False", value)
+        return value
+
+    def _value(self, key: str, need: str) -> Any:
+        """The saved value, a one-element tensor read as its number (a checkpoint load, not a step)."""
+        value = self.fields[key]
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise self._refused(key, need, value)
+            value = value.item()
+        return value
+
+    def _refused(self, key: str, need: str, value: Any) -> ScalerConfigError:
+        return ScalerConfigError(f"{self.importer}: {self.path}[{key!r}] must be {need}, got {_shown(value)}")
 
 
-def _require(state: Any, keys: tuple[str, ...], what: str) -> None:
-    missing = [k for k in keys if k not in state]
-    if missing:
-        raise ScalerConfigError(f"{what} is missing {missing}")
+def _saved(state: Any, importer: str, what: str, keys: tuple[str, ...]) -> _Saved:
+    """``state`` as the importer's top section, its ``keys`` present; anything but a dict is refused."""
+    if not isinstance(state, abc.Mapping):
+        shape = f"a dict with {', '.join(map(repr, keys))}" if keys else "a dict"
+        raise ScalerConfigError(f"{importer} takes {what} ({shape}), got {_shown(state)}")
+    saved = _Saved(state, importer, "state", what)
+    saved.require(*keys)
+    return saved
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message shows it: its type and a short repr (a tensor by shape)."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    shown = repr(value)
+    return f"{type(value).__name__} {shown if len(shown) <= 60 else shown[:57] + '...'}"
 
 
 def _state(preset: PeerPreset, scale: float, tracker: int, **counters: int) -> dict[str, Any]:
@@ -72,10 +165,12 @@ def from_megatron(
 
         scaler.load_state_dict(from_megatron(checkpoint["optimizer"]["grad_scaler"]))
     """
-    _require(state, ("scale", "growth_tracker", "hysteresis_tracker"), "Megatron grad scaler state")
+    keys = ("scale", "growth_tracker", "hysteresis_tracker")
+    saved = _saved(state, "from_megatron", "Megatron-LM's DynamicGradScaler.state_dict()", keys)
+    scale, tracker = saved.scale("scale"), saved.count("growth_tracker", minimum=0)
+    left = max(saved.count("hysteresis_tracker"), 0)  # Megatron's goes below 0: each backs off
     preset = peer_presets.megatron(1.0, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis)
-    left = max(int(_number(state["hysteresis_tracker"])), 0)  # Megatron's goes below 0: each backs off
-    return _state(preset, _number(state["scale"]), int(_number(state["growth_tracker"])), hysteresis_left=left)
+    return _state(preset, scale, tracker, hysteresis_left=left)
 
 
 def from_deepspeed(
@@ -96,33 +191,32 @@ def from_deepspeed(
 
         scaler.load_state_dict(from_deepspeed(torch.load(path, weights_only=False)["optimizer"]))
     """
-    scaler = state.get("loss_scaler") if isinstance(state, dict) else None
-    fields = state if scaler is None else (scaler if isinstance(scaler, dict) else vars(scaler))
-    optimizer = "fp16" if scaler is None else "zero"
-    _require(fields, ("cur_scale",), "DeepSpeed loss-scaler state")
-    scale = _number(fields["cur_scale"])
-    if not fields.get("dynamic_loss_scale", True) or "scale_window" not in fields:
+    top = _saved(state, "from_deepspeed", "a DeepSpeed fp16 or ZeRO optimizer's state_dict()", ())
+    optimizer = "fp16" if top.fields.get("loss_scaler") is None else "zero"
+    what = "DeepSpeed's loss-scaler state"
+    saved = top.section("loss_scaler", what, ("cur_scale",)) if optimizer == "zero" else top
+    saved.require("cur_scale")
+    scale = saved.scale("cur_scale")
+    if not saved.flag("dynamic_loss_scale", True) or "scale_window" not in saved.fields:
         return _state(peer_presets.deepspeed(loss_scale=scale, optimizer=optimizer), scale, 0)
-    _require(fields, ("cur_iter", "last_overflow_iter", "scale_window"), "DeepSpeed dynamic loss-scaler state")
-    window = int(fields["scale_window"])
-    if window < 1:
-        raise ScalerConfigError(f"DeepSpeed loss-scaler state has scale_window={window}; it must be >= 1")
-    factor = float(fields.get("scale_factor", 2.0))
+    saved.require("cur_iter", "last_overflow_iter", "scale_window")
+    window = saved.count("scale_window", minimum=1)
+    factor = saved.scale("scale_factor") if "scale_factor" in saved.fields else 2.0
     if factor != 2.0:
         raise ScalerConfigError(f"DeepSpeed loss-scaler state has scale_factor={factor}; DeepSpeed's rule is 2")
     preset = peer_presets.deepspeed(
         loss_scale_window=window,
-        hysteresis=int(fields.get("delayed_shift", hysteresis)),
-        consecutive_hysteresis=bool(fields.get("consecutive_hysteresis", consecutive_hysteresis)),
-        min_loss_scale=float(fields.get("min_scale", min_loss_scale)),
+        hysteresis=saved.count("delayed_shift", default=hysteresis, minimum=1),
+        consecutive_hysteresis=saved.flag("consecutive_hysteresis", consecutive_hysteresis),
+        min_loss_scale=saved.scale("min_scale") if "min_scale" in saved.fields else min_loss_scale,
         optimizer=optimizer,
         version=version,
     )
-    if optimizer == "zero" and not fields.get("raise_error_at_min_scale", True):
+    if optimizer == "zero" and not saved.flag("raise_error_at_min_scale", True):
         preset.policy.on_min_scale = "clamp"
-    good_steps = int(fields["cur_iter"]) - int(fields["last_overflow_iter"]) - 1
+    good_steps = saved.count("cur_iter", minimum=0) - saved.count("last_overflow_iter", minimum=-1) - 1
     tracker = _deepspeed_tracker(good_steps, preset.policy.growth_interval, preset.policy.growth_delay)
-    left = int(fields.get("cur_hysteresis", preset.policy.hysteresis)) if optimizer == "zero" else 1
+    left = saved.count("cur_hysteresis", default=preset.policy.hysteresis, minimum=0) if optimizer == "zero" else 1
     return _state(preset, scale, tracker, hysteresis_left=left)
 
 
@@ -144,10 +238,11 @@ def from_apex(state: dict[str, Any], *, index: int = 0, scale_window: int = 2000
         scaler.load_state_dict(from_apex(checkpoint["amp"]))
     """
     key = f"loss_scaler{index}"
-    _require(state, (key,), "apex amp state")
-    _require(state[key], ("loss_scale", "unskipped"), f"apex amp state[{key!r}]")
+    top = _saved(state, "from_apex", "apex's amp.state_dict()", (key,))
+    saved = top.section(key, "an apex LossScaler's state", ("loss_scale", "unskipped"))
+    scale, unskipped = saved.scale("loss_scale"), saved.count("unskipped", minimum=0)
     preset = peer_presets.apex("dynamic", 1.0, scale_window, min_loss_scale, max_loss_scale)
-    return _state(preset, _number(state[key]["loss_scale"]), int(state[key]["unskipped"]))
+    return _state(preset, scale, unskipped)
 
 
 def from_fairseq(state: dict[str, Any], **fairseq_options: Any) -> dict[str, Any]:
@@ -160,6 +255,6 @@ def from_fairseq(state: dict[str, Any], **fairseq_options: Any) -> dict[str, Any
 
         scaler.load_state_dict(from_fairseq(checkpoint["last_optimizer_state"], fp16_scale_window=128))
     """
-    _require(state, ("loss_scale",), "fairseq optimizer state")
+    scale = _saved(state, "from_fairseq", "fairseq's FP16Optimizer.state_dict()", ("loss_scale",)).scale("loss_scale")
     preset = peer_presets.fairseq(**{**fairseq_options, "fp16_init_scale": 1.0})
-    return _state(preset, _number(state["loss_scale"]), 0, overflows_since_backoff=0, updates_since_rescale=0)
+    return _state(preset, scale, 0, overflows_since_backoff=0, updates_since_rescale=0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..scaler.grad_scaler import GradScaler
+from .scaler_arg import check_scaler
 
 __all__ = ["AppliedSteps"]
 
@@ -42,7 +43,9 @@ class AppliedSteps:
         self._on_host = 0  # applied steps with no flag (a disabled scaler that did not check)
 
     def record(self, scaler: GradScaler) -> None:
-        """Note the step that ``scaler.update()`` just completed (no host read)."""
+        """Note the step that ``scaler.update()`` just completed (no host read). A scaler with no
+        ``last_skip_flag()`` (torch's, None) is refused with a TypeError and nothing noted."""
+        check_scaler(scaler, "AppliedSteps.record", "last_skip_flag")
         flag = scaler.last_skip_flag()
         self._flag, self._skipped = flag, None
         if flag is None:

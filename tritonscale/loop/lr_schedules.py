@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .lr_tables import check_schedulable, check_total_steps, record_lrs
+from .scaler_arg import check_scaler
 
 STATE_KEYS = ("applied_steps", "calls")
 
@@ -53,8 +54,7 @@ class SkipAwareLR:
                 f"{scheduler.last_epoch}); wrap it right after it is built, and resume a run with "
                 "SkipAwareLR.load_state_dict"
             )
-        if not callable(getattr(scaler, "last_skip_flag", None)):
-            raise TypeError(f"SkipAwareLR needs a tritonscale.GradScaler (its last_skip_flag()), got {scaler!r}")
+        check_scaler(scaler, "SkipAwareLR", "last_skip_flag")
         self.total_steps = check_total_steps(scheduler, total_steps)
         self.scheduler, self.optimizer, self._scaler = scheduler, scheduler.optimizer, scaler
         rows = record_lrs(scheduler, self.total_steps)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..scaler.diagnostics import STAT_NAMES
+from .scaler_arg import check_scaler
 
 #: stats() entries handed out as Python ints (counters and trackers); the others are floats.
 INT_STATS = frozenset({"skipped", "skipped_steps", "consecutive_skips", "growth_tracker", "hysteresis_left"})
@@ -60,7 +61,9 @@ class StepLog:
     are ``delay`` records old and copied; ``flush()`` returns every row left (it may wait).
     ``values`` maps each name of ``STAT_NAMES`` to a Python number: ``int`` for the counters,
     ``float`` for ``scale`` (bit-exact float32), ``norm`` and ``found_inf``. ``on_ready(step,
-    values)``, if given, is called for each row as ``ready()``/``flush()`` hand it out.
+    values)``, if given, is called for each row as ``ready()``/``flush()`` hand it out; if it raises,
+    the error propagates and that row and the later ones stay in the log, handed out again (from
+    the row that failed, in step order) by the next ``ready()``/``flush()``.
 
     A scaler made with ``enabled=False`` has no stats: ``record`` raises ``stats()``'s error
     (log ``clip_grad_norm_``'s return value and ``last_skip_flag()`` instead).
@@ -90,6 +93,11 @@ class StepLog:
         self.delay = _count("delay", delay, minimum=0, why="how many later records a row waits for")
         why = f"a slot for each of the {delay} rows held back and one for the new row; unset, it is delay + {SLACK}"
         self.slots = _count("slots", delay + SLACK if slots is None else slots, minimum=self.delay + 1, why=why)
+        if on_ready is not None and not callable(on_ready):
+            raise TypeError(
+                f"StepLog(on_ready=...) takes a callable (step, values), called for each row handed out, or None; "
+                f"got {type(on_ready).__name__} {on_ready!r}"
+            )
         self.on_ready = on_ready
         self._ring: torch.Tensor | None = None  # [slots, len(STAT_NAMES)] float64 on the host
         self._device: torch.device | None = None  # where the rows are stacked (the first record's)
@@ -100,12 +108,8 @@ class StepLog:
     def record(self, scaler, step: int | None = None) -> None:
         """Start copying this step's ``scaler.stats()`` to the host; ``step`` defaults to the
         number of rows recorded so far. Raises before any change on bad input."""
-        if isinstance(step, torch.Tensor):
-            raise TypeError("StepLog.record(scaler, step): step must be a Python int, not a tensor (reading it syncs)")
-        step = self._records if step is None else operator.index(step)
-        if not callable(getattr(scaler, "stats", None)):
-            kind = type(scaler).__name__
-            raise TypeError(f"StepLog.record takes a tritonscale.GradScaler (it logs its stats()), got a {kind}")
+        step = self._records if step is None else _step(step)
+        check_scaler(scaler, "StepLog.record", "stats")
         stats = scaler.stats()  # raises NO_STATS_WHEN_DISABLED for a disabled scaler
         row = torch.stack([stats[name].reshape(()).to(torch.float64) for name in STAT_NAMES])
         ring = self._ring_for(row.device)
@@ -164,12 +168,31 @@ class StepLog:
         return {name: int(v) if name in INT_STATS else v for name, v in zip(STAT_NAMES, numbers)}
 
     def _hand_out(self) -> list[tuple[int, dict]]:
-        rows = list(self._finished)
-        self._finished.clear()
-        if self.on_ready is not None:
-            for step, values in rows:
-                self.on_ready(step, values)
+        """The finished rows, oldest first, each given to ``on_ready`` before it leaves the log: if
+        the writer raises, that row and the later ones stay held (counted by ``len``) and the next
+        ``ready()``/``flush()`` hands them out from that row on; the rows before it were delivered."""
+        rows = []
+        while self._finished:
+            if self.on_ready is not None:
+                self.on_ready(*self._finished[0])
+            rows.append(self._finished.popleft())
         return rows
+
+
+def _step(step: object) -> int:
+    """``record``'s step as a Python int: an int or any integer ``operator.index`` takes (a numpy
+    int), not a bool, a float or a tensor (a device tensor's value is a host read, a sync)."""
+    if isinstance(step, torch.Tensor):
+        raise TypeError("StepLog.record(scaler, step): step must be a Python int, not a tensor (reading it syncs)")
+    if not isinstance(step, bool):  # operator.index takes a bool as 0/1: not a step
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise TypeError(
+        "StepLog.record(scaler, step): step takes a Python int (or None for the count of rows recorded), "
+        f"got {type(step).__name__} {step!r}"
+    )
 
 
 def _count(name: str, value: int, minimum: int, why: str) -> int:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ScalerConfigError
+from .knob_checks import is_int, is_number
 from .loss_scale_policy import LossScalePolicy
 from .policy_forms import as_float32
 
@@ -49,6 +50,8 @@ def torch(
     init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000
 ) -> PeerPreset:
     """torch.amp.GradScaler: the defaults of this library."""
+    _check_args("torch", "a number", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor)
+    _check_args("torch", "an int", growth_interval=growth_interval)
     policy = LossScalePolicy(
         growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
     )
@@ -68,6 +71,10 @@ def megatron(
     ``min_loss_scale=1``, ``loss_scale_window=1000``, ``hysteresis=2``); ``loss_scale=x``: its
     ``ConstantGradScaler`` (overflowed steps still skipped). Factors and floor are float32 tensors
     there: rounded to float32 here (growth 1.1 is 1.10000002384...)."""
+    numbers = {"initial_scale": initial_scale, "min_scale": min_scale, "growth_factor": growth_factor}
+    _check_args("megatron", "a number", **numbers, backoff_factor=backoff_factor)
+    _check_args("megatron", "an int", growth_interval=growth_interval, hysteresis=hysteresis)
+    _check_args("megatron", "a number or None", loss_scale=loss_scale)
     source = "NVIDIA/Megatron-LM megatron/core/optimizer/grad_scaler.py @ 00caa53a"
     if loss_scale:  # Megatron builds a ConstantGradScaler for a truthy loss_scale
         return _preset("megatron", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source)
@@ -102,6 +109,9 @@ def deepspeed(
     the DeepSpeed release ("0.16.9"; None: the current rule). Both grow after ``loss_scale_window``
     good steps, the first after an overflow (and at the start) one step later -- ZeRO only from 0.17.1.
     ``loss_scale > 0``: a static scale, overflowed steps skipped."""
+    _check_args("deepspeed", "a number", min_loss_scale=min_loss_scale, loss_scale=loss_scale)
+    ints = {"initial_scale_power": initial_scale_power, "loss_scale_window": loss_scale_window}
+    _check_args("deepspeed", "an int", **ints, hysteresis=hysteresis)
     if optimizer not in ("zero", "fp16"):
         raise ScalerConfigError(
             f"optimizer must be 'zero' (ZeRO's DynamicLossScaler) or 'fp16' (FP16_Optimizer), got {optimizer!r}"
@@ -134,7 +144,13 @@ def apex(
 ) -> PeerPreset:
     """apex.amp's ``LossScaler`` (``amp.initialize(loss_scale=..., min_loss_scale=...,
     max_loss_scale=...)``; amp left apex in 2025). It starts at ``min(max_loss_scale, init_scale)``;
-    a static ``loss_scale`` applies overflowed steps (amp skips only when dynamic)."""
+    a static ``loss_scale`` applies overflowed steps (amp skips only when dynamic). ``loss_scale``
+    is read as amp reads it: "dynamic" (that spelling only), else ``float(loss_scale)`` -- a number,
+    or a string holding one ("128", as apex's examples pass it from the command line)."""
+    loss_scale = _apex_loss_scale(loss_scale)
+    _check_args("apex", "a number", init_scale=init_scale, max_loss_scale=max_loss_scale)
+    _check_args("apex", "a number or None", min_loss_scale=min_loss_scale)
+    _check_args("apex", "an int", scale_window=scale_window)
     source = "NVIDIA/apex apex/amp/scaler.py LossScaler.update_scale @ cb65b8ed~1"
     if loss_scale != "dynamic":
         return _preset("apex", loss_scale, LossScalePolicy.fixed(skip_on_overflow=False), source)
@@ -151,6 +167,9 @@ def apex_hysteresis(
 ) -> PeerPreset:
     """apex's ``amp_C.update_scale_hysteresis`` kernel (NeMo's scaler): torch's rule and arithmetic
     with a hysteresis budget that every good step refills."""
+    factors = {"growth_factor": growth_factor, "backoff_factor": backoff_factor}
+    _check_args("apex_hysteresis", "a number", init_scale=init_scale, **factors)
+    _check_args("apex_hysteresis", "an int", growth_interval=growth_interval, hysteresis=hysteresis)
     rule = torch(init_scale, growth_factor, backoff_factor, growth_interval).policy
     policy = dataclasses.replace(rule, hysteresis=hysteresis, consecutive_hysteresis=True)
     return _preset("apex-hysteresis", init_scale, policy, "NVIDIA/apex csrc/update_scale_hysteresis.cu @ 16aaa783")
@@ -170,6 +189,11 @@ def fairseq(
     once the share of overflowed updates since the scale last changed reaches the tolerance, never
     below ``threshold_loss_scale``; an overflow that leaves the scale at or below ``min_loss_scale``
     raises FloatingPointError."""
+    numbers = {"fp16_init_scale": fp16_init_scale, "fp16_scale_tolerance": fp16_scale_tolerance}
+    _check_args("fairseq", "a number", **numbers, min_loss_scale=min_loss_scale)
+    _check_args("fairseq", "a number or None", threshold_loss_scale=threshold_loss_scale)
+    _check_args("fairseq", "an int", distributed_world_size=distributed_world_size, update_freq=update_freq)
+    _check_args("fairseq", "an int or None", fp16_scale_window=fp16_scale_window)
     window = fp16_scale_window if fp16_scale_window is not None else int(2**14 / distributed_world_size / update_freq)
     policy = LossScalePolicy(
         growth_interval=window,
@@ -185,6 +209,8 @@ def fairseq(
 def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> PeerPreset:
     """Keras 3's ``LossScaleOptimizer``: halve on a non-finite gradient with no floor, double after
     ``dynamic_growth_steps`` finite ones (Keras 3 has no fixed scale)."""
+    _check_args("keras", "a number", initial_scale=initial_scale)
+    _check_args("keras", "an int", dynamic_growth_steps=dynamic_growth_steps)
     policy = LossScalePolicy(growth_interval=dynamic_growth_steps)
     return _preset(
         "keras", initial_scale, policy, "keras-team/keras keras/src/optimizers/loss_scale_optimizer.py @ 054e2952"
@@ -196,6 +222,8 @@ def tf_keras(
 ) -> PeerPreset:
     """tf.keras 2's (TensorFlow 2's) ``LossScaleOptimizer``: dynamic, never below 1; ``dynamic=False``
     needs ``initial_scale`` and applies steps whatever their gradients hold (as TensorFlow does)."""
+    _check_args("tf_keras", "a number or None", initial_scale=initial_scale)
+    _check_args("tf_keras", "an int or None", dynamic_growth_steps=dynamic_growth_steps)
     source = "keras-team/tf-keras tf_keras/mixed_precision/loss_scale_optimizer.py @ 6add81a9"
     if not dynamic:
         if initial_scale is None:
@@ -221,6 +249,10 @@ def tf1(
     """TensorFlow 1.x contrib's ``LossScaleOptimizer`` with an ``ExponentialUpdateLossScaleManager``
     (its two required arguments first), or with ``FixedLossScaleManager(loss_scale)``; that optimizer
     skips every step with a non-finite gradient."""
+    _check_args("tf1", "a number or None", init_loss_scale=init_loss_scale, loss_scale=loss_scale)
+    _check_args("tf1", "an int or None", incr_every_n_steps=incr_every_n_steps)
+    _check_args("tf1", "an int", decr_every_n_nan_or_inf=decr_every_n_nan_or_inf)
+    _check_args("tf1", "a number", incr_ratio=incr_ratio, decr_ratio=decr_ratio)
     source = "tensorflow/tensorflow tensorflow/contrib/mixed_precision/python/loss_scale_manager.py (TF 1.15)"
     if loss_scale is not None:
         return _preset("tf1", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source)
@@ -261,6 +293,40 @@ def _preset(name: str, init_scale: float, policy: LossScalePolicy, source: str) 
         return PeerPreset(name, float(init_scale), policy.validate(), source)
     except ScalerConfigError as error:
         raise ScalerConfigError(f"presets {name!r}: {error}") from None
+
+
+#: What a preset's argument takes, as ``_check_args`` says it, and the test of it.
+_TAKES: dict[str, Callable[[Any], bool]] = {
+    "a number": is_number,
+    "an int": is_int,
+    "a number or None": lambda value: value is None or is_number(value),
+    "an int or None": lambda value: value is None or is_int(value),
+}
+
+
+def _check_args(preset: str, takes: str, **args: Any) -> None:
+    """Refuse any of ``args`` (the peer's argument names) that is not what ``takes`` says (a key of
+    ``_TAKES``): a string where a number goes ("1e-4" from a config file) would fail deep in the
+    rule with an error that names nothing. The ranges are the policy's to check, in its words."""
+    for arg, value in args.items():
+        if not _TAKES[takes](value):
+            raise ScalerConfigError(f"presets.{preset}({arg}=...) takes {takes}, got {type(value).__name__} {value!r}")
+
+
+def _apex_loss_scale(loss_scale: Any) -> str | float:
+    """apex amp's reading of ``loss_scale`` (its frontend's ``Properties``): "dynamic", else
+    ``float(loss_scale)``. Any other string ("Dynamic", "auto") is refused, as amp refuses it."""
+    if loss_scale == "dynamic" or is_number(loss_scale):
+        return loss_scale
+    if isinstance(loss_scale, str):
+        try:
+            return float(loss_scale)
+        except ValueError:
+            pass
+    raise ScalerConfigError(
+        f'presets.apex(loss_scale=...) takes "dynamic" (apex\'s spelling) or a number, '
+        f"got {type(loss_scale).__name__} {loss_scale!r}"
+    )
 
 
 def _release(version: str) -> tuple[int, ...]:
