@@ -33,6 +33,15 @@ Single process (``test_cells.py``; ids ``test_cell[<row>-<grads>-<scale>-<backen
   takes no sparse gradient, ...). The Triton backend runs the rows whose passes differ there over
   every gradient context at the ordinary scale and every scale on plain gradients.
 
+More rows (``rows.ROWS`` lists them all): two optimizers on one scaler, every read-out, torch's
+setters, an abandoned iteration (``optimizer_rows.py``); checkpoints into a default-built scaler
+and through torch's, each importer fed the peer's own state, the other scale managers
+(``state_rows.py``); ``StepLog``, ``AppliedSteps``, ``ScaleHistory`` (``loop_rows.py``). More
+columns: the policy (``policies.py``: torch's rule, every preset against the peer's transcribed
+rule, a static scale, each spike rule, the host checks; the cell id ends with its name when it is
+not the default) and gradient accumulation (``contexts.Accumulated``). ``test_coverage.py``
+enumerates the public surface and fails on a feature with no row or column.
+
 Compiled (``test_compiled_cells.py``): ``clip_grad_norm_`` or ``update()`` compiled with
 ``fullgraph=True`` (Dynamo's default and ``dynamic=True``), the scaler a module global, an
 ``nn.Module`` attribute or a closure, ``max_norm`` changing at every call, no recompilation after
