@@ -17,13 +17,24 @@ past bugs:
   point issued it (``kind``: the flags of unscale_/step, a clip, the Updater's gradient sum) and
   its arguments (``max_norm``, ``norm_type``);
 * the **optimizer**: a hash of what every rank's copy of it shares (its class and every
-  ``param_groups`` setting but the parameters themselves, which a ZeRO partition splits), and its
-  **partners**: a fingerprint of every rank's part of it at its last combine, so a rank that pairs
-  it with another optimizer of the others (two optimizers called in another order) is caught;
-* the **policy** (a hash of its knobs) and the **loss scale** (its exact float32 value);
+  ``param_groups`` setting but the parameters themselves, which a ZeRO partition splits), a hash of
+  the values of its tensor-valued settings (``settings``: a tensor lr, which the first hash counts
+  by dtype and shape only), and its **partners**: a fingerprint of every rank's part of it at its
+  last combine, so a rank that pairs it with another optimizer of the others (two optimizers called
+  in another order) is caught;
+* the **policy** (a hash of its class and every knob), the **loss scale** (its exact float32 value)
+  and the **trackers** (a hash of the values of the rest of the scaler's device state: growth
+  tracker, counters, norm and spike statistics), so a checkpoint loaded on one rank is caught even
+  where it kept the scale;
 * for the Updater, which sums replicated gradients, the **gradients** and their **layout** (each
   parameter's size, dtype and whether it has a gradient); a scaler's combine puts 0 there, since
-  partitions legitimately differ.
+  partitions legitimately differ;
+* whether this combine is **ambiguous** (``REFUSED``: any rank that sets it refuses the combine on
+  every rank, even where all agree), below.
+
+The value hashes (``values_digest``) are made on the device, with no host read: each value's
+float64 bits as 16-bit integers, weighted by position and summed in int64, exact in any order, so
+ranks holding the same values hold bitwise the same hash.
 
 Every rank compares all ranks' rows, so every rank that reaches a mismatched collective sees the
 mismatch, and the row's fixed width means a mismatched call can never make the collective itself
@@ -34,12 +45,14 @@ number of iterations this scaler has ended -- its ``update()`` calls, and for a 
 (a bf16 loop may never call ``update()``) its ``step()`` calls -- and ``call`` is the number of
 combines this scaler issued on that process group in the current iteration.
 
-**What it cannot see.** Two optimizers identical in class and every setting, each partitioned over
-the ranks, called in a different order on each rank from their very first combine, look the same
-to every rank: nothing that every rank computes tells them apart, and the partners they remember
-are then consistently swapped. Give each one's param groups a distinguishing key
-(``{"params": ..., "name": "decoder"}``; torch keeps extra keys) and the optimizer hash tells
-them apart from the first step.
+**Alike optimizers.** Two optimizers identical in class and every setting, each partitioned over
+the ranks, look the same to every rank until each has combined once (their partners are unknown
+before): a rank calling them in another order from their very first combine would combine one with
+the other unseen. So the first combine of an optimizer whose hash equals that of another live
+optimizer this scaler combined on the same group sets ``ambiguous``, and every rank raises (on a
+GPU path: the pending flag below), in either order: no rank raises alone before the collective,
+which would leave the others waiting. The fix, named in the error: give each one's param groups a
+distinguishing key (``{"params": ..., "name": "decoder"}``; torch keeps extra keys).
 
 **Where the error is raised.** Deciding to raise is a host read. On the CPU reads cost nothing
 (``host_reads.py``): every rank raises :class:`RankMismatchError` right after the collective,
