@@ -169,8 +169,8 @@ def _alike_on_the_gpu_paths(rank: int) -> dict:
     import tritonscale.host_reads
 
     tritonscale.host_reads.are_free = lambda device: False
-    pa, a = _partition(rank, SHAPES_A, 1)
-    pb, b = _partition(rank, SHAPES_B, 2)
+    pa, _ = _partition(rank, SHAPES_A, 1)
+    pb, _ = _partition(rank, SHAPES_B, 2)
     a, b = (torch.optim.AdamW(ps, lr=0.1, fused=True) for ps in (pa, pb))
     scaler = _scaler()
     before = [bits(p) for p in pa + pb]
