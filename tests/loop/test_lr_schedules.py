@@ -399,7 +399,8 @@ def _one_rank_schedules(rank: int, world: int) -> dict:
     """Two gloo ranks with process_group=, ZeRO partitions of fused AdamW with ``lr=torch.tensor(0.05)``;
     both build the same StepLR, rank 0 alone wraps it in SkipAwareLR and steps it. Each step's
     outcome (None, or the RankMismatchError), whether the refused step changed a parameter, and
-    the lr; then the same on the GPU paths (no host read: the step is skipped, the next read raises)."""
+    the lr; then the same on the GPU paths (no host read: the step is skipped, the next read raises),
+    and a control where both ranks wrap and step it."""
     import torch.distributed as dist
     from host_reads import HostReadGuard
 
@@ -407,14 +408,15 @@ def _one_rank_schedules(rank: int, world: int) -> dict:
 
     out: dict = {}
     guard = HostReadGuard()
-    for path in ("cpu", "gpu"):
+    for path in ("both", "cpu", "gpu"):
         if path == "gpu":
             tritonscale.host_reads.are_free = lambda device: False
         params = [torch.nn.Parameter(torch.full((3,), float(i))) for i in range(4) if i % 2 == rank]
         opt = torch.optim.AdamW(params, lr=torch.tensor(0.05), fused=True)
         scaler = tritonscale.GradScaler("cpu", init_scale=2.0**8, backend="torch", process_group=dist.group.WORLD)
         sched = S.StepLR(opt, step_size=1, gamma=0.5)
-        sched = tritonscale.SkipAwareLR(sched, scaler, total_steps=3) if rank == 0 else sched
+        wraps = rank == 0 or path == "both"
+        sched = tritonscale.SkipAwareLR(sched, scaler, total_steps=3) if wraps else sched
         errors = []
         for step in range(3):
             scaler.scale(torch.ones(()))
@@ -433,7 +435,7 @@ def _one_rank_schedules(rank: int, world: int) -> dict:
                 errors.append(str(error))
                 out[path, "untouched"] = all(torch.equal(a, p) for a, p in zip(before, params))
                 break
-            if rank == 0:
+            if wraps:
                 sched.step()
         out[path] = errors
         out[path, "lr"] = float(opt.param_groups[0]["lr"])
@@ -446,6 +448,7 @@ def test_a_tensor_lr_scheduled_on_one_rank_raises_on_every_rank_and_changes_noth
     from multiprocess import run_ranks
 
     for rank, out in enumerate(run_ranks(_one_rank_schedules, 2)):
+        assert out["both"] == [None] * 3 and out["both", "lr"] == pytest.approx(0.00625), f"rank {rank}: {out}"
         for path in ("cpu", "gpu"):
             errors = out[path]
             assert errors[0] is None, f"rank {rank}, {path}: the agreeing first step raised {errors[0]}"
