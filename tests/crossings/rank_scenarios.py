@@ -2,9 +2,10 @@
 
 ZeRO-style: two optimizers, A and B, each over half of the model's parameters on each rank (rank
 r holds parameter i of each where i % 2 == r), one GradScaler with ``process_group=`` a group of
-both ranks. Each scenario builds everything afresh, in a group of its own (so that a scenario that
-leaves its collectives out of step cannot pair them with the next one's, and a hang ends at
-SCENARIO_TIMEOUT), and saves each rank's outcome to a file as soon as it has one: a rank that dies
+both ranks. A's and B's param groups carry a ``name`` (alike otherwise, the scaler refuses them:
+the scenario alike_optimizers_in_another_order). Each scenario builds everything afresh, in a
+group of its own (so that a scenario that leaves its collectives out of step cannot pair them
+with the next one's, and a hang ends at SCENARIO_TIMEOUT), and saves each rank's outcome to a file as soon as it has one: a rank that dies
 in C++ leaves the outcomes before it, and the test starts the remaining scenarios again.
 
 A control scenario returns norms, scales and parameters for the one-process oracle; a perturbed
@@ -27,6 +28,7 @@ import tritonscale
 
 SCALE = 2.0**10
 MAX_NORM = 0.5
+LR = 0.1
 # Optimizer A's parameters and B's: two of A's on each rank (a norm of order 0 counts tensors).
 SHAPES = {"a": [(5, 3), (7,), (2, 2), (6,)], "b": [(4,), (3, 3)]}
 STEPS = 3
@@ -49,19 +51,36 @@ def held(rank: int, layout: str, shapes: list) -> list[int]:
 
 
 class Zero:
-    """One rank's partitions of A and B, their optimizers and the scaler."""
+    """One rank's partitions of A and B, their optimizers and the scaler. ``named``: A's and B's
+    param groups carry a ``name`` (else nothing tells the two alike optimizers apart: the scaler
+    refuses them); ``tensor_lr``: each optimizer's lr a tensor of its own; ``knobs``: the
+    GradScaler's further arguments (a policy knob, ``policy=``)."""
 
-    def __init__(self, rank: int, group, backend: str = "torch", layout: str = "split") -> None:
+    def __init__(
+        self,
+        rank: int,
+        group,
+        backend: str = "torch",
+        layout: str = "split",
+        *,
+        named: bool = True,
+        tensor_lr: bool = False,
+        **knobs,
+    ) -> None:
         self.rank = rank
         self.held = {name: held(rank, layout, shapes) for name, shapes in SHAPES.items()}
         self.params = {
             name: [torch.nn.Parameter(torch.zeros(shapes[i])) for i in self.held[name]]
             for name, shapes in SHAPES.items()
         }
-        self.opt = {name: torch.optim.SGD([{"params": ps}], lr=0.1) for name, ps in self.params.items()}
-        self.scaler = tritonscale.GradScaler(
-            "cpu", init_scale=SCALE, growth_interval=1, backend=backend, process_group=group
-        )
+        self.opt = {
+            name: torch.optim.SGD(
+                [{"params": ps, **({"name": name} if named else {})}], lr=torch.tensor(LR) if tensor_lr else LR
+            )
+            for name, ps in self.params.items()
+        }
+        args = knobs if "policy" in knobs else {"growth_interval": 1, **knobs}  # a preset brings its own
+        self.scaler = tritonscale.GradScaler("cpu", init_scale=SCALE, backend=backend, process_group=group, **args)
 
     def set_grads(self, step: int) -> None:
         scale = self.scaler.get_scale()
@@ -116,30 +135,49 @@ def control(backend: str = "torch", layout: str = "split", norm_type: float = 2.
 
 
 # ---------------------------------------------------------------------- one rank perturbed
-def perturbed(iteration: Callable[[Zero], None], before: Callable[[Zero], None] | None = None) -> Callable:
+def perturbed(
+    iteration: Callable[[Zero], None], before: Callable[[Zero], None] | None = None, **zero_kwargs
+) -> Callable:
     """One agreeing iteration, ``before`` (a set-up one rank may change), the gradients of the next
     step, then ``iteration(zero)`` in which one rank differs: which error each rank raises, and
-    whether anything changed."""
+    whether anything changed. ``zero_kwargs``: Zero's arguments, the same on every rank."""
 
     def scenario(rank: int, group) -> dict:
-        zero = Zero(rank, group)
+        zero = Zero(rank, group, **zero_kwargs)
         zero.set_grads(0)
         zero.clip("a"), zero.clip("b")
         zero.step_and_update()
         if before is not None:
             before(zero)
         zero.set_grads(2)
-        zero.before_call = zero.state()
-        try:
-            iteration(zero)
-            error = None
-        except Exception as caught:  # noqa: BLE001 - which error, on which rank, is the outcome
-            error = describe(caught)
-        # The call that raised changed nothing (an earlier call the ranks agreed on, such as the
-        # first clip before an extra one, did its work).
-        return {"error": error, "unchanged": same_bits(zero.before_call, zero.state())}
+        return outcome(zero, iteration)
 
     return scenario
+
+
+def built_apart(iteration: Callable[[Zero], None], rank1: dict, **both) -> Callable:
+    """Zero built with ``both`` on every rank and ``rank1`` on rank 1 only, then ``iteration``
+    from the first step: the first combine the ranks cannot agree on must raise on every rank."""
+
+    def scenario(rank: int, group) -> dict:
+        zero = Zero(rank, group, **both, **(rank1 if rank == 1 else {}))
+        zero.set_grads(0)
+        return outcome(zero, iteration)
+
+    return scenario
+
+
+def outcome(zero: Zero, iteration: Callable[[Zero], None]) -> dict:
+    """``iteration(zero)``: the error it raised (or None), and whether the call that raised changed
+    nothing (an earlier call the ranks agreed on, such as the first clip before an extra one, did
+    its work)."""
+    zero.before_call = zero.state()
+    try:
+        iteration(zero)
+        error = None
+    except Exception as caught:  # noqa: BLE001 - which error, on which rank, is the outcome
+        error = describe(caught)
+    return {"error": error, "unchanged": same_bits(zero.before_call, zero.state())}
 
 
 def clips_in_order(zero: Zero) -> None:
@@ -175,6 +213,34 @@ def extra_clip(zero: Zero) -> None:
 def load_another_scale(zero: Zero) -> None:
     if zero.rank == 1:  # a checkpoint of another run, loaded on this rank only
         zero.scaler.load_state_dict(tritonscale.GradScaler("cpu", init_scale=SCALE * 8).state_dict())
+
+
+def load_a_fresh_state(zero: Zero) -> None:
+    """A checkpoint of another run at the same scale, loaded on rank 1 only: the scale agrees, the
+    trackers (the update count, the norm statistics) do not."""
+    if zero.rank == 1:
+        fresh = tritonscale.GradScaler("cpu", init_scale=zero.scaler.get_scale(), growth_interval=1)
+        zero.scaler.load_state_dict(fresh.state_dict())
+
+
+def schedule_on_rank_0(zero: Zero) -> None:
+    """A's tensor lr halved on rank 0 only (its StepLR stepped there alone)."""
+    scheduler = torch.optim.lr_scheduler.StepLR(zero.opt["a"], step_size=1, gamma=0.5)
+    if zero.rank == 0:
+        scheduler.step()
+
+
+def skip_aware_lr_on_rank_0(zero: Zero) -> None:
+    """Both ranks build A's StepLR; rank 0 alone wraps it in SkipAwareLR and steps that."""
+    scheduler = torch.optim.lr_scheduler.StepLR(zero.opt["a"], step_size=1, gamma=0.5)
+    if zero.rank == 0:
+        tritonscale.SkipAwareLR(scheduler, zero.scaler, total_steps=2).step()
+
+
+def clips_in_order_from_the_start(zero: Zero) -> None:
+    for name in ("a", "b") if zero.rank == 0 else ("b", "a"):
+        zero.clip(name)
+    zero.step_and_update()
 
 
 def agreeing_iteration(zero: Zero) -> None:
@@ -265,6 +331,14 @@ SCENARIOS: dict[str, Callable] = {
     "another_norm_type": perturbed(another_norm_type),
     "extra_clip": perturbed(extra_clip),
     "another_scale": perturbed(agreeing_iteration, before=load_another_scale),
+    "another_state_same_scale": perturbed(agreeing_iteration, before=load_a_fresh_state),
+    "another_knob": built_apart(agreeing_iteration, {"hysteresis": 2}),
+    "another_preset": built_apart(agreeing_iteration, {"policy": "megatron"}),
+    "another_spike_rule": built_apart(agreeing_iteration, {"skip_norm_sigma": 3.0}),
+    "tensor_lr_on_one_rank": built_apart(agreeing_iteration, {"tensor_lr": True}),
+    "tensor_lr_scheduled_on_one_rank": perturbed(agreeing_iteration, before=schedule_on_rank_0, tensor_lr=True),
+    "skip_aware_lr_on_one_rank": perturbed(agreeing_iteration, before=skip_aware_lr_on_rank_0, tensor_lr=True),
+    "alike_optimizers_in_another_order": built_apart(clips_in_order_from_the_start, {}, named=False),
     "not_a_member": not_a_member,
     # Last: on the code before issue 26 these abort a process in C++ (the test starts again after).
     "clip_on_one_rank_unscale_on_the_other": perturbed(clip_or_unscale),

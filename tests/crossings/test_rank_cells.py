@@ -27,6 +27,17 @@ pytestmark = [
 ACCEPTED = ("RankMismatchError", "ValueError", "TypeError")  # a clear error; an UpdaterError's cause counts
 CONTROLS = {"control": 2.0, "control_triton": 2.0, "norm_type_0": 0.0, "norm_type_-inf_empty_partition": -math.inf}
 PERTURBED = [name for name in SCENARIOS if name not in CONTROLS and not name.startswith("rank0_reads")]
+#: The column a perturbation must be named by (the start of its label in rank_checks.CHECKED).
+COLUMN = {
+    "another_state_same_scale": "the scaler's trackers",
+    "another_knob": "the loss-scale policy",
+    "another_preset": "the loss-scale policy",
+    "another_spike_rule": "the loss-scale policy",
+    "tensor_lr_on_one_rank": "the optimizer (a hash",
+    "tensor_lr_scheduled_on_one_rank": "the optimizer's tensor-valued settings",
+    "skip_aware_lr_on_one_rank": "the optimizer's tensor-valued settings",
+    "alike_optimizers_in_another_order": "an optimizer this scaler cannot tell apart",
+}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +128,8 @@ def test_one_rank_perturbed_raises_on_every_rank_and_changes_nothing(outcomes, n
             assert "member" in message, f"rank 1 is not told it is not a member: {message}"
         else:
             assert result["unchanged"], f"rank {rank}: the refused call changed something"
+        if name in COLUMN:
+            assert COLUMN[name] in message, f"rank {rank}: {message}"
 
 
 @pytest.mark.parametrize("name", [name for name in SCENARIOS if name.startswith("rank0_reads")])

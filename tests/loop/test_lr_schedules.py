@@ -9,6 +9,7 @@ moved; the property test draws skip patterns and scheduler arguments over every 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -391,3 +392,66 @@ def test_the_docstring_example_runs():
         twin.step()
         oracle.step()
     assert _same(sched.get_last_lr(), _lrs(twin))
+
+
+# -------------------------------------------------------------- one rank schedules its tensor lr
+def _one_rank_schedules(rank: int, world: int) -> dict:
+    """Two gloo ranks with process_group=, ZeRO partitions of fused AdamW with ``lr=torch.tensor(0.05)``;
+    both build the same StepLR, rank 0 alone wraps it in SkipAwareLR and steps it. Each step's
+    outcome (None, or the RankMismatchError), whether the refused step changed a parameter, and
+    the lr; then the same on the GPU paths (no host read: the step is skipped, the next read raises),
+    and a control where both ranks wrap and step it."""
+    import torch.distributed as dist
+    from host_reads import HostReadGuard
+
+    import tritonscale.host_reads
+
+    out: dict = {}
+    guard = HostReadGuard()
+    for path in ("both", "cpu", "gpu"):
+        if path == "gpu":
+            tritonscale.host_reads.are_free = lambda device: False
+        params = [torch.nn.Parameter(torch.full((3,), float(i))) for i in range(4) if i % 2 == rank]
+        opt = torch.optim.AdamW(params, lr=torch.tensor(0.05), fused=True)
+        scaler = tritonscale.GradScaler("cpu", init_scale=2.0**8, backend="torch", process_group=dist.group.WORLD)
+        sched = S.StepLR(opt, step_size=1, gamma=0.5)
+        wraps = rank == 0 or path == "both"
+        sched = tritonscale.SkipAwareLR(sched, scaler, total_steps=3) if wraps else sched
+        errors = []
+        for step in range(3):
+            scaler.scale(torch.ones(()))
+            for p in params:
+                p.grad = torch.full_like(p, 2.0**8 * (step + 1))
+            before = [p.detach().clone() for p in params]
+            try:
+                with guard.armed() if path == "gpu" else contextlib.nullcontext():
+                    scaler.clip_grad_norm_(opt, max_norm=1.0)
+                    scaler.step(opt)
+                    scaler.update()
+                if path == "gpu":
+                    scaler.get_scale()  # the first host read: raises a flagged mismatch
+                errors.append(None)
+            except tritonscale.RankMismatchError as error:
+                errors.append(str(error))
+                out[path, "untouched"] = all(torch.equal(a, p) for a, p in zip(before, params))
+                break
+            if wraps:
+                sched.step()
+        out[path] = errors
+        out[path, "lr"] = float(opt.param_groups[0]["lr"])
+    return out
+
+
+def test_a_tensor_lr_scheduled_on_one_rank_raises_on_every_rank_and_changes_nothing():
+    """Before: rank 0 trained at 0.00625 and rank 1 at 0.05 after 3 steps, and nothing raised (the
+    row counted a tensor lr by dtype and shape only)."""
+    from multiprocess import run_ranks
+
+    for rank, out in enumerate(run_ranks(_one_rank_schedules, 2)):
+        assert out["both"] == [None] * 3 and out["both", "lr"] == pytest.approx(0.00625), f"rank {rank}: {out}"
+        for path in ("cpu", "gpu"):
+            errors = out[path]
+            assert errors[0] is None, f"rank {rank}, {path}: the agreeing first step raised {errors[0]}"
+            assert len(errors) == 2 and errors[1] is not None, f"rank {rank}, {path}: went on at lr {out[path, 'lr']}"
+            assert "the optimizer's tensor-valued settings" in errors[1], errors[1]
+            assert out[path, "untouched"], f"rank {rank}, {path}: the refused step changed a parameter"

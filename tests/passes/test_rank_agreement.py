@@ -66,12 +66,12 @@ def _mismatch(rank: int, calls, *params) -> dict:
     return {"error": error, "untouched": same_bits(before, [bits(t) for p in params for t in (p, p.grad)])}
 
 
-def _two_optimizers(rank: int, same_settings: bool = False, named: bool = False):
+def _two_optimizers(rank: int, same_settings: bool = False, named: bool = False, lrs=(0.1, 0.1)):
     """Two ZeRO-partitioned optimizers: distinct settings (a no-decay group, as usual for biases),
-    or the same settings, optionally with a ``name`` key in their param groups."""
+    or the same settings (but ``lrs``), optionally with a ``name`` key in their param groups."""
     a_settings = {} if same_settings else {"weight_decay": 0.01}
-    pa, a = _partition(rank, SHAPES_A, 1, group={"name": "a"} if named else {}, **a_settings)
-    pb, b = _partition(rank, SHAPES_B, 2, group={"name": "b"} if named else {})
+    pa, a = _partition(rank, SHAPES_A, 1, group={"name": "a", "lr": lrs[0]} if named else {"lr": lrs[0]}, **a_settings)
+    pb, b = _partition(rank, SHAPES_B, 2, group={"name": "b", "lr": lrs[1]} if named else {"lr": lrs[1]})
     return pa + pb, a, b
 
 
@@ -88,20 +88,30 @@ def scenarios_worker(rank: int, world: int) -> dict:
             scaler.clip_grad_norm_(second, 0.5)
 
         out["order", case] = _mismatch(rank, clip_both, *params)
-    # The same, with two optimizers alike in every setting, after an iteration in agreement: their
-    # partners (every rank's part of each, remembered from the last combine) tell them apart.
-    params, a, b = _two_optimizers(rank, same_settings=True)
+    # Two optimizers that became alike (one's lr set to the other's) after an iteration in
+    # agreement: their partners (every rank's part of each, from the last combine) tell them apart.
+    params, a, b = _two_optimizers(rank, same_settings=True, lrs=(0.1, 0.2))
     scaler = _scaler()
     scaler.clip_grad_norm_(a, 0.5), scaler.clip_grad_norm_(b, 0.5), scaler.step(a), scaler.step(b), scaler.update()
     for p in params:
         p.grad.mul_(scaler.get_scale() / SCALE)
+    a.param_groups[0]["lr"] = 0.2
     first, second = (a, b) if rank == 0 else (b, a)
 
     def clip_both_again(r, scaler=scaler, first=first, second=second):
         scaler.clip_grad_norm_(first, 0.5)
         scaler.clip_grad_norm_(second, 0.5)
 
-    out["order", "same settings"] = _mismatch(rank, clip_both_again, *params)
+    out["order", "became alike"] = _mismatch(rank, clip_both_again, *params)
+    # Two optimizers alike in every setting, from their first combine: nothing tells them apart, so
+    # the second one's first combine is refused on every rank, in either order.
+    for case in ("same order", "another order"):
+        params, a, b = _two_optimizers(rank, same_settings=True)
+        scaler = _scaler()
+        first, second = (b, a) if case == "another order" and rank == 1 else (a, b)
+        scaler.clip_grad_norm_(first, 0.5)  # nothing to compare it with yet: it goes through
+        clip_second = lambda r, scaler=scaler, second=second: scaler.clip_grad_norm_(second, 0.5)  # noqa: E731
+        out["alike", case] = _mismatch(rank, clip_second, *params)
     # One argument changed on rank 1.
     for name, change in (("max_norm", {"max_norm": 0.7}), ("norm_type", {"norm_type": 1.0})):
         params, a, _ = _two_optimizers(rank)
@@ -147,7 +157,28 @@ def scenarios_worker(rank: int, world: int) -> dict:
     # A rank outside the group is told so.
     group = dist.new_group([0])
     out["non-member"] = _outcome(lambda: tritonscale.GradScaler("cpu", process_group=group))
+    out["alike", "gpu"] = _alike_on_the_gpu_paths(rank)
     return out
+
+
+def _alike_on_the_gpu_paths(rank: int) -> dict:
+    """Two alike fused AdamW where reads are not free (last: it turns them off for the process): the
+    step reads nothing on the host, nothing changes, and the next host read raises the refusal."""
+    from host_reads import HostReadGuard
+
+    import tritonscale.host_reads
+
+    tritonscale.host_reads.are_free = lambda device: False
+    pa, _ = _partition(rank, SHAPES_A, 1)
+    pb, _ = _partition(rank, SHAPES_B, 2)
+    a, b = (torch.optim.AdamW(ps, lr=0.1, fused=True) for ps in (pa, pb))
+    scaler = _scaler()
+    before = [bits(p) for p in pa + pb]
+    with HostReadGuard().armed():
+        scaler.clip_grad_norm_(a, 0.5), scaler.clip_grad_norm_(b, 0.5), scaler.step(a), scaler.step(b)
+        scaler.update()
+    untouched = same_bits(before, [bits(p) for p in pa + pb])
+    return {"untouched": untouched, "error": _outcome(scaler.get_scale)}
 
 
 def _one_process_norm(shapes, norm_type: float) -> torch.Tensor:
@@ -171,13 +202,16 @@ def ranks():
     [
         (("order", "distinct settings"), "the optimizer"),
         (("order", "named groups"), "the optimizer"),
-        (("order", "same settings"), "which optimizer each rank combined this one with before"),
+        (("order", "became alike"), "which optimizer each rank combined this one with before"),
+        (("alike", "same order"), "an optimizer this scaler cannot tell apart"),
+        (("alike", "another order"), "an optimizer this scaler cannot tell apart"),
         ("max_norm", "max_norm"),
         ("norm_type", "norm_type"),
         ("clip vs unscale_", "which call combined"),
         ("policy", "the loss-scale policy"),
     ],
-    ids=["order", "order-named-groups", "order-same-settings", "max_norm", "norm_type", "clip-vs-unscale_", "policy"],
+    ids=["order", "order-named-groups", "order-became-alike", "alike-same-order", "alike-another-order", "max_norm",
+         "norm_type", "clip-vs-unscale_", "policy"],  # fmt: skip
 )
 def test_one_rank_changing_one_argument_or_call_raises_on_every_rank_and_changes_nothing(ranks, case, column):
     for rank, out in enumerate(ranks):
@@ -185,6 +219,15 @@ def test_one_rank_changing_one_argument_or_call_raises_on_every_rank_and_changes
         assert seen["error"] is not None and seen["error"].startswith("RankMismatchError"), f"rank {rank}: {seen}"
         assert column in seen["error"], f"rank {rank}: {seen['error']}"
         assert seen["untouched"], f"rank {rank}: a gradient or parameter changed"
+
+
+def test_alike_optimizers_are_refused_naming_the_fix_also_on_the_gpu_paths(ranks):
+    for rank, out in enumerate(ranks):
+        for case in ("same order", "another order"):
+            assert '{"params": ..., "name": "decoder"}' in out["alike", case]["error"], f"rank {rank}: {case}"
+        gpu = out["alike", "gpu"]
+        assert gpu["untouched"], f"rank {rank}: the GPU path's refused step changed a parameter"
+        assert gpu["error"] is not None and "cannot tell apart" in gpu["error"], f"rank {rank}: {gpu['error']}"
 
 
 def test_agreeing_ranks_norm_is_one_processs(ranks):

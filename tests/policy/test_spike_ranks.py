@@ -61,3 +61,78 @@ def test_ranks_decide_as_one_process():
         for ours, theirs in zip(run["params"], oracle["params"][rank::2]):
             torch.testing.assert_close(ours, theirs, rtol=TORCH_CLIP_COEF_RTOL[torch.float32], atol=1e-6)
     assert ranks[0]["spike"] == ranks[1]["spike"]
+
+
+# ------------------------------------------------------------- spike state loaded on one rank
+LOADED = dict(skip_norm_sigma=2, skip_norm_window=4)
+SPIKE_AT, SCALE = 5, 2.0**10
+
+
+def _loaded_on_rank_1(rank: int, fused: bool):
+    """ZeRO partitions (rank r holds parameter i where i % 2 == r) of a model whose gradients are
+    the same on both ranks: 5 agreeing steps, then rank 1 alone loads a fresh scaler's
+    state_dict (the same scale, no spike history), then step 5's gradients, 30 times the norm."""
+    shapes = [(5, 3), (7,), (4,)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for i, s in enumerate(shapes) if i % 2 == rank]
+    optimizer = torch.optim.AdamW(params, lr=0.1, fused=True) if fused else torch.optim.SGD(params, lr=0.1)
+    make = dict(init_scale=SCALE, growth_interval=10**6, backend="torch", **LOADED)
+    scaler = tritonscale.GradScaler("cpu", process_group=dist.group.WORLD, **make)
+    for step in range(SPIKE_AT + 1):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(s, generator=g) * (30.0 if step == SPIKE_AT else 1.0) for s in shapes]
+        scaler.scale(torch.ones(()))
+        for p, grad in zip(params, grads[rank::2]):
+            p.grad = grad * SCALE
+        if step == SPIKE_AT:
+            return params, optimizer, scaler
+        scaler.clip_grad_norm_(optimizer, MAX_NORM)
+        scaler.step(optimizer)
+        scaler.update()
+        if step == SPIKE_AT - 1 and rank == 1:  # the same scale, another history
+            scaler.load_state_dict(tritonscale.GradScaler("cpu", **make).state_dict())
+
+
+def loaded_state_worker(rank: int, world: int) -> dict:
+    from host_reads import HostReadGuard
+    from scaler_twins import bits, same_bits
+
+    import tritonscale.host_reads
+
+    out = {}
+    params, optimizer, scaler = _loaded_on_rank_1(rank, fused=False)
+    before = [[bits(p) for p in params], [bits(p.grad) for p in params]]
+    try:
+        scaler.clip_grad_norm_(optimizer, MAX_NORM)
+        scaler.step(optimizer)
+        scaler.update()
+        out["cpu"] = ("applied", scaler.last_step_skipped())
+    except tritonscale.RankMismatchError as error:
+        out["cpu"] = ("raised", str(error))
+    out["cpu untouched"] = same_bits(before, [[bits(p) for p in params], [bits(p.grad) for p in params]])
+    # The GPU paths: the step reads nothing on the host, is skipped, and the next read raises.
+    tritonscale.host_reads.are_free = lambda device: False
+    params, optimizer, scaler = _loaded_on_rank_1(rank, fused=True)
+    before = [bits(p) for p in params]
+    with HostReadGuard().armed():
+        scaler.clip_grad_norm_(optimizer, MAX_NORM)
+        scaler.step(optimizer)
+        scaler.update()
+    out["gpu untouched"] = same_bits(before, [bits(p) for p in params])
+    try:
+        scaler.get_scale()
+        out["gpu"] = None
+    except tritonscale.RankMismatchError as error:
+        out["gpu"] = str(error)
+    return out
+
+
+def test_spike_state_loaded_on_one_rank_raises_on_every_rank_before_the_spike_step():
+    """Before: rank 0 skipped the spike and rank 1 (no history) applied it, silently; the row
+    compared the scale alone, which the checkpoint kept."""
+    for rank, out in enumerate(run_ranks(loaded_state_worker, 2)):
+        kind, message = out["cpu"]
+        assert kind == "raised", f"rank {rank} went on (skipped: {message})"
+        assert "the scaler's trackers besides the scale" in message and "the loss scale" not in message
+        assert out["cpu untouched"], f"rank {rank}: the refused step changed a parameter or gradient"
+        assert out["gpu untouched"], f"rank {rank}: the GPU path's step changed a parameter"
+        assert out["gpu"] is not None and "the scaler's trackers" in out["gpu"], f"rank {rank}: {out['gpu']}"

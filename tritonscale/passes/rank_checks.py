@@ -17,13 +17,24 @@ past bugs:
   point issued it (``kind``: the flags of unscale_/step, a clip, the Updater's gradient sum) and
   its arguments (``max_norm``, ``norm_type``);
 * the **optimizer**: a hash of what every rank's copy of it shares (its class and every
-  ``param_groups`` setting but the parameters themselves, which a ZeRO partition splits), and its
-  **partners**: a fingerprint of every rank's part of it at its last combine, so a rank that pairs
-  it with another optimizer of the others (two optimizers called in another order) is caught;
-* the **policy** (a hash of its knobs) and the **loss scale** (its exact float32 value);
+  ``param_groups`` setting but the parameters themselves, which a ZeRO partition splits), a hash of
+  the values of its tensor-valued settings (``settings``: a tensor lr, which the first hash counts
+  by dtype and shape only), and its **partners**: a fingerprint of every rank's part of it at its
+  last combine, so a rank that pairs it with another optimizer of the others (two optimizers called
+  in another order) is caught;
+* the **policy** (a hash of its class and every knob), the **loss scale** (its exact float32 value)
+  and the **trackers** (a hash of the values of the rest of the scaler's device state: growth
+  tracker, counters, norm and spike statistics), so a checkpoint loaded on one rank is caught even
+  where it kept the scale;
 * for the Updater, which sums replicated gradients, the **gradients** and their **layout** (each
   parameter's size, dtype and whether it has a gradient); a scaler's combine puts 0 there, since
-  partitions legitimately differ.
+  partitions legitimately differ;
+* whether this combine is **ambiguous** (``REFUSED``: any rank that sets it refuses the combine on
+  every rank, even where all agree), below.
+
+The value hashes (``values_digest``) are made on the device, with no host read: each value's
+float64 bits as 16-bit integers, weighted by position and summed in int64, exact in any order, so
+ranks holding the same values hold bitwise the same hash.
 
 Every rank compares all ranks' rows, so every rank that reaches a mismatched collective sees the
 mismatch, and the row's fixed width means a mismatched call can never make the collective itself
@@ -34,12 +45,14 @@ number of iterations this scaler has ended -- its ``update()`` calls, and for a 
 (a bf16 loop may never call ``update()``) its ``step()`` calls -- and ``call`` is the number of
 combines this scaler issued on that process group in the current iteration.
 
-**What it cannot see.** Two optimizers identical in class and every setting, each partitioned over
-the ranks, called in a different order on each rank from their very first combine, look the same
-to every rank: nothing that every rank computes tells them apart, and the partners they remember
-are then consistently swapped. Give each one's param groups a distinguishing key
-(``{"params": ..., "name": "decoder"}``; torch keeps extra keys) and the optimizer hash tells
-them apart from the first step.
+**Alike optimizers.** Two optimizers identical in class and every setting, each partitioned over
+the ranks, look the same to every rank until each has combined once (their partners are unknown
+before): a rank calling them in another order from their very first combine would combine one with
+the other unseen. So the first combine of an optimizer whose hash equals that of another live
+optimizer this scaler combined on the same group sets ``ambiguous``, and every rank raises (on a
+GPU path: the pending flag below), in either order: no rank raises alone before the collective,
+which would leave the others waiting. The fix, named in the error: give each one's param groups a
+distinguishing key (``{"params": ..., "name": "decoder"}``; torch keeps extra keys).
 
 **Where the error is raised.** Deciding to raise is a host read. On the CPU reads cost nothing
 (``host_reads.py``): every rank raises :class:`RankMismatchError` right after the collective,
@@ -104,19 +117,44 @@ CHECKED = {
         "the optimizer (a hash of its class and param_groups settings)",
         _SAME_CALLS + "; the same optimizer must have the same settings on every rank",
     ),
-    "policy": ("the loss-scale policy (a hash of its knobs)", "make every rank's GradScaler with the same arguments"),
+    "policy": (
+        "the loss-scale policy (a hash of its class and every knob)",
+        "make every rank's GradScaler with the same arguments (the same policy= or preset)",
+    ),
+    "gradients": ("the number of gradients", _UNUSED),
+    "layout": ("the gradients' sizes, dtypes and which parameters have one (a hash)", _UNUSED),
+    "ambiguous": (
+        "an optimizer this scaler cannot tell apart from another one it combined on this process group (the "
+        "same class and param_groups settings: a rank calling the two in another order would combine one "
+        "with the other unseen)",
+        'give each optimizer\'s param groups a distinguishing key, e.g. {"params": ..., "name": "decoder"} '
+        "(torch keeps extra keys), on every rank",
+    ),
     "partners": (
         "which optimizer each rank combined this one with before (a hash of every rank's parameter "
         "layout of it, from its last combine)",
         _SAME_CALLS + " (the ranks paired this optimizer with another one: optimizers called in another order)",
     ),
-    "gradients": ("the number of gradients", _UNUSED),
-    "layout": ("the gradients' sizes, dtypes and which parameters have one (a hash)", _UNUSED),
+    "settings": (
+        "the optimizer's tensor-valued settings (a hash of their values: a tensor lr, betas)",
+        "every rank must set the same values (a learning-rate schedule, or a SkipAwareLR, stepped on some "
+        "ranks only): schedule every rank's optimizer alike",
+    ),
+    "trackers": (
+        "the scaler's trackers besides the scale (a hash of the growth tracker, counters, norm and spike "
+        "statistics)",
+        "every rank's scaler must have the same history (a scaler state_dict loaded on some ranks only, or "
+        "per-rank checkpoints): load the same scaler state_dict on every rank",
+    ),
 }
 #: A rank's own results, first in its row; every rank may differ here.
 RESULTS = ("norm", "found_inf", "holds_grads", "layout_here")
-#: The columns of the row after ``RESULTS``: what every rank must agree on.
+#: The columns of the row after ``RESULTS``: what every rank must agree on. Their order is
+#: ``RankChecks.stamp``'s: the device values (scale, iteration), the host numbers (one copy), the
+#: device digests.
 AGREED = tuple(CHECKED)
+#: Agreed columns that refuse the combine when any rank sets them, even where every rank agrees.
+REFUSED = ("ambiguous",)
 #: The values of the ``kind`` column.
 KINDS = {"flags": 0, "clip": 1, "gradient sum": 2}
 
@@ -164,14 +202,69 @@ def _settled(value: Any) -> Any:
     return type(value).__qualname__
 
 
+def policy_digest(policy: Any) -> int:
+    """A hash of a ``LossScalePolicy``: its class and every knob (``knobs()``: each of its fields; a
+    peer's preset is a policy plus its initial scale, which the scale column carries).
+    Example: ``policy_digest(LossScalePolicy())``."""
+    return digest((type(policy).__qualname__, sorted(policy.knobs().items())))
+
+
+def setting_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors among ``optimizer``'s param-group settings (a tensor lr, tensor betas), in the
+    order ``optimizer_digest`` hashes their keys: what it counts only by dtype and shape, and
+    ``values_digest`` counts by value. Example: ``setting_tensors(opt)``."""
+    found: list[torch.Tensor] = []
+    for group in getattr(optimizer, "param_groups", ()) if optimizer is not None else ():
+        for key in sorted(key for key in group if key != "params"):
+            _collect_tensors(group[key], found)
+    return found
+
+
+def _collect_tensors(value: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for each in value:
+            _collect_tensors(each, found)
+
+
+#: ``values_digest``'s sum is taken modulo this (an exact integer in a float64 column).
+_DIGEST_MODULUS = 2**52
+
+
+def values_digest(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 0-dim float64 hash of the tensors' values, made on ``device`` with no host read: each value's
+    float64 bits as four 16-bit integers, weighted by fixed pseudo-random integers by position and
+    summed in int64 (modulo 2**52). Integer sums are exact in any order, so ranks that hold the
+    same values hold bitwise the same digest; any one differing value changes it. 0 for no tensors.
+    Example: ``values_digest([state.growth_tracker, state.counters], device)``."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64, non_blocking=True) for t in tensors])
+    parts = flat.view(torch.int16).long()  # a float64's 8 bytes as 4 signed 16-bit integers
+    position = torch.arange(parts.numel(), dtype=torch.int64, device=device)
+    weights = (position * 40503 + 12345) % 1_048_573 + 1  # below 2**20: each product below 2**36
+    return ((parts * weights).sum() % _DIGEST_MODULUS).double()
+
+
+def tracker_tensors(state: Any) -> list[torch.Tensor]:
+    """The scaler's device state (a ``DeviceState``) but the scale, which has its own column: the
+    trackers whose values change later steps (growth tracker, counters, norm and spike statistics)."""
+    if state is None:
+        return []
+    return [getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "scale"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Agreement:
     """What one combine's row carries besides the rank's results, as every rank must make the call:
     the scaler's sequence (``ranks``), its loss scale (None: disabled, read as 1), which entry point
     (``kind``, a key of ``KINDS``), on which optimizer, under which policy (a ``LossScalePolicy``), with which
-    clip arguments, and for the Updater's sum the gradients' count and layout hash. The hashes are
-    taken only when a row is made (a process group is in use). Example:
-    ``Agreement(ranks, scale, "clip", optimizer, policy, max_norm=1.0, norm_type=2.0)``."""
+    clip arguments, for the Updater's sum the gradients' count and layout hash, and the scaler's
+    device state (``state``, a ``DeviceState``: its trackers are hashed on the device; None before
+    the first scale() or when disabled). The hashes are taken only when a row is made (a process
+    group is in use). Example:
+    ``Agreement(ranks, scale, "clip", optimizer, policy, max_norm=1.0, norm_type=2.0, state=tensors)``."""
 
     ranks: RankChecks
     loss_scale: torch.Tensor | None
@@ -182,10 +275,12 @@ class Agreement:
     norm_type: float = 0.0
     gradients: int = 0
     layout: int = 0
+    state: Any = None
 
     def columns(self) -> list[float]:
-        """The agreed columns after (scale, iteration, call), in ``AGREED`` order."""
-        policy = digest(sorted(self.policy.knobs().items())) if self.policy is not None else 0
+        """The host-made agreed columns after ``call``, in ``AGREED`` order: kind, max_norm,
+        norm_type, optimizer, policy, gradients, layout."""
+        policy = 0 if self.policy is None else policy_digest(self.policy)
         return [KINDS[self.kind], self.max_norm, self.norm_type, optimizer_digest(self.optimizer), policy,
                 self.gradients, self.layout]  # fmt: skip
 
@@ -205,6 +300,8 @@ class RankChecks:
         self._calls: dict[Any, int] = {}  # process group -> combines issued on it this iteration
         #: optimizer -> fingerprint of every rank's layout of it at its last combine (``partners``).
         self._partners: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+        #: process group -> {optimizer: its ``optimizer_digest`` at its last combine there} (``ambiguous``).
+        self._digests: dict[Any, weakref.WeakKeyDictionary[Any, int]] = {}
         #: 0-dim float32 device flag, 1 once a combine saw a mismatch not raised yet (GPU paths).
         self.pending: torch.Tensor | None = None
         self._seen: tuple[torch.Tensor, tuple[str, ...]] | None = None  # what the first one showed
@@ -234,16 +331,35 @@ class RankChecks:
 
     def stamp(self, group: Any, scale: torch.Tensor, agreement: Agreement) -> torch.Tensor:
         """This rank's ``AGREED`` columns for the next combine on ``group`` (float64: a float32 scale,
-        the iteration count, a 32-bit hash and a Python float are exact in it), counting the combine."""
+        the iteration count, a 32-bit hash, a Python float and the device digests are exact in it),
+        counting the combine. Nothing is read on the host: the device values stay on the device."""
         index = self._calls.get(group, 0)
         self._calls[group] = index + 1
-        iteration = self.iteration.to(scale.device, torch.float64, non_blocking=True).reshape(1)
+        device = scale.device
+        iteration = self.iteration.to(device, torch.float64, non_blocking=True).reshape(1)
         columns = agreement.columns()  # kind, max_norm, norm_type, optimizer, policy, gradients, layout
-        host = on_device([index, *columns[:5]], scale.device)
-        partners = self.partners(agreement.optimizer, scale.device).reshape(1)
-        return torch.cat(
-            [scale.detach().reshape(1).double(), iteration, host, partners, on_device(columns[5:], scale.device)]
-        )
+        ambiguous = self.ambiguous(group, agreement.optimizer, columns[3])
+        host = on_device([index, *columns, float(ambiguous)], device)  # call ... ambiguous: one copy
+        digests = [
+            self.partners(agreement.optimizer, device),
+            values_digest(setting_tensors(agreement.optimizer), device),
+            values_digest(tracker_tensors(agreement.state), device),
+        ]
+        return torch.cat([scale.detach().reshape(1).double(), iteration, host, torch.stack(digests)])
+
+    def ambiguous(self, group: Any, optimizer: Any, optimizer_hash: int) -> bool:
+        """Whether ``optimizer``, at its first combine on ``group``, has the ``optimizer_digest``
+        of another live optimizer this scaler combined there: nothing every rank computes then
+        tells the two apart (their partners are unknown yet), so a rank calling them in another
+        order would combine one with the other unseen. Such an optimizer is not remembered, so
+        every combine of it is refused until the two differ (a ``name`` key in its param groups)."""
+        if optimizer is None:
+            return False
+        known = self._digests.setdefault(group, weakref.WeakKeyDictionary())
+        if optimizer not in known and optimizer_hash in known.values():
+            return True
+        known[optimizer] = optimizer_hash
+        return False
 
     def partners(self, optimizer: Any, device: torch.device) -> torch.Tensor:
         """The ``partners`` column for ``optimizer``: a fingerprint of every rank's
@@ -265,14 +381,16 @@ class RankChecks:
 
     def judge(self, checked: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor | None:
         """``checked``: [world, len(names)], every rank's values in rank order (the same on every
-        rank). Where reads are free, raise if any column differs; else return the device flag
-        (1.0: mismatch) that the caller folds into the step's found_inf, also kept in ``pending``."""
+        rank). A mismatch: any column differs, or any rank set a ``REFUSED`` column. Where reads are
+        free, raise on it; else return the device flag (1.0: mismatch) that the caller folds into the
+        step's found_inf, also kept in ``pending``."""
+        refused = [names.index(name) for name in REFUSED if name in names]
         if host_reads.are_free(checked.device):
             values = checked.tolist()
-            if any(row != values[0] for row in values):
+            if any(row != values[0] for row in values) or any(row[i] for row in values for i in refused):
                 raise RankMismatchError(describe(values, names))
             return None
-        flag = (checked != checked[:1]).any().float()
+        flag = ((checked != checked[:1]).any() | (checked[:, refused] != 0).any()).float()
         if self.pending is None:
             self.pending, self._seen = flag, (checked, names)
         else:
@@ -327,9 +445,12 @@ class RankChecks:
         return {"_iteration": self.iteration.cpu(), "_uncounted": 0, "_calls": {}, "pending": None, "_seen": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Partners name optimizers of this process: none travel. Older pickles name the count "iteration".
+        # Partners and digests name optimizers and groups of this process: none travel. Older pickles
+        # name the count "iteration".
         count = state.get("_iteration", state.get("iteration"))
-        self.__dict__.update(state, _iteration=count, _uncounted=0, _partners=weakref.WeakKeyDictionary())
+        self.__dict__.update(
+            state, _iteration=count, _uncounted=0, _partners=weakref.WeakKeyDictionary(), _digests={}
+        )
         self.__dict__.pop("iteration", None)
 
 
@@ -345,13 +466,17 @@ def on_device(values: list[float], device: torch.device, dtype: torch.dtype = to
 
 
 def describe(values: list[list[float]], names: tuple[str, ...]) -> str:
-    """The error message: each column the ranks disagree on, every rank's value, what to do."""
+    """The error message: each column the ranks disagree on (or that a rank set, for ``REFUSED``
+    ones), every rank's value, what to do."""
     lines = []
     for column, name in enumerate(names):
         seen = [row[column] for row in values]
-        if any(v != seen[0] for v in seen):
+        label, advice = CHECKED[name]
+        if name in REFUSED and any(seen):
+            ranks = ", ".join(str(r) for r, v in enumerate(seen) if v)
+            lines.append(f"{label}: refused on every rank (set on rank {ranks}); {advice}")
+        elif any(v != seen[0] for v in seen):
             shown = ", ".join(f"rank {r}: {_shown(name, v)}" for r, v in enumerate(seen))
-            label, advice = CHECKED[name]
             lines.append(f"{label} differs between the ranks ({shown}); {advice}")
     return (
         f"tritonscale: the {len(values)} ranks of the process group disagree, so the combined step "
@@ -364,4 +489,6 @@ def _shown(name: str, value: float) -> str:
         return repr(value)
     if name in ("layout", "optimizer", "policy"):
         return f"{int(value):08x}"
+    if name in ("settings", "trackers"):
+        return f"{int(value):013x}"
     return str(int(value))

@@ -163,9 +163,11 @@ class GradScaler:
     def _agreement(
         self, optimizer: Any, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0
     ) -> Agreement:
-        """What this call's combine row says every rank agrees on (passes/rank_checks.py)."""
-        scale = self._tensors.scale if self._enabled and self._tensors is not None else None
-        return Agreement(self._ranks, scale, kind, optimizer, self._policy, max_norm, norm_type)
+        """What this call's combine row says every rank agrees on (passes/rank_checks.py), the
+        device state included: its trackers are hashed on the device."""
+        state = self._tensors if self._enabled else None
+        scale = state.scale if state is not None else None
+        return Agreement(self._ranks, scale, kind, optimizer, self._policy, max_norm, norm_type, state=state)
 
     def clip_grad_norm_(
         self,
