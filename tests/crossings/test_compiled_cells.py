@@ -118,9 +118,7 @@ def training_run(call: str, holder: str, backend: str, compile_kwargs: dict | No
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     opt = OPTIMIZERS[variant.optimizer](model.parameters())
-    grad_scaler = tritonscale.GradScaler(
-        "cpu", init_scale=2.0**8, growth_interval=2, backend=backend, **variant.knobs
-    )
+    grad_scaler = tritonscale.GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend=backend, **variant.knobs)
     clip, update = HOLDERS[holder](grad_scaler, opt)
     if compile_kwargs is not None and call == "clip_grad_norm_":
         clip = torch.compile(clip, backend="aot_eager", fullgraph=True, **compile_kwargs)
