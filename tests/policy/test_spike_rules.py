@@ -9,6 +9,7 @@ reference's clip value; no host read on the GPU paths; checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -359,3 +360,51 @@ def test_compiled_rule_equals_eager():
     assert skips == eager_skips and 17 in [i for i, s in enumerate(skips) if s]
     assert state == eager_state
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+# ------------------------------------------------------------------- update(new_scale)
+NEW_SCALE_NORMS = (1.0, 1.1, 0.9, 1.0, 10.0, 3.0)
+NEW_SCALE_KNOBS = dict(skip_norm_sigma=3.0, skip_norm_window=4, clip_norm_z=2.5, clip_norm_warmup_steps=3,
+                       skip_norm_factor=100.0)  # fmt: skip
+
+
+def _norm_run(set_by_hand: tuple[int, ...], guard=None):
+    """A scaler clipping gradients whose unscaled norm is each of NEW_SCALE_NORMS (scale 16 throughout),
+    ``update(new_scale=16.0)`` at the steps ``set_by_hand``, plain ``update()`` elsewhere:
+    (skips, norms, scaler). ``guard``: forbid_host_reads, armed around clip and update."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = tritonscale.GradScaler("cpu", init_scale=16.0, backend="torch", **NEW_SCALE_KNOBS)
+    skips, norms = [], []
+    for step, value in enumerate(NEW_SCALE_NORMS):
+        opt.zero_grad()
+        scaler.scale(param.sum() * 0.0).backward()
+        param.grad.fill_(value / 2 * 16.0)  # four equal entries: the unscaled norm is `value`
+        with guard.armed() if guard else contextlib.nullcontext():
+            norms.append(scaler.clip_grad_norm_(opt, max_norm=100.0))
+        scaler.step(opt)  # SGD's step reads its skip flag on the host, as torch's
+        with guard.armed() if guard else contextlib.nullcontext():
+            scaler.update(16.0) if step in set_by_hand else scaler.update()
+        skips.append(scaler.last_step_skipped())
+    return skips, [n.item() for n in norms], scaler
+
+
+@pytest.mark.parametrize("form", ["host_form", "device_form"])
+def test_update_with_new_scale_feeds_the_norm_rules(request, form):
+    """update(new_scale=...) (mmengine's static scale calls it every step) counts the iteration as
+    update() does, the scale aside: OLMo-core fed every norm applies the 3.0 after the 10.0 (with
+    the 10.0 kept out of the window, 3.0 is 20 std above 1.0, 1.1, 0.9, 1.0 and would be skipped);
+    ZClip's average takes the 10.0's clip value, skip_norm_factor's average the 1.0 of step 3.
+    ``device_form``: the rule on device tensors (host reads forbidden), as on a GPU."""
+    guard = request.getfixturevalue("forbid_host_reads") if form == "device_form" else None
+    skips, norms, scaler = _norm_run((3, 4), guard)
+    assert skips == olmo_skips(norms, OlmoSkip(4, 3.0)) and skips[4] and not skips[5]
+    _, plain_norms, plain = _norm_run((), guard)
+    assert norms == plain_norms
+    for name in ("counters", "norm_stats", "spike_stats"):
+        assert torch.equal(getattr(scaler._tensors, name), getattr(plain._tensors, name)), name
+    reference = ZClipRef(warmup_steps=3)
+    for value in norms:
+        reference.clip_value(value, 100.0)
+    stats = scaler.state_dict()["spike_stats"]
+    assert (stats["ema_mean"], stats["ema_var"]) == pytest.approx((reference.mean, reference.var), rel=1e-12)

@@ -89,6 +89,34 @@ def test_same_constructor_defaults_as_torch():
     assert {k: ours.state_dict()[k] for k in TORCH_KEYS} == theirs.state_dict()
 
 
+# ------------------------------------------------------------ a disabled scaler's knobs
+NORM_RULES = {"skip_norm_above": 100.0, "skip_norm_factor": 3.0, "skip_norm_sigma": 3.0, "clip_norm_z": 2.5}
+
+
+@pytest.mark.parametrize("knob", list(NORM_RULES))
+@pytest.mark.parametrize("given", ["knob", "policy", "preset"])
+def test_a_disabled_scaler_refuses_the_norm_rules_by_name(knob, given):
+    """A bf16 run's scaler (enabled=False) keeps no norm history: a norm rule would be ignored (a
+    50x norm applied), so it is refused, however it comes, naming the knob and what works."""
+    knobs = {knob: NORM_RULES[knob], "skip_norm_window": 4}
+    policy = tritonscale.LossScalePolicy(**knobs)
+    arguments = {
+        "knob": knobs,
+        "policy": {"policy": policy},
+        "preset": {"policy": tritonscale.PeerPreset("mine", 1024.0, policy, "a test")},
+    }[given]
+    with pytest.raises(ScalerConfigError, match=rf"enabled=False\) got {knob}=") as error:
+        GradScaler("cpu", enabled=False, **arguments)
+    message = str(error.value)
+    assert "keeps no norm history" in message and "scaler.clip_grad_norm_" in message and "enabled scaler" in message
+
+
+def test_a_disabled_scaler_keeps_the_scale_knobs_unused_as_torch():
+    """torch's disabled scaler takes its knobs and ignores them; so do presets' scale rules."""
+    for arguments in ({"hysteresis": 2, "growth_interval": 10}, {"policy": "megatron"}, {"policy": "deepspeed"}):
+        assert not GradScaler("cpu", enabled=False, **arguments).is_enabled()
+
+
 # ------------------------------------------------------------ peers' presets
 def test_a_presets_name_is_its_call_with_the_peers_defaults():
     for name in tritonscale.presets.PRESETS:

@@ -6,7 +6,8 @@ back to an earlier stage. Two returns are the design, and named: ``passes/step_p
 optimizer is handed the step before the passes and hands it over after them; a clip opens the
 optimizer's record (``scaler/optimizer_record.py``) before the pass and records the outcome after
 it, so a pass that raises leaves the record as it was (``unscale_`` and the pass a ``step()``
-with none before it runs do the same).
+with none before it runs do the same); for the same reason a clip checks the norm history's owner
+(``scaler/norm_history.py``) before the pass and claims it after.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tritonscale import GradScaler
 #: The returns the design makes, per call (see the module docstring).
 EXPECTED_RETURNS = {
     "unscale_": {"scaler/optimizer_record.py"},
-    "clip_grad_norm_": {"passes/step_protocols.py", "scaler/optimizer_record.py"},
+    "clip_grad_norm_": {"passes/step_protocols.py", "scaler/optimizer_record.py", "scaler/norm_history.py"},
     "step": {"passes/step_protocols.py"},
     "step alone": {"passes/step_protocols.py", "scaler/optimizer_record.py"},  # the pass step() runs itself
     "update": set(),

@@ -70,6 +70,10 @@ from .policy_forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
 from .spike_rules import check_spike_knobs, update_spike_stats_, zscore_spike
 
 ON_MIN_SCALE = ("clamp", "warn", "raise")
+#: The rules decided from clip_grad_norm_'s norm, and those of them that keep a history of norms
+#: (a running average, a window) in the scaler's state.
+NORM_RULE_KNOBS = ("skip_norm_above", "skip_norm_factor", "skip_norm_sigma", "clip_norm_z")
+NORM_HISTORY_KNOBS = ("skip_norm_factor", "skip_norm_sigma", "clip_norm_z")
 
 
 @dataclass
@@ -205,6 +209,15 @@ class LossScalePolicy:
     # Every method below takes ``form`` (policy_forms.py): ON_DEVICE computes on the 0-dim device
     # tensors and reads nothing back; ON_HOST reads them into Python numbers first (on the CPU).
     # Tensors are only ever written through ``form.store`` or torch's in-place ops, at their addresses.
+    def knobs_set(self, names: tuple[str, ...]) -> list[str]:
+        """``name=value`` of each knob of ``names`` that is on (not None). Example:
+        ``LossScalePolicy(clip_norm_z=2.5).knobs_set(NORM_RULE_KNOBS) == ["clip_norm_z=2.5"]``."""
+        return [f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) is not None]
+
+    def has_norm_history(self) -> bool:
+        """A rule that keeps a history of clip_grad_norm_'s norms is on (``NORM_HISTORY_KNOBS``)."""
+        return any(getattr(self, name) is not None for name in NORM_HISTORY_KNOBS)
+
     def has_norm_skip(self) -> bool:
         return self.skip_norm_above is not None or self.skip_norm_factor is not None or self.skip_norm_sigma is not None
 
@@ -328,9 +341,7 @@ class LossScalePolicy:
                     tracker += 1
                 scale = min(max(scale, min_scale), max_scale)
                 if found_inf: tracker = -growth_delay
-            count the step: skipped or not, consecutive skips
-            if a norm came and the step was not skipped: average = decayed average with norm
-            if a finite norm came: the spike rules' window and average take it (spike_rules.py)
+            record_iteration_: the skip counters and the norm rules' histories
         """
         if self.dynamic:
             back_off = found_inf
@@ -350,12 +361,31 @@ class LossScalePolicy:
                 form.store(
                     growth_tracker, (), form.where(form.read(found_inf) > 0, -self.growth_delay, tracker), tracker
                 )
+        self.record_iteration_(counters, norm_stats, skipped, norm, form, spike_stats)
+
+    def record_iteration_(
+        self,
+        counters: torch.Tensor,
+        norm_stats: torch.Tensor,
+        skipped: torch.Tensor,
+        norm: torch.Tensor | None,
+        form: RuleForm = ON_DEVICE,
+        spike_stats: torch.Tensor | None = None,
+    ) -> None:
+        """What an iteration's outcome feeds besides the scale, in place: ``update_``'s last part,
+        and all of ``update(new_scale)``'s (the scale set by hand, the iteration counted all the
+        same: mmengine's static scale calls it every step)::
+
+            count the step: skipped or not, consecutive skips
+            if a norm came and the step was not skipped: average = decayed average with norm
+            if a finite norm came: the spike rules' window and average take it (spike_rules.py)
+        """
         was_skipped = form.read(skipped) > 0
         count_step_(counters, was_skipped, form)
         if norm is not None and self.skip_norm_factor is not None:
-            self._average_norm_(norm_stats, norm.to(scale.device, torch.float32), was_skipped, form)
+            self._average_norm_(norm_stats, norm.to(norm_stats.device, torch.float32), was_skipped, form)
         if norm is not None and self.has_spike_state():
-            update_spike_stats_(self, spike_stats, norm.to(scale.device))
+            update_spike_stats_(self, spike_stats, norm.to(spike_stats.device))
 
     def _average_norm_(self, norm_stats: torch.Tensor, norm: torch.Tensor, was_skipped: Any, form: RuleForm) -> None:
         """Fold a stepped iteration's finite norm into the running average (``skip_norm_factor``)."""

@@ -19,7 +19,7 @@ from .. import host_reads
 from ..flags import combine_flags, flags_on, moved_to
 from .host_checks import HostCheck, UpdatesWithoutRead, act_on_host_checks, host_check_flags
 from .loss_scale_policy import LossScalePolicy
-from .policy_counters import CONSECUTIVE_SKIPS, count_step_
+from .policy_counters import CONSECUTIVE_SKIPS
 from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
 from .policy_state import DeviceState
 from .spike_rules import zclip_max_norm
@@ -129,16 +129,20 @@ class PolicyRunner:
     def count_only_(
         self, policy: LossScalePolicy, state: DeviceState, outcome: IterationOutcome
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``update(new_scale)``: the scale is set by hand, but the iteration's skip still counts
-        (stats(), last_step_skipped()). Returns the found_inf and norm of the iteration, as
-        ``update_`` does, so stats() describes the step it counted. Nothing recorded (torch allows
-        that here): nothing counted, (None, None)."""
+        """``update(new_scale)``: the scale is set by hand, but the iteration counts as ``update_``
+        counts it (the policy's ``record_iteration_``: stats(), last_step_skipped(), the norm
+        rules' histories). Returns the found_inf and norm of the iteration, as ``update_`` does, so
+        stats() describes the step it counted. Nothing recorded (torch allows that here): nothing
+        counted, (None, None)."""
         found_inf, skipped = self._flags(policy, state, outcome)
         if found_inf is None:
             return None, None
-        form = self.form(state.counters.device)
-        count_step_(state.counters, form.read(skipped) > 0, form)
-        return found_inf, _last_norm(outcome, state.scale.device)
+        device = state.scale.device
+        norm = _last_norm(outcome, device)
+        self.rule(policy, "record_iteration_", device)(
+            state.counters, state.norm_stats, skipped, norm, spike_stats=state.spike_stats
+        )
+        return found_inf, norm
 
     def _flags(
         self, policy: LossScalePolicy, state: DeviceState, outcome: IterationOutcome

@@ -94,14 +94,28 @@ def _zclip_threshold(policy: Any, mean: torch.Tensor, var: torch.Tensor, x: torc
     return (mean + (z_thresh * std) / eta) * policy.clip_norm_factor, z > z_thresh
 
 
-def zclip_max_norm(policy: Any, stats: torch.Tensor, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+def zclip_max_norm(
+    policy: Any, stats: torch.Tensor, norm: torch.Tensor, max_norm: float | torch.Tensor
+) -> torch.Tensor:
     """float32 0-dim: the clip's ``max_norm`` this step: ZClip's clip value (not above
     ``max_norm``) where it clips, else ``max_norm``. During the warm-up: ``max_norm``."""
     x = norm.double()
     threshold, spike = _zclip_threshold(policy, stats[EMA_MEAN], stats[EMA_VAR], x)
     ready = (stats[EMA_SEEN] >= policy.clip_norm_warmup_steps) & torch.isfinite(x)  # an overflow: skipped
-    limit = torch.full_like(threshold, max_norm)
+    limit = _as_float64_like(threshold, max_norm)
     return torch.where(ready & spike, torch.minimum(threshold, limit), limit).float()
+
+
+def _as_float64_like(like: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
+    """``max_norm`` as a float64 0-dim tensor on ``like``'s device, exactly (a double holds any
+    float, and any float32/float16/bfloat16 value). Neither form makes Dynamo specialise: a tensor
+    stays a tensor (``torch.full_like`` would read it with ``.item()``: an unbacked symbol a
+    fullgraph trace cannot return), and a Python float enters as an operand of a multiply, as the
+    default clip's takes it (``full_like`` guards on its fill value: one recompilation per new
+    ``max_norm``). ``1.0 * max_norm`` is ``max_norm`` bit for bit, -0.0 and inf included."""
+    if isinstance(max_norm, torch.Tensor):
+        return max_norm.detach().to(like.device, torch.float64).reshape(())
+    return torch.ones_like(like) * max_norm
 
 
 def update_spike_stats_(policy: Any, stats: torch.Tensor, norm: torch.Tensor) -> None:

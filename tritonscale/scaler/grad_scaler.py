@@ -32,10 +32,12 @@ from ..process_groups import check_process_group
 from . import field_views as views
 from .checkpoint_codec import ScalerSnapshot, check_picklable, from_state_dict, to_state_dict
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
+from .norm_history import NormHistoryOwner
 from .optimizer_record import OptimizerRecord, OptState
 from .scale_outputs import scale_outputs
 from .scaler_args import (
     TORCH_INIT_SCALE,
+    check_disabled_policy,
     checked_init_scale,
     cuda_missing,
     missing_state_error,
@@ -92,6 +94,8 @@ class GradScaler:
         self._enabled = False if cuda_missing(device, enabled) else enabled  # torch disables it then, too
         policy, init_scale = peer_policy(policy, init_scale)  # a peer's preset brings its initial scale
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
+        if not enabled:  # the norm rules would be ignored: refused (torch's knobs: kept unchecked, as torch's)
+            check_disabled_policy(self._policy)
         # Like torch, a disabled scaler keeps its arguments unchecked.
         init_scale = checked_init_scale(init_scale, self._policy) if self._enabled else init_scale
         # The scale and the policy's trackers: Python numbers until the first scale(), then tensors.
@@ -103,6 +107,7 @@ class GradScaler:
         self._last_norm: torch.Tensor | None = None
         self._disabled_skip: torch.Tensor | None = None  # a disabled scaler's last step() skip flag
         self._ranks = RankChecks()  # the call sequence and mismatches across ranks (rank_checks.py)
+        self._norm_owner = NormHistoryOwner()  # the one optimizer whose clip norms the policy's history takes
 
     # ------------------------------------------------------------------ scale
     @runs_eagerly
@@ -197,6 +202,7 @@ class GradScaler:
             norm, found_inf = clip_unscaled(inner, max_norm, norm_type, group_of, self._backend_name, agreement)
             self._per_optimizer_states[id(inner)].skip = self._ranks.skip(found_inf)  # forced on by a mismatch
             return norm
+        self._norm_owner.check(self._policy, inner)  # before anything changes (the record too)
         scale = self._state_for("clip_grad_norm_").scale
         record = self._per_optimizer_states[id(inner)].not_stepped("clip_grad_norm_")
         pending, limit_of = record.pending_factor(scale), self._rules.clip_limit(self._policy, self._tensors, max_norm)
@@ -218,6 +224,7 @@ class GradScaler:
         folded = step_protocols.fold_clip(result.grad_scale, inner, self) if folds else None
         # Only now: a clip that raised leaves the record as it was.
         record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
+        self._norm_owner.claim(self._policy, inner)
         return result.norm
 
     # ------------------------------------------------------------------ step
@@ -339,6 +346,7 @@ class GradScaler:
         if not self._enabled:
             return
         self._policy, self._host = from_state_dict(state_dict, self._policy)  # raises before any change
+        self._norm_owner = NormHistoryOwner()  # the loaded history is no optimizer's yet
         if self._tensors is not None:
             self._tensors.load_(self._host)  # in place: the device tensors keep their addresses
 
@@ -370,6 +378,7 @@ class GradScaler:
         state = self.__dict__.copy()  # device tensors do not travel: numbers, made anew at the next scale()
         if self._enabled:
             state["_host"], state["_tensors"] = self._host_state(), None
+        state["_norm_owner"] = NormHistoryOwner()  # a copy's optimizers are others: its first clip claims
         return state
 
     # -------------------------------------- torch.amp.GradScaler's names (scaler/field_views.py)

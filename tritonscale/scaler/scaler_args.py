@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ScalerConfigError
 from ..policy.knob_checks import check_scale_value
-from ..policy.loss_scale_policy import LossScalePolicy
+from ..policy.loss_scale_policy import NORM_RULE_KNOBS, LossScalePolicy
 from ..policy.peer_presets import PRESETS, PeerPreset, preset
 
 
@@ -94,6 +94,20 @@ def policy_from_torch_args(
     if torch_knobs != defaults:
         raise ScalerConfigError("with policy=..., set growth_factor/backoff_factor/growth_interval inside the policy")
     return LossScalePolicy(**{**policy.knobs(), **knobs})
+
+
+def check_disabled_policy(policy: LossScalePolicy) -> None:
+    """A disabled scaler's policy (``enabled=False``, a bf16 run): the norm rules refused by name, as
+    it keeps no norm history and decides nothing from the norm; the scale knobs are kept and unused,
+    as torch keeps a disabled scaler's arguments. Example: ``check_disabled_policy(LossScalePolicy())``."""
+    knobs = policy.knobs_set(NORM_RULE_KNOBS)
+    if knobs:
+        raise ScalerConfigError(
+            f"GradScaler(enabled=False) got {', '.join(knobs)}: a disabled scaler (enabled=False, a bf16 run) "
+            "keeps no norm history and applies no norm rule, so the knob would be ignored. Clip with "
+            "scaler.clip_grad_norm_(optimizer, max_norm) (on a disabled scaler it still skips the step on an "
+            "inf/NaN norm), or use an enabled scaler (fp16 loss scaling) for the norm rules"
+        )
 
 
 def set_scale_(scale: torch.Tensor, new_scale: float | torch.Tensor) -> None:
