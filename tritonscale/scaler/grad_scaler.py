@@ -381,6 +381,11 @@ class GradScaler:
         state["_norm_owner"] = NormHistoryOwner()  # a copy's optimizers are others: its first clip claims
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A scaler pickled before the norm history had an owner: unowned, as any copy starts.
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_norm_owner", NormHistoryOwner())
+
     # -------------------------------------- torch.amp.GradScaler's names (scaler/field_views.py)
     # With torch's meaning, for code outside this package; views of the fields above.
     is_enabled = views.is_enabled
