@@ -63,8 +63,10 @@ class EntryPoint:
     narrow: bool = False
 
     def applies_to(self, policy: Any) -> bool:
-        return policy.default if self.policies is None and self.builds_scaler else (
-            self.policies is None or self.policies(policy)
+        return (
+            policy.default
+            if self.policies is None and self.builds_scaler
+            else (self.policies is None or self.policies(policy))
         )
 
     @property

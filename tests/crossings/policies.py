@@ -148,8 +148,12 @@ POLICIES = [
         lambda: {
             "init_scale": INIT,
             "policy": LossScalePolicy(
-                growth_interval=GROWTH_INTERVAL, min_scale=1.0, on_min_scale="warn", max_consecutive_skips=5,
-                raise_at_scale=2.0**-20, max_scale=2.0**40,
+                growth_interval=GROWTH_INTERVAL,
+                min_scale=1.0,
+                on_min_scale="warn",
+                max_consecutive_skips=5,
+                raise_at_scale=2.0**-20,
+                max_scale=2.0**40,
             ),  # fmt: skip
         },
         _torch_rule,

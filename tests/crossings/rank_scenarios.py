@@ -5,8 +5,9 @@ r holds parameter i of each where i % 2 == r), one GradScaler with ``process_gro
 both ranks. A's and B's param groups carry a ``name`` (alike otherwise, the scaler refuses them:
 the scenario alike_optimizers_in_another_order). Each scenario builds everything afresh, in a
 group of its own (so that a scenario that leaves its collectives out of step cannot pair them
-with the next one's, and a hang ends at SCENARIO_TIMEOUT), and saves each rank's outcome to a file as soon as it has one: a rank that dies
-in C++ leaves the outcomes before it, and the test starts the remaining scenarios again.
+with the next one's, and a hang ends at SCENARIO_TIMEOUT), and saves each rank's outcome to a
+file as soon as it has one: a rank that dies in C++ leaves the outcomes before it, and the test
+starts the remaining scenarios again.
 
 A control scenario returns norms, scales and parameters for the one-process oracle; a perturbed
 one returns, per rank, the error raised (or None) and whether parameters, gradients and optimizer

@@ -23,9 +23,7 @@ def into_default_ours(side: Side, step: int) -> Observations:
     """``GradScaler("cpu").load_state_dict(saved)``: the checkpoint alone brings the policy."""
     if step == ROUND_TRIP:
         saved = side.scaler.state_dict()
-        side.scaler = tritonscale.GradScaler(
-            "cpu", enabled=side.cell.scale.enabled, backend=side.cell.scaler_backend()
-        )
+        side.scaler = tritonscale.GradScaler("cpu", enabled=side.cell.scale.enabled, backend=side.cell.scaler_backend())
         side.scaler.load_state_dict(saved)
     return clip_ours(side, step)
 
@@ -57,7 +55,8 @@ def through_torch_oracle(side: Side, step: int) -> Observations:
 # ------------------------------------------------------------------------ the peers' checkpoints
 def megatron_state(rule) -> dict:
     """Megatron-LM's ``DynamicGradScaler.state_dict()``."""
-    return {"scale": rule._scale, "growth_tracker": rule._growth_tracker, "hysteresis_tracker": rule._hysteresis_tracker}
+    trackers = {"growth_tracker": rule._growth_tracker, "hysteresis_tracker": rule._hysteresis_tracker}
+    return {"scale": rule._scale, **trackers}
 
 
 def deepspeed_state(rule) -> dict:

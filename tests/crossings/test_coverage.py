@@ -72,8 +72,14 @@ FAMILIES = {
     "overflow tolerance": ("overflow_tolerance", "raise_at_scale"),
     "z-score skip": ("skip_norm_sigma", "skip_norm_window", "skip_norm_min_steps"),
     "ZClip": (
-        "clip_norm_z", "clip_norm_alpha", "clip_norm_warmup_steps", "clip_norm_mode", "clip_norm_option",
-        "clip_norm_factor", "clip_norm_eps", "clip_norm_skip_update_on_spike",
+        "clip_norm_z",
+        "clip_norm_alpha",
+        "clip_norm_warmup_steps",
+        "clip_norm_mode",
+        "clip_norm_option",
+        "clip_norm_factor",
+        "clip_norm_eps",
+        "clip_norm_skip_update_on_spike",
     ),  # fmt: skip
 }
 
@@ -92,13 +98,16 @@ def called_by_rows() -> dict[str, set[str]]:
     def wrap(owner, name, label):
         original = inspect.getattr_static(owner, name)
         if isinstance(original, property):
+
             def getter(self, _get=original.fget, _label=label):
                 seen.setdefault(_label, set()).add(current[0])
                 return _get(self)
+
             replacement = property(getter, original.fset)
         elif inspect.isclass(original):
             replacement = original  # classes: their __init__ is wrapped below
         elif callable(original):
+
             @functools.wraps(original)
             def replacement(*args, _f=original, _label=label, **kwargs):
                 seen.setdefault(_label, set()).add(current[0])

@@ -210,8 +210,17 @@ def ranks():
         ("clip vs unscale_", "which call combined"),
         ("policy", "the loss-scale policy"),
     ],
-    ids=["order", "order-named-groups", "order-became-alike", "alike-same-order", "alike-another-order", "max_norm",
-         "norm_type", "clip-vs-unscale_", "policy"],  # fmt: skip
+    ids=[
+        "order",
+        "order-named-groups",
+        "order-became-alike",
+        "alike-same-order",
+        "alike-another-order",
+        "max_norm",
+        "norm_type",
+        "clip-vs-unscale_",
+        "policy",
+    ],  # fmt: skip
 )
 def test_one_rank_changing_one_argument_or_call_raises_on_every_rank_and_changes_nothing(ranks, case, column):
     for rank, out in enumerate(ranks):

@@ -77,7 +77,7 @@ def test_one_scaler_per_optimizer_judges_each_by_its_own_norms():
     scalers = {name: tritonscale.GradScaler("cpu", init_scale=SCALE, **knobs) for name in STEADY}
     references = {name: OlmoSkip(8, 6.0) for name in STEADY}
     for _ in range(12):
-        for name, opt in pair.opts.items():
+        for opt in pair.opts.values():
             opt.zero_grad()
         for scaler in scalers.values():
             pair.backward(scaler)  # each scaler scales the same loss; the gradients are set anew

@@ -141,8 +141,7 @@ CHECKED = {
         "ranks only): schedule every rank's optimizer alike",
     ),
     "trackers": (
-        "the scaler's trackers besides the scale (a hash of the growth tracker, counters, norm and spike "
-        "statistics)",
+        "the scaler's trackers besides the scale (a hash of the growth tracker, counters, norm and spike statistics)",
         "every rank's scaler must have the same history (a scaler state_dict loaded on some ranks only, or "
         "per-rank checkpoints): load the same scaler state_dict on every rank",
     ),
@@ -448,9 +447,7 @@ class RankChecks:
         # Partners and digests name optimizers and groups of this process: none travel. Older pickles
         # name the count "iteration".
         count = state.get("_iteration", state.get("iteration"))
-        self.__dict__.update(
-            state, _iteration=count, _uncounted=0, _partners=weakref.WeakKeyDictionary(), _digests={}
-        )
+        self.__dict__.update(state, _iteration=count, _uncounted=0, _partners=weakref.WeakKeyDictionary(), _digests={})
         self.__dict__.pop("iteration", None)
 
 
