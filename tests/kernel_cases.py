@@ -3,7 +3,7 @@
 Tests of the kernel launchers (tritonscale.kernels) and of the two backends import what they need
 from here by name; the float64 oracle itself is tritonscale.kernels.reference.
 
-Contract under test (module docstrings of kernels/*.py and tritonscale/passes/backends/*.py):
+Contract under test (module docstrings of tritonscale/kernels/*.py and tritonscale/passes/backends/*.py):
   check_pass(layout, partials, code)  read-only; writes partials[:, :layout.programs] (fp32 [3, P]:
       max |g| over finite elements, the power-of-two-scaled sum, sum of |g| over inf/NaN elements)
   finalize(partials, P, scale, code, max_norm) -> fp32 [4] = (found_inf, norm, clip_coef, factor)
@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from tolerances import NORM_RTOL
+
 from tritonscale.kernels import check_pass, describe_grads, finalize, norm_code
 from tritonscale.kernels.check_pass import PARTIAL_ROWS
 from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import tritonscale
 from tritonscale.kernels.launch_config import (
     CHUNK,
     DEFAULT_BLOCK,
@@ -35,6 +37,8 @@ from tritonscale.kernels.launch_config import (
 )
 
 HELPER = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
+#: The folder holding the tritonscale this process imported (the checkout, or site-packages).
+PACKAGE_ROOT = Path(tritonscale.__file__).resolve().parents[1]
 
 TARGETS = {
     "sm90": ["cuda", 90, 32],
@@ -233,6 +237,8 @@ def compiled(tmp_path_factory) -> dict[str, dict]:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default the interpreter tests use too
     # A fresh cache: every run really compiles, and nothing is written to ~/.triton.
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    # The kernels this process tests, not whichever copy an install would map the name to.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(HELPER)],
         input=json.dumps(CASES),

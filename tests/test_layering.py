@@ -15,7 +15,6 @@ names from every stage and is the one exception.
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,6 @@ import pytest
 import tritonscale
 
 PACKAGE = Path(tritonscale.__file__).parent
-KERNELS = Path(importlib.import_module("tritonscale.kernels").__file__).parent
 ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4, "loop": 5}
 ORDER |= {"framework_apis": 6, "shapes": 6, "integrations": 6}
 LEAVES = {"flags", "process_groups", "host_reads", "errors"}
@@ -58,10 +56,10 @@ def stage_of(module: str) -> str | None:
 
 def sources() -> list[tuple[Path, str, list[str]]]:
     """(file, its stage, its package as a list) for every module but the package's __init__."""
-    found = [(p, "kernels", ["tritonscale", "kernels"]) for p in sorted(KERNELS.glob("*.py"))]
+    found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE)
-        if relative == Path("__init__.py") or relative.parts[0] == "kernels":
+        if relative == Path("__init__.py"):
             continue
         package = ["tritonscale", *relative.parent.parts]
         found.append((path, stage_of(".".join(["tritonscale", *relative.with_suffix("").parts])), package))

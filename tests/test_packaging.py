@@ -1,9 +1,9 @@
 """Packaging: the wheel ships the kernels as ``tritonscale.kernels`` and nothing as ``kernels``.
 
-``kernels/`` sits at the top of the repository and is mapped into the package by
-``[tool.setuptools.package-dir]``. A mistake there would ship a top-level ``kernels`` package,
-which clashes with the unrelated PyPI project of that name, or leave the kernels out of the
-wheel; neither shows up in the in-tree test runs. The import checks run in subprocesses from a
+The kernels are the subpackage ``tritonscale/kernels/``, listed in pyproject.toml's explicit
+package list. A mistake there would leave them out of the wheel, or ship a top-level ``kernels``
+package, which clashes with the unrelated PyPI project of that name; neither shows up in the
+in-tree test runs. The import checks run in subprocesses from a
 neutral working directory, so that neither this test process (conftest has already imported
 torch and set TRITON_INTERPRET) nor the repository root on ``sys.path`` can mask a problem.
 """
@@ -33,13 +33,14 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+def _python(code: str, cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = _clean_env() if pythonpath is None else {**_clean_env(), "PYTHONPATH": str(pythonpath)}
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=_clean_env(),
+        env=env,
         timeout=120,
     )
 
@@ -61,11 +62,18 @@ def _copy_tracked_files(dest: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Iterator[tuple[zipfile.ZipFile, Path]]:
-    """Build the wheel once from a snapshot of the tracked files; yield it and the snapshot."""
+def checkout(tmp_path_factory) -> Path:
+    """A snapshot of the tracked files: what a fresh clone holds."""
     source = tmp_path_factory.mktemp("source")
-    outdir = tmp_path_factory.mktemp("dist")
     _copy_tracked_files(source)
+    return source
+
+
+@pytest.fixture(scope="module")
+def wheel(checkout, tmp_path_factory) -> Iterator[tuple[zipfile.ZipFile, Path]]:
+    """Build the wheel once from the snapshot of the tracked files; yield it and the snapshot."""
+    source = checkout
+    outdir = tmp_path_factory.mktemp("dist")
     build = subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(outdir)],
         capture_output=True,
@@ -100,10 +108,10 @@ def test_wheel_ships_kernels_inside_the_package(wheel):
     names = set(zf.namelist())
     expected = {"tritonscale/__init__.py"} | {f"tritonscale/kernels/{m}" for m in KERNEL_MODULES}
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
-    # The package-dir mapping must pick up the repository's kernels/ directory, file for file.
+    # The wheel ships the checkout's kernels, file for file.
     for module in KERNEL_MODULES:
         shipped = zf.read(f"tritonscale/kernels/{module}")
-        assert shipped == (source / "kernels" / module).read_bytes(), module
+        assert shipped == (source / "tritonscale" / "kernels" / module).read_bytes(), module
 
 
 def test_wheel_has_no_top_level_kernels_package(wheel):
@@ -132,8 +140,8 @@ def test_installed_package_imports_kernels_as_subpackage(tmp_path):
 
 
 def test_bare_kernels_is_not_importable(tmp_path):
-    # From a neutral cwd only the installed distribution is on sys.path: the editable install
-    # must map tritonscale.kernels without exposing the repository's kernels/ as `kernels`.
+    # From a neutral cwd only the installed distribution is on sys.path: it must expose
+    # tritonscale.kernels and nothing as `kernels`.
     code = (
         "try:\n"
         "    import kernels\n"
@@ -176,3 +184,19 @@ def test_torch_backend_step_runs_without_numpy(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert float(result.stdout.split()[-1]) == 2.0  # |(1, 1, 1, 1)| after unscaling
+
+
+def test_checkout_on_pythonpath_imports_its_own_kernels(checkout, tmp_path):
+    # A clone put on PYTHONPATH (no install) must import tritonscale.kernels from itself, not
+    # fail and not fall through to another copy (an editable install's finder maps the name too),
+    # and must expose no top-level `kernels` package.
+    code = (
+        "import importlib.util, tritonscale.kernels\n"
+        "print(tritonscale.kernels.__file__)\n"
+        "print(importlib.util.find_spec('kernels') is None)\n"
+    )
+    proc = _python(code, tmp_path, pythonpath=checkout)
+    assert proc.returncode == 0, proc.stderr
+    kernels_file, no_bare_kernels = proc.stdout.split()
+    assert Path(kernels_file) == checkout / "tritonscale" / "kernels" / "__init__.py", kernels_file
+    assert no_bare_kernels == "True", "the checkout exposes a top-level `kernels` package"

@@ -6,8 +6,8 @@ MindSpore's and TensorFlow 1.x's scale managers (``FixedLossScaleManager``,
 ``DynamicLossScaleManager``, ``ExponentialUpdateLossScaleManager``) are a layer over it. Importing
 it touches no device.
 
-The Triton kernels are ``tritonscale.kernels``; in the source tree that package is the top-level
-``kernels/`` directory, which pyproject.toml maps into this package.
+The Triton kernels are the subpackage ``tritonscale.kernels`` (``tritonscale/kernels/``), the
+bottom layer: it imports nothing else of tritonscale.
 """
 
 from .errors import RankMismatchError, ScalerConfigError

@@ -23,12 +23,12 @@ from kernel_cases import (
     scales_st,
     seeds_st,
 )
-from tritonscale.kernels import apply_factor_, describe_grads
-from tritonscale.kernels.reference import apply_ref, finalize_ref
 
 import tritonscale
 from tritonscale import GradScaler
 from tritonscale.grads.flat_runs import one_run
+from tritonscale.kernels import apply_factor_, describe_grads
+from tritonscale.kernels.reference import apply_ref, finalize_ref
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -13,20 +13,15 @@ import pytest
 import tritonscale
 
 PACKAGE = Path(tritonscale.__file__).parent
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
 
 def _source(module: str) -> Path | None:
-    """The file of a tritonscale module (``tritonscale.kernels`` is the top-level kernels/)."""
+    """The file of a tritonscale module, or None for a module outside the package."""
     parts = module.split(".")
-    if parts[:2] == ["tritonscale", "kernels"]:
-        base, rest = KERNELS, parts[2:]
-    elif parts[0] == "tritonscale":
-        base, rest = PACKAGE, parts[1:]
-    else:
+    if parts[0] != "tritonscale":
         return None
-    path = base.joinpath(*rest)
-    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py") if rest else base / "__init__.py"
+    path = PACKAGE.joinpath(*parts[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
 def _imports(module: str, path: Path) -> set[str]:

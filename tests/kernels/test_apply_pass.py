@@ -20,6 +20,7 @@ from kernel_cases import (
     seeds_st,
     size_lists_st,
 )
+
 from tritonscale.kernels import apply_factor_, describe_grads
 from tritonscale.kernels.reference import apply_ref, inv_scale_of
 

@@ -31,6 +31,7 @@ from kernel_cases import (
     seeds_st,
     size_lists_st,
 )
+
 from tritonscale.kernels import NORM_INF, apply_factor_, check_pass, describe_grads, norm_code
 from tritonscale.kernels.check_pass import PARTIAL_ROWS
 from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK

@@ -12,7 +12,7 @@ apply_pass, check_pass, finalize, jit_helpers, launch_config = (
     for name in ("apply_pass", "check_pass", "finalize", "jit_helpers", "launch_config")
 )
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(jit_helpers.__file__).parent
 
 
 def test_interpreter_switch_matches_every_kernel():

@@ -22,11 +22,12 @@ import pkgutil
 import pytest
 import torch
 import triton
-import tritonscale.kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import DTYPES, SETTINGS_SMALL, assert_bitwise, bits, dtype_id, scales_st
 from triton.runtime.autotuner import Autotuner
+
+import tritonscale.kernels
 from tritonscale.kernels import GradLayout, apply_factor_, check_pass, describe_grads, finalize
 from tritonscale.kernels.check_pass import PARTIAL_ROWS
 from tritonscale.kernels.launch_config import CHUNK, check_config, streaming_configs

@@ -22,6 +22,7 @@ from kernel_cases import (
     scales_st,
     seeds_st,
 )
+
 from tritonscale.kernels import GradLayout, apply_factor_, describe_grads, tensor_table
 from tritonscale.kernels.launch_config import CHUNK
 from tritonscale.kernels.reference import apply_ref, finalize_ref

@@ -13,7 +13,6 @@ with none before it runs do the same); for the same reason a clip checks the nor
 from __future__ import annotations
 
 import functools
-import importlib
 import sys
 from pathlib import Path
 
@@ -33,23 +32,16 @@ EXPECTED_RETURNS = {
 }
 
 
-#: Where the package's modules live, and the name each root gives them: found from the imported
-#: packages, not from folder names (a clone is itself a folder named ``tritonscale``, and in the
-#: source tree ``tritonscale.kernels`` is the top-level ``kernels/``). The kernels come first: in
-#: an installed wheel their folder lies inside the other.
-_ROOTS = (
-    (Path(importlib.import_module("tritonscale.kernels").__file__).resolve().parent, "kernels/"),
-    (Path(tritonscale.__file__).resolve().parent, ""),
-)
+#: Where the package's modules live: found from the imported package, not from folder names (a
+#: clone is itself a folder named ``tritonscale``). A module is named by its path inside it, the
+#: kernels included (``kernels/apply_pass.py``).
+_PACKAGE = Path(tritonscale.__file__).resolve().parent
 
 
 @functools.cache
 def _module_of_file(filename: str) -> str | None:
     path = Path(filename).resolve()
-    for root, prefix in _ROOTS:
-        if path.is_relative_to(root):
-            return prefix + path.relative_to(root).as_posix()
-    return None
+    return path.relative_to(_PACKAGE).as_posix() if path.is_relative_to(_PACKAGE) else None
 
 
 def _module(code) -> str | None:

@@ -22,9 +22,9 @@ from kernel_cases import (
     seeds_st,
 )
 from tolerances import NORM_RTOL, TORCH_BACKEND_NORM_RTOL
+
 from tritonscale.kernels.launch_config import CHUNK
 from tritonscale.kernels.reference import apply_ref, f32, finalize_ref, inv_scale_of
-
 from tritonscale.passes.backends import TorchBackend, TritonBackend
 
 

@@ -1,7 +1,4 @@
-"""Triton kernels of tritonscale, shipped as ``tritonscale.kernels``.
-
-In the source tree this package is the top-level ``kernels/`` directory; pyproject.toml maps it
-into ``tritonscale`` (a top-level package named ``kernels`` would clash with the PyPI one).
+"""Triton kernels of tritonscale: the bottom layer, importing nothing else of the package.
 
 Data flow of one step, one file each:
 
