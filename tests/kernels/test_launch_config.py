@@ -25,7 +25,7 @@ import triton
 import tritonscale.kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import DTYPES, SETTINGS_SMALL, assert_bitwise, bits, dtype_id, scales_st
+from oracles.kernel_cases import DTYPES, SETTINGS_SMALL, assert_bitwise, bits, dtype_id, scales_st
 from triton.runtime.autotuner import Autotuner
 from tritonscale.kernels import GradLayout, apply_factor_, check_pass, describe_grads, finalize
 from tritonscale.kernels.check_pass import PARTIAL_ROWS
