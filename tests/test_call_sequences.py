@@ -19,8 +19,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scaler_twins import is_torch_scaler, make_params, scaled_backward, torch_clip
-from tolerances import NORM_RTOL
+from oracles.scaler_twins import is_torch_scaler, make_params, scaled_backward, torch_clip
+from oracles.tolerances import NORM_RTOL
 
 import tritonscale
 

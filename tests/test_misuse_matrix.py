@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from scaler_twins import Snapshot, clip, make_params, scaled_backward
-from tolerances import NORM_RTOL
+from oracles.scaler_twins import Snapshot, clip, make_params, scaled_backward
+from oracles.tolerances import NORM_RTOL
 
 import tritonscale
 from tritonscale import LossScalePolicy, ScalerConfigError

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import CollectiveCounter, RanksFailed, run_ranks
-from training_runs import OVERFLOW_STEP, SCALE, STEPS, make_model, make_optimizer, rows_of, train
+from oracles.training_runs import OVERFLOW_STEP, SCALE, STEPS, make_model, make_optimizer, rows_of, train
 
 import tritonscale
 

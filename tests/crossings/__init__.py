@@ -3,8 +3,8 @@
 Each feature of tritonscale is right on the path its own tests take; the defects are where two
 features meet (a flat buffer and a tiny scale, a compiled clip and a clip schedule, two ranks and a
 logger on one of them). So the tests here are a product, as PyTorch's OpInfo runs every op under
-every dtype and mode from one table (STYLE.md point 29): one table of rows, tables of columns, and
-a harness that runs every cell a row applies to against an independent oracle.
+every dtype and mode from one table: one table of rows, tables of columns, and a harness that
+runs every cell a row applies to against an independent oracle.
 
 Single process (``test_cells.py``; ids ``test_cell[<row>-<grads>-<scale>-<backend>]``):
 
@@ -25,7 +25,7 @@ Single process (``test_cells.py``; ids ``test_cell[<row>-<grads>-<scale>-<backen
 * the oracle, ``twins.py``: the same model with plain gradients under torch.amp.GradScaler +
   torch.nn.utils.clip_grad_norm_ (its documented differences applied: the 2**-126 floor, the
   skip after a disabled scaler's clip). ``harness.run_cell`` runs STEPS iterations with two
-  overflows and compares after each: what the row handed out (norms within tests/tolerances.py),
+  overflows and compares after each: what the row handed out (norms within tests/oracles/tolerances.py),
   scale, growth tracker and state_dict exact, parameters (and gradients where comparable) within
   ``harness.PARAM_TOL``; at the end, every tensor ours handed out must read what it read at its
   step (results kept by a logger, read 10 steps later);

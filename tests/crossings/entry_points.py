@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from scaler_twins import Snapshot
+from oracles.scaler_twins import Snapshot
 
 import tritonscale
 from tritonscale import DynamicLossScaleManager, LossScaleOptimizer, LossScalePolicy, Updater

@@ -2,7 +2,7 @@
 for STEPS iterations with overflows, against the twin after every iteration.
 
 After every iteration: what the entry point handed out against the twin's (norms within
-tests/tolerances.py, flags exact), the scale, growth tracker and state_dict exact (plus the skip
+tests/oracles/tolerances.py, flags exact), the scale, growth tracker and state_dict exact (plus the skip
 counters against the twin's count), parameters within PARAM_TOL, and gradients where the row says
 they are comparable. At the end: every tensor ours handed out reads what it read at its step.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from scaler_twins import bits, same_bits
-from tolerances import TORCH_BACKEND_NORM_RTOL
+from oracles.scaler_twins import bits, same_bits
+from oracles.tolerances import TORCH_BACKEND_NORM_RTOL
 
 from .contexts import GradsContext, ScaleContext
 from .entry_points import EntryPoint

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scaler_twins import Snapshot
+from oracles.scaler_twins import Snapshot
 
 from tritonscale import ScalerConfigError
 

@@ -3,9 +3,9 @@
 ``default`` is torch's rule: the twin is torch's GradScaler itself, as in every cell before this
 column. Every other column gives our scaler a ``policy`` (each peer's preset by the peer's own
 arguments, a static scale, a spike rule, the opt-in host checks) and gives the twin the same rule
-from an independent transcription: the peer's update rule from ``tests/peer_rules.py`` (the same
+from an independent transcription: the peer's update rule from ``tests/oracles/peer_rules.py`` (the same
 signatures as ``tritonscale.presets``), OLMo-core's z-score skip and ZClip from
-``tests/spike_references.py``, the norm-average skip restated below from its documentation. The
+``tests/oracles/spike_rules.py``, the norm-average skip restated below from its documentation. The
 twin keeps torch's GradScaler for the gradients (its ``unscale_`` and torch's clip) and sets its
 scale to the rule's after every update.
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from peer_rules import RULES, TorchRule
-from spike_references import OlmoSkip, ZClipRef
+from oracles.peer_rules import RULES, TorchRule
+from oracles.spike_rules import OlmoSkip, ZClipRef
 
 from tritonscale import LossScalePolicy, presets
 

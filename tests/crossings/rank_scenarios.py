@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from scaler_twins import bits, same_bits
+from oracles.scaler_twins import bits, same_bits
 
 import tritonscale
 

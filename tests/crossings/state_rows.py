@@ -10,7 +10,7 @@ trackers, hysteresis, the spike rules' windows) must continue exactly as if noth
 from __future__ import annotations
 
 import torch
-from peer_rules import RULES
+from oracles.peer_rules import RULES
 
 import tritonscale
 
@@ -139,7 +139,7 @@ STATE_ROWS = [
 # ------------------------------------------------------------------------ the other scale managers
 def managers(name: str):
     """A scale manager of MindSpore's or TensorFlow 1.x's driving ours; the twin runs the peer's
-    rule (tests/peer_rules.py) in place of torch's, from the same initial scale."""
+    rule (tests/oracles/peer_rules.py) in place of torch's, from the same initial scale."""
 
     def setup(side: Side) -> None:
         scale = side.cell.scale.init_scale

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scaler_twins import same_bits
+from oracles.scaler_twins import same_bits
 
 from .contexts import BACKENDS, GRADS, SCALES
 from .harness import Cell, applies, run_cell

@@ -1,6 +1,5 @@
 """Coverage by construction: every public feature of tritonscale is a row or a column of the
-crossing harness (STYLE.md point 37), found by enumerating the public surface, not by a list kept
-beside it.
+crossing harness, found by enumerating the public surface, not by a list kept beside it.
 
 * ``GradScaler``'s public methods and properties, and every name of ``tritonscale.__all__`` a
   loop calls (classes, functions, presets, importers): each must be *called* by some row of the

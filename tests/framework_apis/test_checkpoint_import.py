@@ -1,6 +1,6 @@
 """Importing Megatron-LM, DeepSpeed and apex loss-scaler state: the trajectory continues as theirs would.
 
-Each test runs the framework's rule (tests/peer_rules.py, tests/scale_references.py) for a while,
+Each test runs the framework's rule (tests/oracles/peer_rules.py, tests/oracles/scale_rules.py) for a while,
 builds that framework's checkpoint from the rule's state in the framework's own key layout, loads it
 into a GradScaler built with another policy (torch's) through tritonscale.framework_apis.checkpoint_import,
 and checks the two continue identically: the checkpoint brings the peer's rule with it.
@@ -13,8 +13,8 @@ import types
 import numpy as np
 import pytest
 import torch
-from peer_rules import DeepSpeedFP16Rule, DeepSpeedZeroRule, FairseqRule
-from scale_references import ApexRef, Loop, MegatronRef, overflow_pattern
+from oracles.peer_rules import DeepSpeedFP16Rule, DeepSpeedZeroRule, FairseqRule
+from oracles.scale_rules import ApexRef, Loop, MegatronRef, overflow_pattern
 
 from tritonscale import GradScaler, ScalerConfigError, from_fairseq
 from tritonscale.framework_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron

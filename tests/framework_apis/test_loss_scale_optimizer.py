@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from scaler_twins import COPIES, bits, same_bits
+from oracles.scaler_twins import COPIES, bits, same_bits
 
 import tritonscale
 from tritonscale import LossScaleOptimizer, LossScalePolicy

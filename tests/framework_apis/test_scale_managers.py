@@ -1,7 +1,7 @@
 """Scale managers (MindSpore's Fixed/DynamicLossScaleManager, TF1's Fixed/ExponentialUpdateLossScaleManager).
 
 Each manager's scale is checked step for step against the hand-written reference of its original
-(tests/scale_references.py) and against hand-worked sequences, through ``update_loss_scale`` with a
+(tests/oracles/scale_rules.py) and against hand-worked sequences, through ``update_loss_scale`` with a
 bool and with device tensors (which must read nothing on the host), and through its GradScaler in a
 real training loop against a GradScaler configured directly and torch's own.
 """
@@ -14,7 +14,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from scale_references import MindSporeRef, TensorFlowExponentialRef, f32, overflow_pattern
+from oracles.scale_rules import MindSporeRef, TensorFlowExponentialRef, f32, overflow_pattern
 
 import tritonscale
 from tritonscale import (

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from multiprocess import run_ranks
-from scaler_twins import Snapshot, bits, same_bits
+from oracles.scaler_twins import Snapshot, bits, same_bits
 
 import tritonscale
 from tritonscale import DataFeedExhausted, GradScaler, LossScalePolicy, Updater, UpdaterError

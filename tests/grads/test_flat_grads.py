@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from grad_twins import ENTRIES, Twins
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_cases import (
+from oracles.grad_twins import ENTRIES, Twins
+from oracles.kernel_cases import (
     DTYPES,
     EDGE_SIZES,
     SETTINGS_SMALL,

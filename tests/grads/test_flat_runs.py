@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_cases import SETTINGS_SMALL
+from oracles.kernel_cases import SETTINGS_SMALL
 
 import tritonscale
 from tritonscale.grads.flat_runs import as_runs, flat_runs

@@ -3,7 +3,7 @@ grads/flat_runs.py): the step must read and write exactly the optimizer's gradie
 now, whatever happened to the memory since an earlier step.
 
 Oracle: torch's own ``GradScaler.unscale_`` + ``torch.nn.utils.clip_grad_norm_`` on twin parameters
-holding copies of the same gradient values as separate tensors (tests/grad_twins.py). Memory around
+holding copies of the same gradient values as separate tensors (tests/oracles/grad_twins.py). Memory around
 the optimizer's gradients that is not theirs (another parameter's gradient in the same bucket) must
 come out bitwise untouched.
 """
@@ -15,9 +15,9 @@ import random
 
 import pytest
 import torch
-from grad_twins import SCALE, Twins, owned
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles.grad_twins import SCALE, Twins, owned
 
 import tritonscale
 

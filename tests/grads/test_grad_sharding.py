@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from multiprocess import run_ranks
-from training_runs import OVERFLOW_STEP, SCALE, STEPS, make_model, make_optimizer, rows_of, single_process, train
+from oracles.training_runs import (
+    OVERFLOW_STEP,
+    SCALE,
+    STEPS,
+    make_model,
+    make_optimizer,
+    rows_of,
+    single_process,
+    train,
+)
 
 import tritonscale
 

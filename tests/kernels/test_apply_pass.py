@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from hypothesis import given
-from kernel_cases import (
+from oracles.kernel_cases import (
     DTYPES,
     SETTINGS_SMALL,
     UNALIGNED,

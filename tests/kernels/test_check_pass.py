@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_cases import (
+from oracles.kernel_cases import (
     DTYPES,
     FP32_MAX,
     MAGNITUDES,

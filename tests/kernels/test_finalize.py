@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import DTYPES, FP32_MAX, NORM_TYPES, UNALIGNED, bits, dtype_id, make_grads, run_check
+from oracles.kernel_cases import DTYPES, FP32_MAX, NORM_TYPES, UNALIGNED, bits, dtype_id, make_grads, run_check
 
 from tritonscale.kernels import apply_factor_
 from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK

@@ -24,7 +24,7 @@ import torch
 import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import DTYPES, SETTINGS_SMALL, assert_bitwise, bits, dtype_id, scales_st
+from oracles.kernel_cases import DTYPES, SETTINGS_SMALL, assert_bitwise, bits, dtype_id, scales_st
 from triton.runtime.autotuner import Autotuner
 
 import tritonscale.kernels

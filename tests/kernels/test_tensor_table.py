@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import (
+from oracles.kernel_cases import (
     DTYPES,
     SETTINGS_SMALL,
     assert_bitwise,
@@ -88,7 +88,8 @@ def non_dense_cases() -> dict:
 @pytest.mark.parametrize("case", sorted(non_dense_cases()))
 def test_non_dense_gradient_is_refused_by_the_launchers(case):
     """describe_grads refuses it, alone or in a TABLE: the kernels update in place and would work
-    on a copy. (The controller sends such gradients to torch ops instead: tests/test_grad_passes.py.)"""
+    on a copy. (The controller sends such gradients to torch ops instead:
+    tests/passes/test_grad_passes.py.)"""
     bad = non_dense_cases()[case]()
     with pytest.raises(ValueError, match="not dense"):
         describe_grads([bad])

@@ -1,12 +1,12 @@
 """AppliedSteps: the skip of the last recorded step and the count of applied ones, as the scaler's stats say.
 
-The oracle is each step's ``scaler.stats()["skipped"]`` read at once (tests/stats_oracle.py)."""
+The oracle is each step's ``scaler.stats()["skipped"]`` read at once (tests/oracles/stats.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from stats_oracle import STEPS, read_at_once, run_case
+from oracles.stats import STEPS, read_at_once, run_case
 
 from tritonscale import AppliedSteps
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from integrations.skip_truth import SKIP_CASES
-from stats_oracle import STEPS, oracle_rows, run_case
+from oracles.stats import STEPS, oracle_rows, run_case
 
 import tritonscale
 from tritonscale import ScaleHistory

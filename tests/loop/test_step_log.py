@@ -1,6 +1,6 @@
 """StepLog: each step's stats() reach the logger a few records later, exact, in order, with no host read.
 
-The oracle is the synchronous read: each step's ``scaler.stats()`` read at once (tests/stats_oracle.py)."""
+The oracle is the synchronous read: each step's ``scaler.stats()`` read at once (tests/oracles/stats.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from integrations.skip_truth import SKIP_CASES
-from stats_oracle import POISONED, STEPS, exact, oracle_rows, read_at_once, run_case
+from oracles.stats import POISONED, STEPS, exact, oracle_rows, read_at_once, run_case
 
 import tritonscale
 from tritonscale import StepLog

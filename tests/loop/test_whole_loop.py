@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 from integrations.skip_truth import GradInjector, Truth
-from stats_oracle import exact, read_at_once
+from oracles.stats import exact, read_at_once
 from torch.optim import lr_scheduler
 
 import tritonscale

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import scaler_twins
 import torch
+from oracles import scaler_twins
 
 import tritonscale
 

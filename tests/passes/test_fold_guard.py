@@ -15,8 +15,8 @@ import weakref
 
 import pytest
 import torch
-from scaler_twins import COPIES as WHOLE_COPIES
-from scaler_twins import Snapshot, bits, same_bits, torch_clip
+from oracles.scaler_twins import COPIES as WHOLE_COPIES
+from oracles.scaler_twins import Snapshot, bits, same_bits, torch_clip
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler

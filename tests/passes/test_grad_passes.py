@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from tolerances import NORM_RTOL
+from oracles.tolerances import NORM_RTOL
 
 from tritonscale import GradScaler
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
-from scaler_twins import bits, same_bits
-from tolerances import NORM_RTOL
+from oracles.scaler_twins import bits, same_bits
+from oracles.tolerances import NORM_RTOL
 
 import tritonscale
 from tritonscale import RankMismatchError

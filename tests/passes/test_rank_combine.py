@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from host_reads import HostReadGuard
 from multiprocess import CollectiveCounter, run_ranks
-from tolerances import NORM_RTOL
+from oracles.tolerances import NORM_RTOL
 
 import tritonscale
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from host_reads import HostReadGuard
 from multiprocess import CollectiveCounter, run_ranks
-from scaler_twins import bits, same_bits
+from oracles.scaler_twins import bits, same_bits
 
 import tritonscale
 from tritonscale import RankMismatchError

@@ -14,7 +14,7 @@ import warnings
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scale_references import Loop
+from oracles.scale_rules import Loop
 
 from tritonscale import GradScaler, LossScalePolicy, host_reads, presets
 from tritonscale.policy.host_checks import UpdatesWithoutRead

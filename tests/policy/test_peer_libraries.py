@@ -1,9 +1,9 @@
 """The peers' own libraries, installed, as the oracle of ``tritonscale.presets``.
 
-tests/policy/test_peer_presets.py checks each preset against tests/peer_rules.py's transcriptions;
+tests/policy/test_peer_presets.py checks each preset against tests/oracles/peer_rules.py's transcriptions;
 here the transcription is replaced by THE PEER'S OWN CODE where it runs on a CPU: the same random
 peer arguments build the preset and the peer's real scaler, one overflow sequence drives both
-(tests/peer_rules.py's ``follow``: tritonscale.GradScaler through its real API), and after every
+(tests/oracles/peer_rules.py's ``follow``: tritonscale.GradScaler through its real API), and after every
 update the float32 bits of the scales, the skipped steps and the raises must be equal. Each test is
 skipped when its library is missing (the ``peers`` extra installs them). Ran against keras 3.15.1,
 deepspeed 0.19.8 and megatron-core 0.16.1 (PyPI) with torch 2.13 CPU; fairseq 0.12.2 does not import
@@ -27,7 +27,7 @@ import pytest
 import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
-from peer_rules import follow
+from oracles.peer_rules import follow
 from test_peer_presets import OVERFLOWS, PROPERTY, deepspeed_fp16_config, fairseq_args, keras_args, megatron_args
 
 from tritonscale import GradScaler, presets

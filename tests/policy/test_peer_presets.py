@@ -2,7 +2,7 @@
 
 One hypothesis property test per preset (``tritonscale.presets``): random overflow sequences with
 bursts, random peer arguments within the peer's valid ranges (scales within float32's normal range
-and below 2**100), the scaler driven through its real API beside tests/peer_rules.py's rule: the
+and below 2**100), the scaler driven through its real API beside tests/oracles/peer_rules.py's rule: the
 same float32 scale bits after every update, the same skipped steps, the same raise at the same
 update. On both backends (the ``backend`` fixture) and on the paths a GPU takes ("gpu": the
 ``forbid_host_reads`` fixture, the rule as device ops; no host read inside the step, except the one
@@ -18,8 +18,8 @@ import inspect
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peer_rules import RULES, follow
-from scale_references import Loop
+from oracles.peer_rules import RULES, follow
+from oracles.scale_rules import Loop
 
 from tritonscale import GradScaler, ScalerConfigError, presets
 from tritonscale.policy.policy_forms import SCALE_FLOOR

@@ -1,8 +1,8 @@
 """Each peer's own unit tests' scenarios, transcribed, run through tritonscale.GradScaler with the preset.
 
 Every scenario cites the upstream test it transcribes (repository, path, commit). It drives the
-scaler through its real API (tests/peer_rules.py's ``follow``: backward, inf/NaN injected, step,
-update) beside the transcribed rule of tests/peer_rules.py -- same float32 scale bits, same skipped
+scaler through its real API (tests/oracles/peer_rules.py's ``follow``: backward, inf/NaN injected, step,
+update) beside the transcribed rule of tests/oracles/peer_rules.py -- same float32 scale bits, same skipped
 steps (the parameters unchanged exactly on a skip), same raise -- and then checks the scales the
 upstream test expects, computed the way that test computes them.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from peer_rules import RULES, ApexHysteresisRule, f32, follow
-from scale_references import Loop
+from oracles.peer_rules import RULES, ApexHysteresisRule, f32, follow
+from oracles.scale_rules import Loop
 
 from tritonscale import GradScaler, presets
 from tritonscale.policy.policy_forms import SCALE_FLOOR

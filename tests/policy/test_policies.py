@@ -1,6 +1,6 @@
 """Loss-scale policies against hand-written references of the systems they come from.
 
-Each reference (tests/scale_references.py) restates, in plain Python, the update rule of one
+Each reference (tests/oracles/scale_rules.py) restates, in plain Python, the update rule of one
 framework's loss scaler (read from its source; the README names the file). tritonscale.GradScaler
 is driven through its real API -- backward, inf/NaN injected into a gradient, clip/step/update --
 and its scale must follow the reference step for step. All factors are powers of two or exact in
@@ -15,8 +15,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from peer_rules import DeepSpeedZeroRule
-from scale_references import (
+from oracles.peer_rules import DeepSpeedZeroRule
+from oracles.scale_rules import (
     ApexRef,
     Loop,
     MegatronRef,

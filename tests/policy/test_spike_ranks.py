@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
-from tolerances import NORM_RTOL, TORCH_CLIP_COEF_RTOL
+from oracles.tolerances import NORM_RTOL, TORCH_CLIP_COEF_RTOL
 
 import tritonscale
 from tritonscale import LossScalePolicy
@@ -94,7 +94,7 @@ def _loaded_on_rank_1(rank: int, fused: bool):
 
 def loaded_state_worker(rank: int, world: int) -> dict:
     from host_reads import HostReadGuard
-    from scaler_twins import bits, same_bits
+    from oracles.scaler_twins import bits, same_bits
 
     import tritonscale.host_reads
 

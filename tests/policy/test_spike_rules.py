@@ -1,7 +1,7 @@
 """The spike rules (tritonscale/policy/spike_rules.py) against their projects' own rules.
 
 OLMo-core's z-score skip decision for decision and ZClip's clip value for clip value
-(tests/spike_references.py, transcribed with repository, path and commit), on norm traces with a
+(tests/oracles/spike_rules.py, transcribed with repository, path and commit), on norm traces with a
 warm-up, planted spikes and an overflow, and on random traces (hypothesis); both forms of the rule
 to the same bits; real GradScaler runs against torch's GradScaler and clip_grad_norm_ at the
 reference's clip value; no host read on the GPU paths; checkpoints.
@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from spike_references import OlmoSkip, ZClipRef
-from tolerances import NORM_RTOL, SPIKE_CLIP_RTOL, TORCH_CLIP_COEF_RTOL
+from oracles.spike_rules import OlmoSkip, ZClipRef
+from oracles.tolerances import NORM_RTOL, SPIKE_CLIP_RTOL, TORCH_CLIP_COEF_RTOL
 
 import tritonscale
 from tritonscale import LossScalePolicy

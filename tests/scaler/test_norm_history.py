@@ -2,7 +2,7 @@
 
 Two optimizers clipped on one scaler with a norm-history rule are refused before anything changes;
 the ways that work (one scaler per optimizer, an optimizer that is only stepped) run as the
-reference rule fed that optimizer's norms alone (OLMo-core's, tests/spike_references.py).
+reference rule fed that optimizer's norms alone (OLMo-core's, tests/oracles/spike_rules.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 import torch
-from spike_references import OlmoSkip
+from oracles.spike_rules import OlmoSkip
 
 import tritonscale
 from tritonscale.errors import ScalerConfigError

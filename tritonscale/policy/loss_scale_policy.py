@@ -329,7 +329,7 @@ class LossScalePolicy:
         ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes).
 
         The rule, read as plain Python on numbers (``form`` runs it as tensor ops on the device,
-        or on numbers read from it where that is free; ``tests/test_policy_forms.py`` holds the two
+        or on numbers read from it where that is free; ``tests/policy/test_policy_forms.py`` holds the two
         to the same bits)::
 
             if dynamic:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_cases import (
+from oracles.kernel_cases import (
     DTYPES,
     EDGE_SIZES,
     NONFINITE,
@@ -21,7 +21,7 @@ from kernel_cases import (
     scales_st,
     seeds_st,
 )
-from tolerances import NORM_RTOL, TORCH_BACKEND_NORM_RTOL
+from oracles.tolerances import NORM_RTOL, TORCH_BACKEND_NORM_RTOL
 
 from tritonscale.kernels.launch_config import CHUNK
 from tritonscale.kernels.reference import apply_ref, f32, finalize_ref, inv_scale_of

@@ -16,8 +16,8 @@ import torch
 from host_reads import HostReadGuard
 from hypothesis import example, given
 from hypothesis import strategies as st
-from kernel_cases import SETTINGS, f32
-from tolerances import NORM_RTOL, TORCH_BACKEND_NORM_RTOL, TORCH_CLIP_COEF_RTOL
+from oracles.kernel_cases import SETTINGS, f32
+from oracles.tolerances import NORM_RTOL, TORCH_BACKEND_NORM_RTOL, TORCH_CLIP_COEF_RTOL
 
 import tritonscale
 from tritonscale import host_reads

@@ -1,8 +1,8 @@
 """Norm tolerances, for every test that compares a norm with a float64 oracle.
 
 A plain module rather than conftest.py, which pytest loads itself and tests should not import:
-``from tolerances import NORM_RTOL`` works from subfolders too, since tests/ is on sys.path (pytest's
-default import mode puts the folder of the top-level conftest.py there).
+``from oracles.tolerances import NORM_RTOL`` works from every test folder, since tests/ is on
+sys.path (pytest's default import mode puts the folder of the top-level conftest.py there).
 """
 
 import torch

@@ -5,7 +5,7 @@ arithmetic the original does it in: Python numbers where the original keeps the 
 (Megatron-LM's older rule, apex, MindSpore's manager), float32 where it keeps it in a float32
 variable (TensorFlow). tests/policy/test_policies.py and tests/framework_apis/test_scale_managers.py
 check tritonscale's scale against them step for step, on the overflow patterns of
-``overflow_pattern``. The peers' presets have their transcriptions in tests/peer_rules.py.
+``overflow_pattern``. The peers' presets have their transcriptions in tests/oracles/peer_rules.py.
 """
 
 from __future__ import annotations

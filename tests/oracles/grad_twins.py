@@ -15,9 +15,10 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-from tolerances import TORCH_BACKEND_NORM_RTOL
 
 from tritonscale import GradScaler
+
+from .tolerances import TORCH_BACKEND_NORM_RTOL
 
 SCALE = 2.0**10
 #: What a step calls: clip_grad_norm_ then step, unscale_ then step, or step alone.

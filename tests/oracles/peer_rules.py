@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from scale_references import Loop, TensorFlowExponentialRef, f32
+
+from .scale_rules import Loop, TensorFlowExponentialRef, f32
 
 F32 = np.float32
 
@@ -393,7 +394,7 @@ class TfKerasDynamicRule:
 class TF1ExponentialRule(TensorFlowExponentialRef):
     """tensorflow/tensorflow tensorflow/contrib/mixed_precision/python/loss_scale_manager.py
     @ 813c55a9, ExponentialUpdateLossScaleManager.update_loss_scale (float32; the rule is
-    scale_references.TensorFlowExponentialRef); contrib LossScaleOptimizer skips non-finite steps."""
+    scale_rules.TensorFlowExponentialRef); contrib LossScaleOptimizer skips non-finite steps."""
 
     skipped = False
 
@@ -482,7 +483,7 @@ RULES: dict[str, Callable] = {
 
 # ------------------------------------------------------------------------------- the harness
 def follow(scaler, rule, overflows, backend, no_host_reads=None) -> list[float]:
-    """Drive ``scaler`` through its real API (tests/scale_references.py's Loop: backward, inf
+    """Drive ``scaler`` through its real API (tests/oracles/scale_rules.py's Loop: backward, inf
     injected, step, update) and ``rule`` side by side; after every update assert the same float32
     scale bits, the same skip (the parameters unchanged exactly when skipped) and the same raise
     (then stop, as training does). ``no_host_reads``: a context that forbids device reads around

@@ -22,12 +22,13 @@ import math
 import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from tolerances import NORM_RTOL
 
 from tritonscale.kernels import check_pass, describe_grads, finalize, norm_code
 from tritonscale.kernels.check_pass import PARTIAL_ROWS
 from tritonscale.kernels.launch_config import CHUNK, DEFAULT_BLOCK
 from tritonscale.kernels.reference import FinalizeRef, check_ref, f32, finalize_ref, inv_scale_of, torch_clip_coef
+
+from .tolerances import NORM_RTOL
 
 # Added to every norm comparison: half a unit in the last place of the smallest float32 subnormal,
 # the rounding of a norm that is itself subnormal (only the subnormal tests get near it).
