@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+
+from tritonscale.grads.groups import collect_grads
 from tritonscale.kernels.supported import (
     NORM_CODES,
     SUPPORTED_DTYPES,
@@ -14,8 +16,6 @@ from tritonscale.kernels.supported import (
     raise_unsupported_grad,
 )
 from tritonscale.kernels.tensor_table import validate_group
-
-from tritonscale.grads.grad_groups import collect_grads
 from tritonscale.passes.clip_args import check_max_norm, check_norm_type, kernels_compute
 
 

@@ -1,4 +1,4 @@
-"""grad_groups.py + grad_passes.py: what torch's GradScaler accepts beyond the kernels' dtypes and
+"""grads/groups.py + grad_passes.py: what torch's GradScaler accepts beyond the kernels' dtypes and
 layouts (float64, non-dense and sparse gradients, every norm type) goes through torch ops in the
 same pass, with torch as the oracle."""
 

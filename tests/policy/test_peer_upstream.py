@@ -16,7 +16,7 @@ from peer_rules import RULES, ApexHysteresisRule, f32, follow
 from scale_references import Loop
 
 from tritonscale import GradScaler, presets
-from tritonscale.policy.policy_forms import SCALE_FLOOR
+from tritonscale.policy.forms import SCALE_FLOOR
 
 
 def run(name, overflows, backend, **peer_args):

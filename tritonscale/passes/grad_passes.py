@@ -1,6 +1,6 @@
 """The gradient passes of one step, per device, through the chosen backend.
 
-``collect_grads`` (grad_groups.py) hands over the gradients sorted into the kernels' groups and the
+``collect_grads`` (grads/groups.py) hands over the gradients sorted into the kernels' groups and the
 rest (float64, non-dense, sparse values: ``Grads.other``); these functions run check pass ->
 finalize (-> apply pass) on each device, the rest with torch ops in the same step, and return the
 device-side results (found_inf, norm, clip coefficient) combined on the device. Off the CPU
@@ -19,7 +19,7 @@ import torch
 
 from .. import host_reads
 from ..flags import moved_to
-from ..grads.grad_groups import Grads
+from ..grads.groups import Grads
 from .backends import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .backends.base import unscaled_on_overflow, with_clip
 from .backends.custom_ops import disjoint_at_run_time

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch._C._dynamo import eval_frame as _frames  # the C half of Dynamo: importing it imports nothing
 
-from ..grads.grad_sharding import any_marked, is_dtensor
+from ..grads.sharding import any_marked, is_dtensor
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _REASON = "tritonscale runs the scaler's calls eagerly, as torch.amp.GradScaler's"

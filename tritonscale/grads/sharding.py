@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..process_groups import check_process_group
-from .grad_checks import where
+from .checks import where
 
 #: Parameter attribute set by mark_replicated: the group over which its gradient is replicated.
 REPLICATED_OVER_ATTR = "_tritonscale_replicated_over"
@@ -50,7 +50,7 @@ def mark_replicated(params: Iterable[torch.nn.Parameter], group: Any) -> None:
 
 
 #: Whether mark_replicated was ever called in this process (the flat-buffer shortcut then walks
-#: every parameter, to see the marks; read as ``grad_sharding.marked_any`` on the per-step path).
+#: every parameter, to see the marks; read as ``sharding.marked_any`` on the per-step path).
 marked_any = False
 
 
