@@ -84,7 +84,7 @@ def _other_found_inf(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> to
     return torch.maximum(found_inf, (~torch.isfinite(peaks).all()).float())
 
 
-def unscale_grads_(
+def unscale_and_check_(
     grads: Grads,
     scale: torch.Tensor,
     backend: str,
@@ -108,6 +108,9 @@ def unscale_grads_(
     if group is None:
         return found_infs
     return combine_rank_flags(found_infs, group, agreement, scale.device)  # gradients on several devices
+
+
+unscale_grads_ = unscale_and_check_  # the controller's old name, removed with issue 40's rewrite of scaler/
 
 
 def _unscale_each_device_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
