@@ -83,13 +83,13 @@ def test_each_stage_imports_only_earlier_stages_and_the_leaves():
 
 
 def test_the_rule_catches_an_import_of_a_later_stage(tmp_path):
-    """The check itself: a grads module importing the passes (as grad_sharding.py once did), a
-    policy module importing the controller under TYPE_CHECKING (as policy_runner.py did) and a leaf
+    """The check itself: a grads module importing the passes (as grads/sharding.py once did), a
+    policy module importing the controller under TYPE_CHECKING (as policy/runner.py did) and a leaf
     importing a stage are each reported."""
     cases = {
         "grads": "from ..passes.rank_combine import check_process_group\n",
         "policy": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..scaler.scaler_args import X\n",
-        "leaf": "def f():\n    from .grads import grad_groups\n",
+        "leaf": "def f():\n    from .grads import groups\n",
     }
     files = []
     for stage, text in cases.items():
@@ -103,3 +103,19 @@ def test_the_rule_catches_an_import_of_a_later_stage(tmp_path):
 def test_a_leaf_imports_nothing_of_the_package(leaf):
     path = PACKAGE / f"{leaf}.py"
     assert [m for _, m in imports(path, ["tritonscale"]) if m.startswith("tritonscale")] == []
+
+
+#: Old module paths kept as deprecation shims (the same module under the old name): exempt.
+OLD_PATHS = {"grads/grad_sharding.py"}
+
+
+@pytest.mark.parametrize("stage", ["grads", "policy"])
+def test_no_module_repeats_its_folder(stage):
+    """``policy/runner.py``, not ``policy/policy_runner.py``: the folder already says it (issue 40)."""
+    prefixes = (f"{stage}_", f"{stage.removesuffix('s')}_")
+    repeating = [
+        f"{stage}/{path.name}"
+        for path in sorted((PACKAGE / stage).glob("*.py"))
+        if path.stem.startswith(prefixes) and f"{stage}/{path.name}" not in OLD_PATHS
+    ]
+    assert repeating == []

@@ -20,7 +20,7 @@ from .framework_apis.scale_managers import (
 )
 from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 from .grads.flat_grads import flatten_grads_
-from .grads.grad_sharding import mark_replicated
+from .grads.sharding import mark_replicated
 from .loop.applied_steps import AppliedSteps
 from .loop.lr_schedules import SkipAwareLR
 from .loop.scale_history import ScaleHistory

@@ -1,7 +1,7 @@
 """Process-group arguments: what every stage that takes a torch.distributed group checks.
 
 A leaf: it imports nothing of the package (torch.distributed only when a group is given), so the
-gradient layouts (``grads/grad_sharding.py``), the passes' rank combine, the controller and the
+gradient layouts (``grads/sharding.py``), the passes' rank combine, the controller and the
 ``Updater`` check a group with this one rule and its messages.
 """
 

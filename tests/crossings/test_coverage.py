@@ -43,7 +43,7 @@ TESTS = Path(__file__).resolve().parents[1]
 #: Public names no single-process row calls, each with where it is crossed: a rank scenario
 #: (``("rank", name)``) or a test module and test (``(path, test name)``); the test checks it exists.
 ELSEWHERE = {
-    "mark_replicated": ("grads/test_grad_sharding.py", "test_"),  # tensor-parallel layouts, two gloo ranks
+    "mark_replicated": ("grads/test_sharding.py", "test_"),  # tensor-parallel layouts, two gloo ranks
     "rank_agreement": ("rank", "updater_bf16_replica"),  # the Updater's all-reduce calls it
     "process_group": ("rank", "control"),
     "place_state": ("scaler/test_scaler_iteration_api.py", "test_place_state_makes_the_state_where_asked_once"),

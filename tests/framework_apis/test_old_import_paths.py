@@ -32,3 +32,20 @@ def test_the_checkpoint_importers_have_a_short_public_home():
         assert getattr(tritonscale, name) is getattr(checkpoint_import, name)
         assert name in tritonscale.__all__
     assert tritonscale.Updater is step_updater.Updater
+
+
+def test_the_old_sharding_module_path_warns_once_and_is_the_same_module():
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from tritonscale.grads.grad_sharding import mark_replicated\n"
+        "    import tritonscale.grads.grad_sharding as old\n"
+        "import tritonscale\n"
+        "import tritonscale.grads.sharding as new\n"
+        "assert mark_replicated is tritonscale.mark_replicated\n"
+        "assert old is new\n"
+        "assert [w.category for w in caught] == [DeprecationWarning], caught\n"
+        "assert 'tritonscale.grads.sharding' in str(caught[0].message)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -130,7 +130,7 @@ def test_bucket_views_give_exactly_the_optimizers_norm(backend, own):
 
 @pytest.mark.parametrize("layout", ["flatten_grads_", "bucket"])
 def test_flat_buffer_is_recognised_without_walking_and_still_correct(backend, monkeypatch, layout):
-    from tritonscale.grads import grad_groups
+    from tritonscale.grads import groups
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 17, 3)]
     if layout == "flatten_grads_":
@@ -140,8 +140,8 @@ def test_flat_buffer_is_recognised_without_walking_and_still_correct(backend, mo
         params[0].grad, params[1].grad, params[2].grad = bucket[:5], bucket[5:22], bucket[22:]
     optimizer = torch.optim.SGD(params, lr=1.0)
     hits = []
-    known = grad_groups.known_run
-    monkeypatch.setattr(grad_groups, "known_run", lambda o: hits.append(known(o)) or hits[-1])
+    known = groups.known_run
+    monkeypatch.setattr(groups, "known_run", lambda o: hits.append(known(o)) or hits[-1])
     scaler = GradScaler("cpu", init_scale=2.0**4, backend=backend)
     twins = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 17, 3)]
     theirs = torch.amp.GradScaler("cpu", init_scale=2.0**4)

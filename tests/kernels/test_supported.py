@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tritonscale.grads.grad_groups import collect_grads
+from tritonscale.grads.groups import collect_grads
 from tritonscale.kernels.supported import (
     NORM_CODES,
     SUPPORTED_DTYPES,

@@ -1,4 +1,4 @@
-"""grad_groups.py + grad_passes.py: what torch's GradScaler accepts beyond the kernels' dtypes and
+"""grads/groups.py + grad_passes.py: what torch's GradScaler accepts beyond the kernels' dtypes and
 layouts (float64, non-dense and sparse gradients, every norm type) goes through torch ops in the
 same pass, with torch as the oracle."""
 
@@ -200,3 +200,31 @@ def test_a_gradient_overlapping_itself_is_refused_before_anything_changes(backen
         with pytest.raises(ValueError, match=r"\['params'\]\[1\] has a gradient whose elements share memory"):
             call()
     assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", [None, math.inf], ids=["finite", "inf"])
+def test_the_unscale_pass_unscales_and_checks_as_torchs_unscale_grads(backend, bad):
+    """``unscale_and_check_`` (the pass; torch's private ``_unscale_grads_`` is another function, the
+    controller's view) divides every gradient by the scale and flags inf/NaN as torch's does."""
+    from tritonscale.grads.groups import collect_grads
+    from tritonscale.passes import grad_passes
+
+    assert grad_passes.unscale_grads_ is grad_passes.unscale_and_check_  # the controller's old name
+    torch.manual_seed(0)
+    grads = [torch.randn(5) * SCALE, torch.randn(3, 2, dtype=torch.float64) * SCALE]
+    if bad is not None:
+        grads[1][1, 0] = bad
+    ours, theirs = ([torch.nn.Parameter(torch.zeros_like(g)) for g in grads] for _ in range(2))
+    for p, q, g in zip(ours, theirs, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    found = grad_passes.unscale_and_check_(
+        collect_grads(torch.optim.SGD(ours, lr=1.0), allow_fp16=False), torch.tensor(SCALE), backend
+    )
+    expected = torch.amp.GradScaler("cpu")._unscale_grads_(
+        torch.optim.SGD(theirs, lr=1.0), torch.tensor(1 / SCALE), torch.zeros(()), False
+    )
+    assert found.keys() == expected.keys()
+    assert all(torch.equal(found[d], expected[d]) for d in found)
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p.grad, q.grad)

@@ -16,8 +16,10 @@ from tritonscale import LossScalePolicy, RankMismatchError
 from tritonscale.passes.rank_checks import (
     AGREED,
     CHECKED,
+    KINDS,
     REFUSED,
     Agreement,
+    CallKind,
     RankChecks,
     policy_digest,
     setting_tensors,
@@ -49,6 +51,17 @@ def test_the_row_is_as_wide_as_agreed_whatever_the_call_and_reads_nothing(forbid
             row = agreement.ranks.stamp("group", torch.ones(()), agreement)
         assert row.shape == (len(AGREED),) and row.dtype == torch.float64
     assert set(AGREED) == set(CHECKED) and set(REFUSED) <= set(AGREED)
+
+
+def test_a_kind_is_its_word_and_its_column_value_is_fixed():
+    """The ``kind`` column's values are part of the row every rank compares: fixed, whether the call
+    names the kind by its word (the scaler, ``rank_agreement``) or by its ``CallKind``."""
+    assert KINDS == {"flags": 0, "clip": 1, "gradient sum": 2}
+    assert [kind.value for kind in CallKind] == ["flags", "clip", "gradient sum"] and str(CallKind.CLIP) == "clip"
+    assert Agreement(RankChecks(), None).kind == "flags"
+    for kind in CallKind:
+        by_word, by_member = (Agreement(RankChecks(), None, k, _sgd(), None, 1.0, 2.0) for k in (kind.value, kind))
+        assert by_word.columns() == by_member.columns() and by_member.columns()[0] == KINDS[kind.value]
 
 
 def test_the_value_digest_changes_with_any_one_value_and_reads_nothing(forbid_host_reads):

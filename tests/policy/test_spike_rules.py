@@ -23,9 +23,9 @@ from oracles.tolerances import NORM_RTOL, SPIKE_CLIP_RTOL, TORCH_CLIP_COEF_RTOL
 import tritonscale
 from tritonscale import LossScalePolicy
 from tritonscale.errors import ScalerConfigError
-from tritonscale.policy.policy_forms import ON_DEVICE, ON_HOST
-from tritonscale.policy.policy_state import HostState
+from tritonscale.policy.forms import ON_DEVICE, ON_HOST
 from tritonscale.policy.spike_rules import zclip_max_norm
+from tritonscale.policy.state import HostState
 
 CPU = torch.device("cpu")
 

@@ -99,7 +99,7 @@ def test_update_does_not_recompile_wherever_the_scaler_lives(forbid_host_reads, 
     the iteration count of the rank checks advances in the graph. A Python int counter there was
     a guarded constant: a recompilation per update(), FailOnRecompileLimitHit at the 8th. With
     dynamic=True the policy's float knobs are symbolic floats, which the rule must not round on
-    the host (policy_forms.as_float32)."""
+    the host (policy/forms.as_float32)."""
     compiled = training_run("fused", compiled=True, where=where, dynamic=dynamic, **knobs)
     assert_same_run(compiled, training_run("fused", compiled=False, **knobs))
     assert 1 <= compiled["graphs"] <= 2 + (dynamic is True)

@@ -1,6 +1,6 @@
 """One small least-recently-used cache for the host-side work a step would otherwise redo.
 
-Layouts (``flat_runs``) and the overlap check (``grad_groups.py``) are each found from the
+Layouts (``flat_runs``) and the overlap check (``groups.py``) are each found from the
 gradients' memory and used again on the next step, when the gradients are usually the same. Each
 keeps at most a few entries here. (The kernels' launch tables, a pure function of their key, use
 ``functools.lru_cache`` in ``kernels/tensor_table.py``: kernels/ imports nothing of the package.)
@@ -22,7 +22,7 @@ class BoundedCache(Generic[V]):
 
     Sound only where an entry is proved again from the arguments on every use before it is trusted
     (``flat_runs``' layouts; a pure function of its key needs no such cache: ``functools.lru_cache``,
-    as ``grad_groups``' overlap check has). Each cache states its own argument beside it. One cache
+    as ``groups.py``' overlap check has). Each cache states its own argument beside it. One cache
     serves every thread of the process: a lock keeps another thread's put from evicting, between
     the two dictionary calls of a get or a put, the entry being moved."""
 

@@ -1,6 +1,6 @@
 """What the kernels accept: gradient dtypes and layouts, norm types. One home per rule.
 
-The controller (``tritonscale.grads.grad_groups``) and the host-side tensor table both call these, so a
+The controller (``tritonscale.grads.groups``) and the host-side tensor table both call these, so a
 rule and its error message are written once. The user's ``max_norm``/``norm_type`` arguments are
 checked in ``tritonscale/passes/clip_args.py``.
 """

@@ -1,6 +1,6 @@
 """The gradient passes of one step, per device, through the chosen backend.
 
-``collect_grads`` (grad_groups.py) hands over the gradients sorted into the kernels' groups and the
+``collect_grads`` (grads/groups.py) hands over the gradients sorted into the kernels' groups and the
 rest (float64, non-dense, sparse values: ``Grads.other``); these functions run check pass ->
 finalize (-> apply pass) on each device, the rest with torch ops in the same step, and return the
 device-side results (found_inf, norm, clip coefficient) combined on the device. Off the CPU
@@ -19,7 +19,7 @@ import torch
 
 from .. import host_reads
 from ..flags import moved_to
-from ..grads.grad_groups import Grads
+from ..grads.groups import Grads
 from .backends import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .backends.base import unscaled_on_overflow, with_clip
 from .backends.custom_ops import disjoint_at_run_time
@@ -84,7 +84,7 @@ def _other_found_inf(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> to
     return torch.maximum(found_inf, (~torch.isfinite(peaks).all()).float())
 
 
-def unscale_grads_(
+def unscale_and_check_(
     grads: Grads,
     scale: torch.Tensor,
     backend: str,
@@ -108,6 +108,9 @@ def unscale_grads_(
     if group is None:
         return found_infs
     return combine_rank_flags(found_infs, group, agreement, scale.device)  # gradients on several devices
+
+
+unscale_grads_ = unscale_and_check_  # the controller's old name, removed with issue 40's rewrite of scaler/
 
 
 def _unscale_each_device_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:

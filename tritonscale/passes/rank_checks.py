@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import weakref
 import zlib
 from collections.abc import Iterator
@@ -154,8 +155,23 @@ RESULTS = ("norm", "found_inf", "holds_grads", "layout_here")
 AGREED = tuple(CHECKED)
 #: Agreed columns that refuse the combine when any rank sets them, even where every rank agrees.
 REFUSED = ("ambiguous",)
-#: The values of the ``kind`` column.
-KINDS = {"flags": 0, "clip": 1, "gradient sum": 2}
+
+
+class CallKind(str, enum.Enum):
+    """Which entry point made a combine (the ``kind`` column): the flags of unscale_/step, a clip,
+    the Updater's gradient sum. A ``str`` enum: each member equals its word (``CallKind.CLIP ==
+    "clip"``), so ``scaler.rank_agreement(optimizer, "gradient sum", ...)`` keeps taking the word."""
+
+    FLAGS = "flags"
+    CLIP = "clip"
+    GRADIENT_SUM = "gradient sum"
+
+    __str__ = str.__str__  # "clip", not "CallKind.CLIP", in messages and f-strings
+    __format__ = str.__format__
+
+
+#: The value of each kind in the ``kind`` column: its place in ``CallKind`` (a word looks up the same).
+KINDS = {kind: code for code, kind in enumerate(CallKind)}
 
 
 def digest(value: Any) -> int:
@@ -258,7 +274,7 @@ def tracker_tensors(state: Any) -> list[torch.Tensor]:
 class Agreement:
     """What one combine's row carries besides the rank's results, as every rank must make the call:
     the scaler's sequence (``ranks``), its loss scale (None: disabled, read as 1), which entry point
-    (``kind``, a key of ``KINDS``), on which optimizer, under which policy (a ``LossScalePolicy``), with which
+    (``kind``, a ``CallKind`` or its word), on which optimizer, under which policy (a ``LossScalePolicy``), with which
     clip arguments, for the Updater's sum the gradients' count and layout hash, and the scaler's
     device state (``state``, a ``DeviceState``: its trackers are hashed on the device; None before
     the first scale() or when disabled). The hashes are taken only when a row is made (a process
@@ -267,7 +283,7 @@ class Agreement:
 
     ranks: RankChecks
     loss_scale: torch.Tensor | None
-    kind: str = "flags"
+    kind: str = CallKind.FLAGS
     optimizer: Any = None
     policy: Any = None
     max_norm: float = 0.0

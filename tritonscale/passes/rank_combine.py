@@ -29,7 +29,7 @@ import torch
 from ..flags import combine_flags
 from ..process_groups import Group, check_process_group
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
-from .rank_checks import AGREED, RESULTS, Agreement, RankChecks, digest, layout_digest, on_device
+from .rank_checks import AGREED, RESULTS, Agreement, CallKind, RankChecks, digest, layout_digest, on_device
 
 
 def gradient_group(call_group: Group, scaler_group: Group, mesh_group: Group) -> Group:
@@ -184,7 +184,7 @@ class GradAllReduce:
                     raise TypeError("the gradient all-reduce takes dense gradients only")
         if not plan:
             return
-        agreement = dataclasses.replace(agreement, kind="gradient sum", gradients=gradients, layout=layout)
+        agreement = dataclasses.replace(agreement, kind=CallKind.GRADIENT_SUM, gradients=gradients, layout=layout)
         zero = torch.zeros((), dtype=torch.float64, device=plan[0][0])
         rows = _gather_rows(_row([zero, zero, zero], group, agreement), group)  # a collective: the check
         _judged(zero, rows, agreement)

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .policy_counters import CONSECUTIVE_SKIPS, UPDATES
-from .policy_forms import ON_DEVICE, ON_HOST, RuleForm, as_float32
+from .counters import CONSECUTIVE_SKIPS, UPDATES
+from .forms import ON_DEVICE, ON_HOST, RuleForm, as_float32
 
 if TYPE_CHECKING:
     from .loss_scale_policy import LossScalePolicy

@@ -30,7 +30,7 @@ Every policy other frameworks ship is a setting of these knobs (README, "Policie
   (``clip_norm_z`` and its ``clip_norm_*`` knobs: the clip's max_norm from an average of the norm).
 
 The rule is written once, over the device-resident state, and runs in one of two forms
-(``policy_forms.py``): on the device with tensor ops (so nothing branches on a device value on a
+(``forms.py``): on the device with tensor ops (so nothing branches on a device value on a
 GPU, and the update can be compiled and captured in a CUDA graph), or, on the CPU, where reading a
 value waits for nothing, on Python numbers read from the state and written back -- bit for bit the
 same state, at a fraction of the cost of ~10-40 tiny tensor ops. Every tensor is updated in place
@@ -48,6 +48,15 @@ from typing import Any
 import torch
 
 from ..errors import ScalerConfigError
+from .counters import (
+    HYSTERESIS_LEFT,
+    NORM_AVERAGE,
+    NORM_COUNT,
+    OVERFLOWS_SINCE_BACKOFF,
+    UPDATES_SINCE_RESCALE,
+    count_step_,
+)
+from .forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
 from .knob_checks import (
     check_backoff_factor,
     check_growth_factor,
@@ -58,15 +67,6 @@ from .knob_checks import (
     is_finite,
     is_number,
 )
-from .policy_counters import (
-    HYSTERESIS_LEFT,
-    NORM_AVERAGE,
-    NORM_COUNT,
-    OVERFLOWS_SINCE_BACKOFF,
-    UPDATES_SINCE_RESCALE,
-    count_step_,
-)
-from .policy_forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
 from .spike_rules import check_spike_knobs, update_spike_stats_, zscore_spike
 
 ON_MIN_SCALE = ("clamp", "warn", "raise")
@@ -206,7 +206,7 @@ class LossScalePolicy:
         )
 
     # ------------------------------------------------------------ the rule
-    # Every method below takes ``form`` (policy_forms.py): ON_DEVICE computes on the 0-dim device
+    # Every method below takes ``form`` (forms.py): ON_DEVICE computes on the 0-dim device
     # tensors and reads nothing back; ON_HOST reads them into Python numbers first (on the CPU).
     # Tensors are only ever written through ``form.store`` or torch's in-place ops, at their addresses.
     def knobs_set(self, names: tuple[str, ...]) -> list[str]:
@@ -253,7 +253,7 @@ class LossScalePolicy:
         return form.flag(skip, found_inf.device)
 
     def backoff_floor(self) -> float:
-        """The lowest scale a backoff leaves: ``min_scale``, never below ``SCALE_FLOOR`` (policy_forms.py)."""
+        """The lowest scale a backoff leaves: ``min_scale``, never below ``SCALE_FLOOR`` (forms.py)."""
         return SCALE_FLOOR if self.min_scale is None else max(SCALE_FLOOR, self.min_scale)
 
     def needs_host_check(self) -> bool:
@@ -329,7 +329,7 @@ class LossScalePolicy:
         ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes).
 
         The rule, read as plain Python on numbers (``form`` runs it as tensor ops on the device,
-        or on numbers read from it where that is free; ``tests/policy/test_policy_forms.py`` holds the two
+        or on numbers read from it where that is free; ``tests/policy/test_forms.py`` holds the two
         to the same bits)::
 
             if dynamic:

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ScalerConfigError
+from .forms import as_float32
 from .knob_checks import is_int, is_number
 from .loss_scale_policy import LossScalePolicy
-from .policy_forms import as_float32
 
 
 @dataclass(frozen=True)

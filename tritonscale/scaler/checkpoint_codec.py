@@ -15,9 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ScalerConfigError
-from ..policy.knob_checks import INT32_LIMIT, check_counter, check_scale_value, is_int, is_number
-from ..policy.loss_scale_policy import LossScalePolicy, as_float32
-from ..policy.policy_counters import (
+from ..policy.counters import (
     CONSECUTIVE_SKIPS,
     COUNTER_NAMES,
     HYSTERESIS_LEFT,
@@ -26,8 +24,10 @@ from ..policy.policy_counters import (
     NORM_COUNT,
     SKIPPED_STEPS,
 )
-from ..policy.policy_state import HostState
+from ..policy.knob_checks import INT32_LIMIT, check_counter, check_scale_value, is_int, is_number
+from ..policy.loss_scale_policy import LossScalePolicy, as_float32
 from ..policy.spike_rules import HEADER, SPIKE_STAT_NAMES
+from ..policy.state import HostState
 from .scaler_args import TORCH_KNOBS
 
 #: torch.amp.GradScaler's state_dict keys; ours adds "policy", "counters", "norm_stats" and, with a

@@ -3,7 +3,7 @@
 Traced into the caller's graph (``fullgraph=True`` holds): ``clip_grad_norm_`` and ``update()``,
 when nothing in them talks to other ranks or reads the host on purpose. While Dynamo traces, every
 host read takes its device form (``host_reads.are_free``), nothing is proved by address (a traced
-tensor has none: ``grads/grad_groups.collect_grads``), and the Triton passes are custom ops
+tensor has none: ``grads/groups.collect_grads``), and the Triton passes are custom ops
 (``passes/backends/custom_ops.py``), so no Python number and no address of the first trace is baked
 into the graph.
 
@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch._C._dynamo import eval_frame as _frames  # the C half of Dynamo: importing it imports nothing
 
-from ..grads.grad_sharding import any_marked, is_dtensor
+from ..grads.sharding import any_marked, is_dtensor
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _REASON = "tritonscale runs the scaler's calls eagerly, as torch.amp.GradScaler's"

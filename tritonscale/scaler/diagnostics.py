@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..policy.policy_counters import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
+from ..policy.counters import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
 
 #: stats() of a scaler made with enabled=False: what it cannot report, and what to log instead.
 NO_STATS_WHEN_DISABLED = (

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from ..flags import read_found_inf
-from ..grads.grad_groups import collect_grads
+from ..grads.groups import collect_grads
 from ..passes.grad_passes import PerDevice, torch_unscale_
 from ..passes.step_protocols import StepProtocol, unwrap_optimizer
+from ..policy.counters import LAST_SKIPPED
 from ..policy.knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
 from ..policy.loss_scale_policy import LossScalePolicy
-from ..policy.policy_counters import LAST_SKIPPED
 from .compile_boundary import runs_eagerly
 from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats
 from .optimizer_record import OptimizerRecord, OptState

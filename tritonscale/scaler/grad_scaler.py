@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..flags import moved_to, read_flag
-from ..grads.grad_groups import Grads, collect_grads
+from ..grads.groups import Grads, collect_grads
 from ..passes import step_protocols
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import ClipRequest, check_clip_args, kernels_compute
@@ -26,8 +26,8 @@ from ..passes.rank_combine import gradient_group
 from ..passes.step_protocols import StepProtocol, unwrap_optimizer
 from ..policy.loss_scale_policy import LossScalePolicy
 from ..policy.peer_presets import PeerPreset
-from ..policy.policy_runner import PolicyRunner
-from ..policy.policy_state import DeviceState, HostState
+from ..policy.runner import PolicyRunner
+from ..policy.state import DeviceState, HostState
 from ..process_groups import check_process_group
 from . import field_views as views
 from .checkpoint_codec import ScalerSnapshot, check_picklable, from_state_dict, to_state_dict

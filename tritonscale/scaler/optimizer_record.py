@@ -16,7 +16,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..flags import flags_on, summed_flag
-from ..policy.policy_runner import IterationOutcome
+from ..policy.runner import IterationOutcome
 
 
 @dataclass

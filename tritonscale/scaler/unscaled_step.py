@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..grads.grad_groups import Grads, collect_grads
+from ..grads.groups import Grads, collect_grads
 from ..passes.clip_args import ClipRequest, kernels_compute
 from ..passes.grad_passes import clip_grads
 from ..passes.rank_checks import Agreement

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tritonscale.passes.backends import TritonBackend, gradient_factor, inverse_scale
-from tritonscale.policy.policy_forms import ON_HOST
+from tritonscale.policy.forms import ON_HOST
 
 #: float32 values for 1/scale and the clip coefficient: ordinary, at the ends of float32, inf, 0 and NaN.
 floats32 = st.floats(min_value=0.0, width=32, allow_nan=False) | st.sampled_from([0.0, 1.0, 2.0**-126, math.nan])

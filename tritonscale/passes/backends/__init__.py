@@ -11,6 +11,8 @@ device) and a device-resident fp32 loss ``scale``:
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from . import custom_ops  # noqa: F401  registers the custom ops a traced step calls (triton_backend.py)
@@ -18,13 +20,28 @@ from .base import Backend, CheckResult, clip_coefficient, gradient_factor, inver
 from .torch_backend import TorchBackend
 from .triton_backend import TritonBackend
 
-BACKENDS = ("auto", "triton", "torch")
+
+class BackendName(str, enum.Enum):
+    """The names ``GradScaler(backend=...)`` takes. A ``str`` enum: each member equals its word
+    (``BackendName.TORCH == "torch"``), so callers keep passing and comparing the plain strings."""
+
+    AUTO = "auto"
+    TRITON = "triton"
+    TORCH = "torch"
+
+    __str__ = str.__str__  # "torch", not "BackendName.TORCH", in messages and f-strings
+    __format__ = str.__format__
+
+
+BACKENDS = tuple(name.value for name in BackendName)
 
 
 def check_backend_name(name: str) -> str:
+    """``name`` as the plain string the controller keeps (``scaler.backend``), or a ValueError that
+    lists the names that work."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    return name
+    return BackendName(name).value
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
@@ -33,10 +50,10 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     "auto" picks Triton for GPU tensors, and for CPU tensors when the kernels were built for the
     interpreter (TRITON_INTERPRET=1 before import); otherwise torch's own foreach/amp ops.
     """
-    if name == "torch":
+    if name == BackendName.TORCH:
         return TorchBackend()
     triton_ok = TritonBackend.supports(device)
-    if name == "triton":
+    if name == BackendName.TRITON:
         if not triton_ok:
             raise RuntimeError(
                 f"backend='triton' cannot run on {device}: CPU tensors need TRITON_INTERPRET=1 set "
@@ -49,6 +66,7 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
 __all__ = [
     "BACKENDS",
     "Backend",
+    "BackendName",
     "CheckResult",
     "TorchBackend",
     "TritonBackend",

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from ... import host_reads
-from ...policy.policy_forms import ON_DEVICE, RuleForm, as_float32, rounded_to_float32
+from ...policy.forms import ON_DEVICE, RuleForm, as_float32, rounded_to_float32
 
 
 def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def host_inverse_scale(scale: torch.Tensor) -> float:
 def clip_coefficient(norm: Any, max_norm: float | torch.Tensor, form: RuleForm = ON_DEVICE) -> Any:
     """torch.nn.utils.clip_grad_norm_'s coefficient, op for op: min(max_norm / (norm + 1e-6), 1)
     (torch's ``max_norm / x`` is ``x.reciprocal() * max_norm``). ``form`` ON_HOST: ``norm`` is a
-    float32 value as a Python float, and so is the result (policy_forms.py). ``max_norm`` may be a
+    float32 value as a Python float, and so is the result (policy/forms.py). ``max_norm`` may be a
     symbolic float of a compiled caller (only ``form.f32`` touches it: ON_DEVICE leaves the
     rounding to float32 to the multiply), or, ON_DEVICE, a one-element tensor, multiplied as
     float32: torch's clip reads it with ``float()`` and multiplies by that, rounded to float32, so
@@ -79,7 +79,7 @@ def gradient_factor(
     The one home of this rule: every torch-op and host-side factor is made here (the backends, the
     rank combine, the clip); the kernels' finalize (``kernels/finalize.py``) computes the same on
     the device. ``form`` ON_DEVICE: 0-dim float32 tensors; ON_HOST: float32 values as Python floats
-    (policy_forms.py), the same bits. Example: ``gradient_factor(0.0, 0.5, 0.25, form=ON_HOST) == 0.125``.
+    (policy/forms.py), the same bits. Example: ``gradient_factor(0.0, 0.5, 0.25, form=ON_HOST) == 0.125``.
     """
     factor = inv_scale if clip_coef is None else form.f32(inv_scale * clip_coef)
     if isinstance(factor, torch.Tensor):
@@ -110,7 +110,7 @@ class CheckResult:
 
 
 class Backend(Protocol):
-    """Runs the passes for one device. ``groups`` must come from ``grad_groups.collect_grads``,
+    """Runs the passes for one device. ``groups`` must come from ``grads.groups.collect_grads``,
     which has validated every gradient (dtype, layout, density): backends do not check again, since
     that would walk every parameter a second time each step."""
 

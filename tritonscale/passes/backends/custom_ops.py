@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...grads.grad_groups import Grads, first_overlap, shared_memory_error
+from ...grads.groups import Grads, first_overlap, shared_memory_error
 from ...kernels import apply_factor_
 from .triton_backend import check_layouts, layouts
 

@@ -28,7 +28,7 @@ import torch
 
 from ... import host_reads
 from ...grads.flat_runs import as_runs, spans_several
-from ...policy.policy_forms import ON_HOST, rounded_to_float32
+from ...policy.forms import ON_HOST, rounded_to_float32
 from .base import CheckResult, clip_coefficient, gradient_factor, host_inverse_scale, inverse_scale
 
 
@@ -172,7 +172,7 @@ def _finalize_on_host(
 ) -> CheckResult:
     """The finalize of a step whose float32 norm came out finite and at least ``underflow_floor``
     (so nothing is inf/NaN, nothing overflowed or underflowed: the float64 path would give these
-    same values), on Python numbers: the same float32 operations (policy_forms.py), then the four
+    same values), on Python numbers: the same float32 operations (policy/forms.py), then the four
     results as tensors. ~10 small ops, each a dispatch, saved: with 1/scale on the host too
     (base.host_inverse_scale), this is most of what a small step's clip_grad_norm_ saves on the CPU.
     found_inf and the norm, which callers keep, are new tensors; the clip coefficient and the

@@ -22,7 +22,7 @@ from .base import CheckResult
 def layouts(groups: list[list[torch.Tensor]]) -> list:
     """Each group's launch layout: FLAT over its one run (a flatten_grads_ buffer, a bucket) where
     it has one, else the pointer table; empty groups have none."""
-    # The controller validated every gradient (grad_groups.collect_grads) before any launch.
+    # The controller validated every gradient (grads.groups.collect_grads) before any launch.
     described = (describe_grads(grads, validate=False, run=one_run(grads)) for grads in groups)
     return [layout for layout in described if layout is not None]
 

@@ -1,4 +1,4 @@
-"""The policy rule's two forms (policy_forms.py) give the same state, bit for bit.
+"""The policy rule's two forms (forms.py) give the same state, bit for bit.
 
 The device form is the rule as tensor ops (what a GPU runs, and what the policy tests pin to each
 framework's reference and to torch); the host form reads the state into Python numbers on the
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from tritonscale import LossScalePolicy, host_reads
 from tritonscale.passes.backends import clip_coefficient, inverse_scale
+from tritonscale.policy.counters import count_step_
+from tritonscale.policy.forms import ON_DEVICE, ON_HOST, SCALE_FLOOR, as_float32
 from tritonscale.policy.host_checks import host_check_flags
-from tritonscale.policy.policy_counters import count_step_
-from tritonscale.policy.policy_forms import ON_DEVICE, ON_HOST, SCALE_FLOOR, as_float32
-from tritonscale.policy.policy_state import HostState
+from tritonscale.policy.state import HostState
 
 # Norms as the rule meets them: ordinary, equal to a threshold, at float32's edges, inf and NaN.
 NORMS = st.one_of(

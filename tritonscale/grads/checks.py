@@ -1,9 +1,9 @@
 """The rules a gradient must meet before anything runs, and their errors: torch's float16 refusal,
 the layouts torch ops take, and how errors name a parameter.
 
-``collect_grads`` (grad_groups.py) runs them over every gradient of a step before any pass writes,
+``collect_grads`` (groups.py) runs them over every gradient of a step before any pass writes,
 so a bad gradient raises with nothing modified. The rule that no two gradients share memory is
-grad_groups.py's (``first_overlap``), the one step of these that runs on every step.
+groups.py's (``first_overlap``), the one step of these that runs on every step.
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from ..kernels.supported import is_supported_grad
-from . import grad_sharding
+from . import sharding
+from .checks import FP16_REFUSED, check_for_torch_ops, where, where_is
 from .flat_grads import known_run, remember_run
 from .flat_runs import one_run
-from .grad_checks import FP16_REFUSED, check_for_torch_ops, where, where_is
-from .grad_sharding import ShardLayouts, mesh_group
+from .sharding import ShardLayouts, mesh_group
 
 DeviceGroups = dict[torch.device, list[list[torch.Tensor]]]
 
@@ -109,7 +109,7 @@ def collect_grads(
     ``kernels=False`` sends everything to torch ops (a norm type the kernels do not compute);
     ``allow_sparse=False`` refuses sparse gradients (a fused optimizer cannot step with them).
     ``split_replicas``: gradients another rank counts in the norm go to ``Grads.replicas``
-    (grad_sharding.py). ``takes_norm``: the caller takes a norm, which counts a sparse gradient's
+    (sharding.py). ``takes_norm``: the caller takes a norm, which counts a sparse gradient's
     duplicate entries summed (``Grads.norm_stand_ins``). Only float16 sparse gradients are coalesced
     in place, as torch's unscale_ does (their scaled sums may overflow); the stored values of the
     others are what torch checks and unscales. Gradients that share memory (one tensor as two
@@ -144,7 +144,7 @@ def _remembered_run(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> Grads
     (flat_grads.py), or None. Only for the norms the kernels compute: a norm of partial norms is
     the norm for 1, 2 and inf, not for 0 or negative orders, which also count the buffer's padding.
     Never once mark_replicated was called: the marks are on the parameters, which only a walk sees."""
-    run = known_run(optimizer) if not grad_sharding.marked_any else None
+    run = known_run(optimizer) if not sharding.marked_any else None
     if run is None:
         return None
     if not allow_fp16 and run.dtype is torch.float16:
@@ -202,7 +202,7 @@ def _sort_every_grad(
     so the common case (a plain dense float32/bfloat16 gradient after the first) is the first test
     and calls nothing outside this module: plain tensors need no layout work once one was seen
     (unless mark_replicated was ever called)."""
-    plain_fast = not grad_sharding.marked_any  # then a plain tensor needs no layout work at all
+    plain_fast = not sharding.marked_any  # then a plain tensor needs no layout work at all
     dense, dense_where = found.dense, found.dense_where
     for g_index, group in enumerate(optimizer.param_groups):
         for p_index, param in enumerate(group["params"]):

@@ -3,7 +3,7 @@
 ``PolicyRunner`` runs a ``LossScalePolicy``'s rule methods on the scaler's device state: on the
 device through ``torch.compile`` where that is on (default: on CUDA, where the rule's ~10-40 tiny
 ops would otherwise each cost a launch), on the device eagerly elsewhere, and on the host where
-reading a value is free (the CPU; ``policy_forms.py``). On the device the only host read is the
+reading a value is free (the CPU; ``forms.py``). On the device the only host read is the
 opt-in check of policies that must stop or warn.
 """
 
@@ -17,12 +17,12 @@ import torch
 
 from .. import host_reads
 from ..flags import combine_flags, flags_on, moved_to
+from .counters import CONSECUTIVE_SKIPS
+from .forms import ON_DEVICE, ON_HOST, RuleForm
 from .host_checks import HostCheck, UpdatesWithoutRead, act_on_host_checks, host_check_flags
 from .loss_scale_policy import LossScalePolicy
-from .policy_counters import CONSECUTIVE_SKIPS
-from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
-from .policy_state import DeviceState
 from .spike_rules import zclip_max_norm
+from .state import DeviceState
 
 
 class IterationOutcome(NamedTuple):

@@ -4,7 +4,7 @@
   pickle hold, and what ``load_state_dict`` validates before anything changes.
 * ``DeviceState``: the same values as device tensors, made at the first ``scale()`` and from
   then on updated in place at fixed addresses (so a step can be captured in a CUDA graph). The
-  policy's rule (``policy_runner.py``) updates them.
+  policy's rule (``runner.py``) updates them.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from .counters import COUNTER_NAMES
 from .loss_scale_policy import LossScalePolicy
-from .policy_counters import COUNTER_NAMES
 from .spike_rules import spike_state_size
 
 

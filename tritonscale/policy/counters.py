@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .policy_forms import ON_DEVICE, ON_HOST, RuleForm
+from .forms import ON_DEVICE, ON_HOST, RuleForm
 
 # Slots of the int32 counters tensor.
 (
