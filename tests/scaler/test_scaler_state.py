@@ -18,7 +18,7 @@ from tritonscale.policy.counters import COUNTER_NAMES
 from tritonscale.policy.loss_scale_policy import LossScalePolicy
 from tritonscale.policy.state import HostState
 from tritonscale.scaler.checkpoint_codec import STATE_KEYS, from_state_dict, to_state_dict
-from tritonscale.scaler.optimizer_record import OptimizerRecord, OptState
+from tritonscale.scaler.optimizer_step import OptimizerRecord, OptState
 
 
 def test_constructor_defaults_are_torchs():

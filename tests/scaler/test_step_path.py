@@ -1,13 +1,12 @@
 """The controller reads top-down: each call visits the stage modules in order, each once.
 
-A profiler records which tritonscale modules the methods of ``grad_scaler.py`` call, in order
-(consecutive calls into one module are one visit). A module visited again means the path went
-back to an earlier stage. Two returns are the design, and named: ``passes/step_protocols.py`` decides how the
-optimizer is handed the step before the passes and hands it over after them; a clip opens the
-optimizer's record (``scaler/optimizer_record.py``) before the pass and records the outcome after
-it, so a pass that raises leaves the record as it was (``unscale_`` and the pass a ``step()``
-with none before it runs do the same); for the same reason a clip checks the norm history's owner
-(``scaler/norm_history.py``) before the pass and claims it after.
+The controller is the class (``scaler/grad_scaler.py``) and the per-optimizer objects of its
+iterations (``scaler/optimizer_step.py``); a profiler records which other tritonscale modules they
+call, in order (consecutive calls into one module are one visit). A module visited again means
+the path went back to an earlier stage. Two returns are the design, and named:
+``passes/step_protocols.py`` decides the optimizer's kind before the passes and hands it the step
+(or, for a folded clip, guards its direct step) after them; a clip checks the norm history's
+owner (``scaler/norm_history.py``) before anything changes and claims it after the pass.
 """
 
 from __future__ import annotations
@@ -22,12 +21,15 @@ import torch
 import tritonscale
 from tritonscale import GradScaler
 
+#: The controller: the class and the per-optimizer objects of its iterations (calls between them
+#: are its own).
+CONTROLLER = ("scaler/grad_scaler.py", "scaler/optimizer_step.py")
 #: The returns the design makes, per call (see the module docstring).
 EXPECTED_RETURNS = {
-    "unscale_": {"scaler/optimizer_record.py"},
-    "clip_grad_norm_": {"passes/step_protocols.py", "scaler/optimizer_record.py", "scaler/norm_history.py"},
+    "unscale_": set(),
+    "clip_grad_norm_": {"passes/step_protocols.py", "scaler/norm_history.py"},
     "step": {"passes/step_protocols.py"},
-    "step alone": {"passes/step_protocols.py", "scaler/optimizer_record.py"},  # the pass step() runs itself
+    "step alone": {"passes/step_protocols.py"},  # the pass step() runs itself sits between the two
     "update": set(),
 }
 
@@ -57,7 +59,7 @@ def controller_visits(call) -> list[str]:
         if event != "call" or frame.f_back is None or frame.f_code.co_name.startswith("<"):
             return
         caller, callee = _module(frame.f_back.f_code), _module(frame.f_code)
-        if caller == "scaler/grad_scaler.py" and callee not in (None, caller):
+        if caller in CONTROLLER and callee is not None and callee not in CONTROLLER:
             if not visits or visits[-1] != callee:
                 visits.append(callee)
 

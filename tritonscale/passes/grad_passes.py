@@ -110,7 +110,6 @@ def unscale_and_check_(
     return combine_rank_flags(found_infs, group, agreement, scale.device)  # gradients on several devices
 
 
-unscale_grads_ = unscale_and_check_  # the controller's old name, removed with issue 40's rewrite of scaler/
 
 
 def _unscale_each_device_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:

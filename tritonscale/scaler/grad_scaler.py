@@ -2,38 +2,42 @@
 
 One class, as torch's is, its state the fields ``__init__`` sets: a step runs the passes (``passes/``)
 on the gradients (``grads/``), records each optimizer's stage and hands the flags to the policy's
-rule (``policy/``). A collective happens only on a line of unscale_/clip_grad_norm_/step/update
-that says so. Views of the fields (read-outs, settings, torch's private names): ``field_views.py``.
+rule (``policy/``). One optimizer's part of an iteration is one object (``optimizer_step.py``, a
+kind per step protocol) that owns its record, its passes, its step and its read-outs; the class
+keeps what every optimizer shares. A collective happens only on a line that says so (in the
+passes the optimizer's object runs). Sections: the constructor and ``scale``; one optimizer's
+iteration; the passes, ``step`` and ``update``; read-outs and settings; checkpoints and copies;
+torch.amp.GradScaler's own names.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ..flags import moved_to, read_flag
+from ..flags import read_found_inf
 from ..grads.groups import Grads, collect_grads
-from ..passes import step_protocols
 from ..passes.backends import check_backend_name
-from ..passes.clip_args import ClipRequest, check_clip_args, kernels_compute
-from ..passes.grad_passes import check_grads, clip_grads, unscale_grads_
+from ..passes.clip_args import check_clip_args, kernels_compute
+from ..passes.grad_passes import PerDevice, torch_unscale_
 from ..passes.rank_checks import NOTHING_TO_UNDO, Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
-from ..passes.step_protocols import StepProtocol, unwrap_optimizer
+from ..passes.step_protocols import unwrap_optimizer
+from ..policy.knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
 from ..policy.loss_scale_policy import LossScalePolicy
 from ..policy.peer_presets import PeerPreset
+from ..policy.counters import LAST_SKIPPED
 from ..policy.runner import PolicyRunner
 from ..policy.state import DeviceState, HostState
 from ..process_groups import check_process_group
-from . import field_views as views
 from .checkpoint_codec import ScalerSnapshot, check_picklable, from_state_dict, to_state_dict
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
+from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats
 from .norm_history import NormHistoryOwner
-from .optimizer_record import OptimizerRecord, OptState
+from .optimizer_step import OptimizerRecord, OptimizerStep, OptState, step_kind
 from .scale_outputs import scale_outputs
 from .scaler_args import (
     TORCH_INIT_SCALE,
@@ -45,7 +49,6 @@ from .scaler_args import (
     policy_from_torch_args,
     set_scale_,
 )
-from .unscaled_step import clip_unscaled, step_unscaled
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -130,40 +133,26 @@ class GradScaler:
             raise missing_state_error(funcname)
         return self._tensors
 
-    # ------------------------------------------------------- gradient passes
+    # ------------------------------------------------------- one optimizer's iteration
+    def _step_for(self, optimizer: Any, inner: torch.optim.Optimizer | None = None) -> OptimizerStep:
+        """This iteration's object for ``optimizer`` (keyed by the real optimizer behind a wrapper),
+        of the kind the object given here steps by (``optimizer_step.py``): the one in the table, or
+        a new one (a record torch-protocol code made adopted), which enters the table once the
+        call's own checks pass. ``inner``: ``unwrap_optimizer(optimizer)``, when the caller has it."""
+        inner = unwrap_optimizer(optimizer) if inner is None else inner
+        kind = step_kind(optimizer, inner, self._enabled)
+        entry = self._per_optimizer_states.get(id(inner))
+        return entry if type(entry) is kind else kind.adopt(inner, entry)
+
+    def _recorded(self, optimizer: Any) -> OptimizerRecord | None:
+        """What this iteration recorded for ``optimizer`` (a wrapper's inner one); None if nothing."""
+        return self._per_optimizer_states.get(id(unwrap_optimizer(optimizer)))
+
     def _group(self, grads: Grads, process_group: Any = None) -> Any:
         """The group the gradients are split across (None: this rank holds them whole)."""
         if process_group is None and self._process_group is None and grads.mesh is None:
             return None
         return gradient_group(process_group, self._process_group, grads.mesh_group)
-
-    @runs_eagerly
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale in place and record inf/NaN on the device:
-        one fused read+check+write pass per (device, dtype) group; no host sync. Example:
-        ``scaler.unscale_(optimizer)`` after backward (the gradients now hold their true values)."""
-        if not self._enabled:
-            return
-        optimizer = unwrap_optimizer(optimizer)
-        scale = self._state_for("unscale_").scale
-        record = self._per_optimizer_states[id(optimizer)].not_stepped("unscale_")
-        if record.stage is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        self._flags_pass(optimizer, record, scale, unscale=True)
-
-    def _flags_pass(self, inner: Any, record: OptimizerRecord, scale: torch.Tensor, *, unscale: bool) -> None:
-        """unscale_'s pass (``unscale``) or a fused step's read-only check, recorded. With a process
-        group, the collective: the group's flags; ranks that disagree raise before any write."""
-        sparse_ok = unscale or not step_protocols.is_torch_fused(inner)
-        grads = collect_grads(inner, allow_fp16=not unscale, allow_sparse=sparse_ok)
-        group, backend = self._group(grads), self._backend_name
-        agreement = None if group is None else self._agreement(inner)  # a single process: no rank code
-        if unscale:
-            flags = unscale_grads_(grads, scale, backend, group, agreement, self._policy.skip_on_overflow)
-            record.stage = OptState.UNSCALED
-        else:
-            flags = check_grads(grads, scale, backend, group, agreement)
-        record.found_inf_per_device = flags
 
     def _agreement(
         self, optimizer: Any, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0
@@ -173,6 +162,15 @@ class GradScaler:
         state = self._tensors if self._enabled else None
         scale = state.scale if state is not None else None
         return Agreement(self._ranks, scale, kind, optimizer, self._policy, max_norm, norm_type, state=state)
+
+    # ------------------------------------------------------- gradient passes
+    @runs_eagerly
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place and record inf/NaN on the device:
+        one fused read+check+write pass per (device, dtype) group; no host sync. Example:
+        ``scaler.unscale_(optimizer)`` after backward (the gradients now hold their true values)."""
+        if self._enabled:
+            self._step_for(optimizer).unscale(self)
 
     def clip_grad_norm_(
         self,
@@ -191,41 +189,13 @@ class GradScaler:
         the same on each rank. torch's ``foreach`` has no effect here (one fused pass), and its
         ``error_if_nonfinite=True`` is refused (inf/NaN: step() skips). ``scaler.clip_grad_norm_(opt, 1.0)``."""
         max_norm, norm_type = check_clip_args(max_norm, norm_type, error_if_nonfinite, foreach)
-        kernels = kernels_compute(norm_type)
-        inner = unwrap_optimizer(optimizer)  # the state is the real optimizer's; the protocol the object's
-        folds = StepProtocol.of(optimizer, inner).clip_folds(self._fold)  # hand a fused step scale / clip_coef
+        kernels, inner = kernels_compute(norm_type), unwrap_optimizer(optimizer)
+        iteration = self._step_for(optimizer, inner)  # a fused step folds the clip; a disabled one clips plainly
         if clip_stays_eager(process_group or self._process_group, inner):
             return call_eagerly(self.clip_grad_norm_, optimizer, max_norm, norm_type, process_group=process_group)
-        if not self._enabled:  # a bf16 run: plain clipping, with the check the next step() skips on
-            group_of = functools.partial(self._group, process_group=process_group)
-            agreement = self._agreement(inner, "clip", max_norm, norm_type)
-            norm, found_inf = clip_unscaled(inner, max_norm, norm_type, group_of, self._backend_name, agreement)
-            self._per_optimizer_states[id(inner)].skip = self._ranks.skip(found_inf)  # forced on by a mismatch
-            return norm
-        self._norm_owner.check(self._policy, inner)  # before anything changes (the record too)
-        scale = self._state_for("clip_grad_norm_").scale
-        record = self._per_optimizer_states[id(inner)].not_stepped("clip_grad_norm_")
-        pending, limit_of = record.pending_factor(scale), self._rules.clip_limit(self._policy, self._tensors, max_norm)
-        sparse_ok = not (folds and step_protocols.is_torch_fused(inner))  # torch's fused steps: dense only
-        grads = collect_grads(
-            inner, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True, takes_norm=True
-        )
-        has_grads = bool(grads.devices or grads.replicas)
-        group = self._group(grads, process_group)
-        # With a process group, the collective: one row per rank, ``agreement`` checked (rank_checks.py).
-        device, result = clip_grads(
-            grads,
-            pending,
-            ClipRequest(max_norm, norm_type, folds, not self._policy.skip_on_overflow, limit_of=limit_of),
-            backend=self._backend_name,
-            group=group,
-            agreement=None if group is None else self._agreement(inner, "clip", max_norm, norm_type),
-        )
-        folded = step_protocols.fold_clip(result.grad_scale, inner, self) if folds else None
-        # Only now: a clip that raised leaves the record as it was.
-        record.record_clip(device, result.found_inf, result.norm, has_grads or group is not None, folded)
-        self._norm_owner.claim(self._policy, inner)
-        return result.norm
+        # The norm history is the scaler's: a second optimizer's clip is refused before anything changes.
+        self._norm_owner.check(self._policy, inner)
+        return iteration.clip(self, max_norm, norm_type, kernels, process_group)
 
     # ------------------------------------------------------------------ step
     @runs_eagerly
@@ -233,50 +203,7 @@ class GradScaler:
         """Unscale (unless done this iteration) and step, skipped on inf/NaN: on the device for
         optimizers that take ``grad_scale``/``found_inf`` (torch's fused ones), else after one host
         read, as torch's. Closures are refused, as in torch. Example: ``scaler.step(optimizer)``."""
-        inner = unwrap_optimizer(optimizer)  # the state is the real optimizer's; step() is the object's
-        if not self._enabled:  # torch's plain step, unless the clip_grad_norm_ before it found inf/NaN
-            record = self._per_optimizer_states.pop(id(inner), None)
-            self._disabled_skip = record.skip if record is not None else None  # for last_step_skipped()
-            self._ranks.next_iteration()  # a bf16 loop may never call update(): its step ends the iteration
-            return step_unscaled(optimizer, inner, self._disabled_skip, self._ranks.read_skip, args, kwargs)
-        if "closure" in kwargs:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        scale = self._state_for("step").scale
-        record = self._per_optimizer_states[id(inner)]
-        if record.stage is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
-
-        protocol = StepProtocol.of(optimizer, inner)
-        if protocol is StepProtocol.GRAD_SCALER_ARGUMENT:  # the optimizer asks this scaler itself
-            retval = step_protocols.step_with_grad_scaler_argument(optimizer, self, args, kwargs)
-        elif protocol is StepProtocol.AMP_ATTRIBUTES:
-            if record.stage is OptState.READY:  # the optimizer divides by grad_scale itself: a check only
-                self._flags_pass(inner, record, scale, unscale=False)  # with a group: the collective
-            # No gradients: torch steps a fused optimizer all the same; update() then raises.
-            skip = self._skip_flag(record, scale.device, required=False)
-            still_scaled = record.stage is OptState.READY
-            retval = step_protocols.step_fused(
-                optimizer, inner, scale, still_scaled, record.grad_scale, skip, args, kwargs
-            )
-        else:
-            if record.stage is OptState.READY:
-                self._flags_pass(inner, record, scale, unscale=True)  # with a group: the collective
-            skip = self._skip_flag(record, scale.device)
-            # The one host read; where a rank mismatch is pending, reading the skip raises it.
-            read_skip = read_flag if self._ranks.pending is None else self._ranks.read_skip
-            retval = step_protocols.step_unless(optimizer, inner, skip, read_skip, args, kwargs, on_device=False)
-        record.stage = OptState.STEPPED
-        return retval
-
-    def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
-        """Decide on the device whether this optimizer's step is skipped; remember it for update().
-        ``required``: no inf check recorded (no gradients) is torch's error; otherwise it reads 0."""
-        found_inf = record.found_inf_on(device, required)
-        norm = moved_to(record.norm, device) if record.norm is not None else None
-        skip_decision = self._rules.rule(self._policy, "skip_decision", device)
-        skip = skip_decision(found_inf, norm, self._tensors.norm_stats, spike_stats=self._tensors.spike_stats)
-        record.skip = skip if self._ranks.pending is None else self._ranks.skip(skip)  # forced on by a mismatch
-        return record.skip
+        return self._step_for(optimizer).step(self, optimizer, args, kwargs)
 
     # ---------------------------------------------------------------- update
     def update(
@@ -294,7 +221,7 @@ class GradScaler:
         records = list(self._per_optimizer_states.values())
         if found_inf is not None:
             record = OptimizerRecord.from_flag(found_inf, scale.device)
-            self._skip_flag(record, scale.device)
+            record.skip_flag(self, scale.device)
             records.append(record)
         outcome = OptimizerRecord.outcome(records)
         with NOTHING_TO_UNDO if self._ranks.pending is None else self._ranks.unchanged_if_mismatched(self._tensors):
@@ -306,13 +233,98 @@ class GradScaler:
         self._per_optimizer_states = defaultdict(OptimizerRecord)
         self._ranks.next_iteration(scale.device)
 
-    # ------------------------------------ read-outs and settings (scaler/field_views.py)
-    # Views of the fields above; none communicates, none changes state.
-    stats, last_step_skipped, last_skip_flag = views.stats, views.last_step_skipped, views.last_skip_flag
-    optimizer_stage, found_inf_for, overflowed = views.optimizer_stage, views.found_inf_for, views.overflowed
-    folded_grad_scale, last_norm, folds_clip_into = views.folded_grad_scale, views.last_norm, views.folds_clip_into
-    backend, fold_into_optimizer, process_group = views.BACKEND, views.FOLD_INTO_OPTIMIZER, views.PROCESS_GROUP
-    get_policy, get_scale = views.get_policy, views.get_scale
+    # ------------------------------------------------------------- read-outs
+    # None communicates, none changes state; each optimizer's comes from its iteration's object.
+    def optimizer_stage(self, optimizer: torch.optim.Optimizer) -> OptState | None:
+        """``optimizer``'s stage in this iteration (torch's ``OptState``); None when nothing was
+        recorded for it since the last update(). Example: ``scaler.optimizer_stage(opt) is None``."""
+        record = self._recorded(optimizer)
+        return record.stage if record is not None else None
+
+    def found_inf_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """This iteration's overflow flag for ``optimizer`` (0-dim float32 on the device, nonzero on
+        inf/NaN; the process group's, with one); None before its first check. No host read.
+        Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later."""
+        record = self._recorded(optimizer)
+        return record.found_inf() if record is not None else None
+
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """:meth:`found_inf_for` read on the host (one read); False before the first check.
+        Example: ``if scaler.overflowed(opt): ...`` (its step() will skip)."""
+        record = self._recorded(optimizer)
+        return record is not None and record.overflowed()
+
+    def folded_grad_scale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The divisor (``scale / clip_coef``) a clip folded into ``optimizer``'s fused step, until step()
+        hands it over; else None. Example: ``p.grad / scaler.folded_grad_scale(opt)``: unscaled, clipped."""
+        record = self._recorded(optimizer)
+        return record.folded_grad_scale() if record is not None else None
+
+    def folds_clip_into(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`clip_grad_norm_` hands ``optimizer``'s fused step ``scale / clip_coef``
+        (the gradients then stay scaled until :meth:`step`) rather than writing the gradients. A
+        disabled scaler's clip is a plain clip: it writes them, and this is False.
+        Example: ``if not scaler.folds_clip_into(opt): grads_are_unscaled_after_the_clip()``."""
+        return step_kind(optimizer, unwrap_optimizer(optimizer), self._enabled).clip_folds(self._fold)
+
+    def last_norm(self) -> torch.Tensor | None:
+        """The norm the last update() used (its iteration's last clip_grad_norm_'s), on the device;
+        None if that iteration clipped nothing. Example: ``norm = scaler.last_norm()``."""
+        return self._last_norm
+
+    def last_skip_flag(self) -> torch.Tensor | None:
+        """Whether the last completed iteration skipped its step: a 0-dim bool device tensor, no host
+        read (False before the first; None before any state). Example: ``skipped = scaler.last_skip_flag()``."""
+        if not self._enabled:  # skipped only when the clip_grad_norm_ before it found inf/NaN
+            return self._disabled_skip > 0 if self._disabled_skip is not None else None
+        return self._ranks.skip(self._tensors.counters[LAST_SKIPPED] > 0) if self._tensors is not None else None
+
+    @runs_eagerly
+    def last_step_skipped(self) -> bool:
+        """Whether the last completed iteration skipped its step (a host read; the device flag is
+        ``last_skip_flag()``). Example: ``if not scaler.last_step_skipped(): scheduler.step()``."""
+        skipped = self.last_skip_flag()
+        if self._enabled:
+            self._ranks.raise_if_flagged()
+        return skipped is not None and bool(skipped.item())
+
+    @runs_eagerly
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Per-step statistics as 0-dim device tensors, no host sync: ``scale``, ``growth_tracker``,
+        ``norm`` (the last clip_grad_norm_'s, NaN if none), ``found_inf`` (the last update's flag),
+        ``skipped`` (0/1), ``skipped_steps``, ``consecutive_skips``, ``hysteresis_left``. They are
+        this step's values (device copies), safe to keep and read steps later. Example:
+        ``writer.add_scalar("loss_scale", scaler.stats()["scale"], step)`` (the logger syncs; a
+        logger that must not: ``tritonscale.StepLog``, docs/training-loop.md)."""
+        if not self._enabled:
+            raise RuntimeError(NO_STATS_WHEN_DISABLED)
+        state = self._state_for("stats")
+        return device_stats(state.scale, state.growth_tracker, state.counters, self._last_found_inf, self._last_norm)
+
+    # ------------------------------------------------------------- settings
+    @property
+    def backend(self) -> str:
+        """The requested backend: "auto", "triton" or "torch"."""
+        return self._backend_name
+
+    @property
+    def fold_into_optimizer(self) -> bool:
+        """The constructor's: whether clip_grad_norm_ folds into a fused optimizer's step."""
+        return self._fold
+
+    @property
+    def process_group(self) -> Any:
+        """The constructor's ``process_group`` (None: the gradients are not split across ranks)."""
+        return self._process_group
+
+    def get_policy(self) -> LossScalePolicy:
+        """A copy of the loss-scale policy in use. Example: ``scaler.get_policy().skip_on_overflow``."""
+        return LossScalePolicy(**self._policy.knobs())
+
+    def place_state(self, device: torch.device | str) -> torch.device:
+        """Make the scale and its trackers on ``device`` now, as the first scale() would (state
+        already made stays where it is); return their device. Example: ``scaler.place_state("cuda")``."""
+        return self._scale_on(torch.device(device)).device
 
     # ------------------------------------------------ a rank agreement, for adapters
     def rank_agreement(
@@ -386,30 +398,130 @@ class GradScaler:
         self.__dict__.update(state)
         self.__dict__.setdefault("_norm_owner", NormHistoryOwner())
 
-    # -------------------------------------- torch.amp.GradScaler's names (scaler/field_views.py)
-    # With torch's meaning, for code outside this package; views of the fields above.
-    is_enabled = views.is_enabled
-    get_growth_factor, set_growth_factor = views.get_growth_factor, views.set_growth_factor
-    get_backoff_factor, set_backoff_factor = views.get_backoff_factor, views.set_backoff_factor
-    get_growth_interval, set_growth_interval = views.get_growth_interval, views.set_growth_interval
-    _scale, _growth_tracker, _counters, _norm_stats = (
-        views.SCALE, views.GROWTH_TRACKER, views.COUNTERS, views.NORM_STATS
-    )  # fmt: skip
-    _init_scale, _init_growth_tracker = views.INIT_SCALE, views.INIT_GROWTH_TRACKER
-    _growth_factor, _backoff_factor = views.GROWTH_FACTOR, views.BACKOFF_FACTOR
-    _growth_interval = views.GROWTH_INTERVAL
-    _lazy_init_scale_growth_tracker = views.lazy_init_scale_growth_tracker
-    _get_growth_tracker, _get_scale_async = views.get_growth_tracker, views.get_scale_async
-    _found_inf_per_device, _unscale_grads_ = views.found_inf_per_device, views.unscale_grads_
-    _maybe_opt_step, _check_scale_growth_tracker = views.maybe_opt_step, views.check_scale_growth_tracker
-    place_state = views.place_state
+    # ----------------------------------------------------- torch.amp.GradScaler's names
+    # With torch's meaning, for code that reaches past the public API: Lightning's and Accelerate's
+    # checkpoint and clipping code read ``_scale``, ``_growth_tracker``, ``_init_scale``; fairseq-
+    # and timm-style loops and ColossalAI/DeepSpeed-style subclasses call
+    # ``_lazy_init_scale_growth_tracker``, ``_unscale_grads_``, ``_maybe_opt_step``; apex and
+    # TransformerEngine optimizers that take ``step(grad_scaler=...)`` call ``_get_scale_async``,
+    # ``_check_inf_per_device`` and ``_found_inf_per_device``. torch's knob accessors too.
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @runs_eagerly
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync), or 1.0 when disabled."""
+        if not self._enabled:
+            return 1.0
+        self._ranks.raise_if_flagged()
+        return self._host.scale if self._tensors is None else float(self._tensors.scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._policy.growth_factor
+
+    @runs_eagerly
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._policy.growth_factor = check_growth_factor(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._policy.backoff_factor
+
+    @runs_eagerly
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._policy.backoff_factor = check_backoff_factor(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._policy.growth_interval
+
+    @runs_eagerly
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._policy.growth_interval = check_growth_interval(new_interval)
+
+    _growth_factor = property(get_growth_factor, set_growth_factor)
+    _backoff_factor = property(get_backoff_factor, set_backoff_factor)
+    _growth_interval = property(get_growth_interval, set_growth_interval)
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """The scale tensor (None until the first scale())."""
+        return self._tensors.scale if self._tensors is not None else None
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return self._tensors.growth_tracker if self._tensors is not None else None
+
+    @property
+    def _counters(self) -> torch.Tensor | None:  # ours, beside torch's trackers
+        return self._tensors.counters if self._tensors is not None else None
+
+    @property
+    def _norm_stats(self) -> torch.Tensor | None:  # ours, beside torch's trackers
+        return self._tensors.norm_stats if self._tensors is not None else None
+
+    @property
+    def _init_scale(self) -> float:
+        """The scale the first scale() starts from (frameworks assign it too)."""
+        return self._host.scale
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._host.scale = value
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._host.growth_tracker
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        self._host.growth_tracker = value
+
+    @runs_eagerly
+    def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
+        self._tensors = self._host.to_device(device)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        state = self._state_for(funcname)
+        return state.scale, state.growth_tracker
+
+    @runs_eagerly
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._host.growth_tracker if self._tensors is None else int(self._tensors.growth_tracker.item())
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor itself, no host read (None before the first scale())."""
+        return self._scale
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._per_optimizer_states[id(unwrap_optimizer(optimizer))]["found_inf_per_device"]
+
+    @runs_eagerly
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's helper: the gradients times ``inv_scale`` in place with torch's own fused op; a
+        found_inf per device (copies of ``found_inf``) returned. Uses no field of the scaler."""
+        grads = collect_grads(unwrap_optimizer(optimizer), allow_fp16=allow_fp16, kernels=False)
+        inv_scales, found_infs = PerDevice(inv_scale), PerDevice(found_inf)
+        for device, tensors in grads.other.items():
+            torch_unscale_(tensors, found_infs.get(device), inv_scales.get(device))
+        return {device: found_infs.get(device) for device in grads.other}
+
+    @runs_eagerly
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()`` unless a recorded found_inf is set (a host read, as torch's)."""
+        if not read_found_inf(optimizer_state["found_inf_per_device"].values()):
+            return optimizer.step(*args, **kwargs)
+        return None
 
     @runs_eagerly
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """step(grad_scaler=...)'s check, called by the optimizer inside :meth:`step`: the still
         scaled gradients checked, not written; the flag per device recorded and returned. With a
-        process group, the collective of that step."""
-        scale, inner = self._state_for("_check_inf_per_device").scale, unwrap_optimizer(optimizer)
-        record = self._per_optimizer_states[id(inner)]
-        self._flags_pass(inner, record, scale, unscale=False)
-        return record.found_inf_per_device
+        process group, the collective of that step. The iteration's object is the one its step
+        runs in (the optimizer passes itself, which may be the inner one)."""
+        scale = self._state_for("_check_inf_per_device").scale
+        record = self._recorded(optimizer)
+        iteration = record if isinstance(record, OptimizerStep) else self._step_for(optimizer)
+        return iteration.check(self, scale)

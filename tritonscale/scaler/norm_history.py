@@ -12,12 +12,12 @@ scaler, a loaded one and a copy start with no owner.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import ScalerConfigError
 from ..policy.loss_scale_policy import NORM_HISTORY_KNOBS, LossScalePolicy
+from .optimizer_step import weak
 
 
 class NormHistoryOwner:
@@ -55,12 +55,4 @@ class NormHistoryOwner:
     def claim(self, policy: LossScalePolicy, optimizer: Any) -> None:
         """After a clip of ``optimizer`` under ``policy``: it owns the history, unless a live one does."""
         if policy.has_norm_history() and self._current() is None:
-            self._owner = _weak(optimizer)
-
-
-def _weak(optimizer: Any) -> Callable[[], Any]:
-    """A weak reference to ``optimizer``; a strong one for an object that takes none (``__slots__``)."""
-    try:
-        return weakref.ref(optimizer)
-    except TypeError:
-        return lambda: optimizer
+            self._owner = weak(optimizer)
