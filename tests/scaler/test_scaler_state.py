@@ -1,4 +1,4 @@
-"""checkpoint_codec.py, policy/state.py, optimizer_record.py and step_protocols.py: the pieces the
+"""checkpoint_codec.py, policy/state.py, optimizer_step.py and step_protocols.py: the pieces the
 controller is built from."""
 
 from __future__ import annotations
