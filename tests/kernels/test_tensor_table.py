@@ -204,7 +204,7 @@ def test_a_table_to_build_under_cuda_graph_capture_is_refused(monkeypatch):
     for cache in caches:
         cache.cache_clear()  # pure functions of their keys: emptying them changes no result
     with pytest.raises(RuntimeError, match="outside the capture"):
-        tensor_table._tables(torch.device("cuda"), 0, (4096, 8192), (300, 17))
+        tensor_table._tables(torch.device("cuda"), (4096, 8192), (300, 17))
     assert [cache.cache_info().currsize for cache in caches] == [0, 0]
 
 
@@ -232,18 +232,86 @@ def test_gpu_reallocated_gradients_tables_without_waiting_or_reading(forbid_host
         assert_bitwise(g, e, f"gradient {i}")
 
 
+class FakeStream:
+    """Stands for a CUDA stream on the CPU: its handle and the events it was made to wait for."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream, self.waited = handle, []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+@pytest.fixture
+def fake_cuda_streams(monkeypatch):
+    """Table builds on a stand-in "cuda" device: each copy is an Upload on the current fake stream
+    (its event a fresh object), and ``streams[k]`` is made current by ``current[0] = k``."""
+    streams, current, built = {k: FakeStream(k) for k in (11, 22)}, [11], []
+
+    def to_device(host, device):
+        upload = tensor_table.Upload(current[0], object())
+        built.append(upload)
+        return host, upload
+
+    monkeypatch.setattr(tensor_table, "_to_device", to_device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[current[0]])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for cache in (tensor_table._tables, tensor_table._chunk_table):
+        cache.cache_clear()
+    yield streams, current, built
+    for cache in (tensor_table._tables, tensor_table._chunk_table):
+        cache.cache_clear()  # the fake uploads must not outlive the test
+
+
+def test_another_stream_reads_the_same_tables_after_their_copies(fake_cuda_streams):
+    """The tables are keyed by what they describe, not by the stream (torch.cuda.graph captures on a
+    stream of its own, after a warm-up on a side stream): the stream that built them reads them as
+    they are; another gets the same tables, no second build, and waits on both copies' events
+    first (the ordering the old per-stream keys gave, by an event instead of a second copy)."""
+    streams, current, built = fake_cuda_streams
+    cuda, key = torch.device("cuda"), ((4096, 8192), (300, CHUNK + 17))
+    first = tensor_table.ready_tables(cuda, *key)
+    assert len(built) == 2 and streams[11].waited == []  # its own copies: ordered already
+    current[0] = 22
+    other = tensor_table.ready_tables(cuda, *key)
+    assert other[0] is first[0] and other[1] is first[1] and len(built) == 2  # no rebuild
+    assert {id(e) for e in streams[22].waited} == {id(upload.done) for upload in built} and len(streams[22].waited) == 2
+
+
+def test_inside_a_capture_the_tables_are_read_without_a_wait(fake_cuda_streams, monkeypatch):
+    """Waiting on an event recorded outside a capture is invalid inside it, so a capture stream
+    reads warm tables with no wait: torch.cuda.graph synchronized the device before capturing."""
+    streams, current, built = fake_cuda_streams
+    cuda, key = torch.device("cuda"), ((4096,), (300,))
+    tensor_table.ready_tables(cuda, *key)
+    current[0] = 22
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    tensor_table.ready_tables(cuda, *key)
+    assert streams[22].waited == [] and len(built) == 2
+
+
 @pytest.mark.gpu
-def test_gpu_another_stream_gets_tables_of_its_own():
-    """A table's copy is asynchronous on the stream that built it, so only that stream's kernels
-    are ordered after it: the same gradients described on a side stream get tables of their own
-    (equal in content), and the first stream still hits its own."""
+def test_gpu_tables_built_on_a_side_stream_serve_torch_cuda_graph():
+    """torch's recipe: describe on a side stream (warm-up), then inside ``torch.cuda.graph(g)`` (its
+    own capture stream) the same tables are found, no copy is made in the capture, and the applied
+    factor replays right; on a third stream, outside a capture, the same tables again."""
     grads = [torch.randn(300, device="cuda"), torch.randn(CHUNK + 17, device="cuda")]
-    first = describe_grads(grads)
+    originals = [g.clone() for g in grads]
+    factor = torch.tensor([0.5], device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        other = describe_grads(grads)
+        first = describe_grads(grads)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = describe_grads(grads)
+        apply_factor_(captured, factor)
+    assert captured.tensors is first.tensors and captured.chunks is first.chunks
+    for _ in range(2):
+        graph.replay()
     torch.cuda.synchronize()
-    assert other.tensors is not first.tensors and other.chunks is not first.chunks
-    assert torch.equal(other.tensors, first.tensors) and torch.equal(other.chunks, first.chunks)
-    assert describe_grads(grads).tensors is first.tensors
+    for i, (g, e) in enumerate(zip(grads, apply_ref(apply_ref(originals, 0.5), 0.5))):
+        assert_bitwise(g, e, f"gradient {i}")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        assert describe_grads(grads).tensors is first.tensors

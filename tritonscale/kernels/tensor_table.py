@@ -22,7 +22,9 @@ whatever happened to the memory in between: the chunks table by (device, sizes),
 by (device, addresses, sizes). Gradients that persist between steps (``zero_grad(set_to_none=False)``)
 cost no table work after the first step; gradients re-allocated every step (``set_to_none=True``,
 torch's default) rebuild only the tensors table, on the host in one conversion, and reach the device
-by an asynchronous copy from pinned memory (the host never waits for it).
+by an asynchronous copy from pinned memory (the host never waits for it). The keys hold no stream: a
+stream that did not queue a table's copy waits for that copy's event before its kernels read it
+(``ready_tables``), so tables built during a warm-up on a side stream serve a CUDA graph's capture.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -96,38 +99,68 @@ def _placeholder(device: torch.device) -> torch.Tensor:
 def _tables_for(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
     addresses = tuple([g.data_ptr() for g in grads])
     numels = tuple([g.numel() for g in grads])
-    device = grads[0].device
-    return _tables(device, _stream_of(device), addresses, numels)
+    return ready_tables(grads[0].device, addresses, numels)
 
 
-def _stream_of(device: torch.device) -> int | None:
-    """The stream a CUDA table is copied on and may be read on (its handle), None elsewhere. Part of
-    the cache keys: the copy is asynchronous, so a table is ordered before the kernels of the
-    stream that copied it only; another stream gets a table of its own."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+def ready_tables(
+    device: torch.device, addresses: tuple[int, ...], numels: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``_tables`` for these gradients, ready to be read by the kernels of the current stream.
+
+    A table's copy is asynchronous on the stream that built it, so only that stream's kernels are
+    ordered after it. The tables are keyed by what they describe (addresses, sizes), not by the
+    stream: a stream that did not build them waits for their copies' events before reading them
+    (one ``wait_event`` each, no host wait). That is what lets a table built during warm-up on a
+    side stream serve the capture stream of ``torch.cuda.graph(g)``. Inside a capture no wait is
+    made: waiting on an event recorded outside the capture is invalid in a CUDA graph, and none is
+    needed, since ``torch.cuda.graph`` synchronizes the device before the capture begins (a raw
+    ``CUDAGraph.capture_begin`` needs ``torch.cuda.synchronize()`` before it, as that does)."""
+    tensors, chunks, aligned, uploads = _tables(device, addresses, numels)
+    _order_after(uploads, device)
+    return tensors, chunks, aligned
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A table's asynchronous copy: the stream it was queued on (its handle) and an event after it."""
+
+    stream: int
+    done: Any  # torch.cuda.Event, recorded on ``stream`` right after the copy
+
+
+def _order_after(uploads: tuple[Upload | None, ...], device: torch.device) -> None:
+    """Make the current stream's later kernels wait for the copies in ``uploads`` it did not queue."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return  # the CPU copies nothing; a capture began after a device synchronize (see ready_tables)
+    stream = torch.cuda.current_stream(device)
+    for upload in uploads:
+        if upload is not None and upload.stream != stream.cuda_stream:
+            stream.wait_event(upload.done)
 
 
 @functools.lru_cache(maxsize=16)
 def _tables(
-    device: torch.device, stream: int | None, addresses: tuple[int, ...], numels: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    device: torch.device, addresses: tuple[int, ...], numels: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[Upload | None, Upload | None]]:
     """The (tensors, chunks) tables and the alignment of the gradients at ``addresses`` with
-    ``numels`` elements each: a pure function of its arguments, so a cached entry is always the
-    right one. Only the tensors table holds addresses; the chunks table comes from the sizes alone
-    (``_chunk_table``), so gradients re-allocated at new addresses every step
-    (``zero_grad(set_to_none=True)``, torch's default) rebuild only the [T, 2] tensors table."""
-    chunks, sizes_aligned = _chunk_table(device, stream, numels)
+    ``numels`` elements each, and the tables' copies (``ready_tables`` orders a reader after
+    them): a pure function of its arguments, so a cached entry is always the right one. Only the
+    tensors table holds addresses; the chunks table comes from the sizes alone (``_chunk_table``),
+    so gradients re-allocated at new addresses every step (``zero_grad(set_to_none=True)``,
+    torch's default) rebuild only the [T, 2] tensors table."""
+    chunks, sizes_aligned, chunks_upload = _chunk_table(device, numels)
     tensors = torch.stack([_int64(addresses), _int64(numels)], dim=1)
     # Alignment the compiler cannot see through a loaded address; the kernels assert it with
     # tl.multiple_of so that table launches get 16-byte vector loads too.
     aligned = sizes_aligned and functools.reduce(operator.or_, addresses) % 16 == 0
-    return _to_device(tensors, device), chunks, aligned
+    tensors, tensors_upload = _to_device(tensors, device)
+    return tensors, chunks, aligned, (tensors_upload, chunks_upload)
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_table(device: torch.device, stream: int | None, numels: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
+def _chunk_table(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, bool, Upload | None]:
     """The chunks table [C, 2] (tensor index, first element) of tensors of ``numels`` elements,
-    and whether every numel is a multiple of 16: a pure function of the sizes.
+    whether every numel is a multiple of 16 (a pure function of the sizes), and its copy.
 
     Example: numels (CHUNK + 1, 5) give the rows (0, 0), (0, CHUNK), (1, 0)."""
     counts = [(numel + CHUNK - 1) // CHUNK for numel in numels]
@@ -135,8 +168,8 @@ def _chunk_table(device: torch.device, stream: int | None, numels: tuple[int, ..
     owner = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), per_tensor, output_size=rows)
     first_chunk = torch.cumsum(per_tensor, 0) - per_tensor
     starts = (torch.arange(rows, dtype=torch.int64) - first_chunk[owner]) * CHUNK
-    chunks = torch.stack([owner, starts], dim=1)
-    return _to_device(chunks, device), functools.reduce(operator.or_, numels) % 16 == 0
+    chunks, upload = _to_device(torch.stack([owner, starts], dim=1), device)
+    return chunks, functools.reduce(operator.or_, numels) % 16 == 0, upload
 
 
 def _int64(values: Sequence[int]) -> torch.Tensor:
@@ -144,8 +177,8 @@ def _int64(values: Sequence[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (a freshly built int64 table) on ``device``, without blocking the host.
+def _to_device(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Upload | None]:
+    """``host`` (a freshly built int64 table) on ``device``, without blocking the host, and its copy.
 
     On the CPU the device is the host: no copy. On CUDA/ROCm the table goes through pinned memory
     with an asynchronous copy: from pageable memory the host would wait for the copy, and so for
@@ -155,17 +188,22 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     gets here.) Other devices: a plain copy. Under CUDA graph capture a copy would become a node of
     the graph that reads a pinned block long since given back: refused, naming the fix."""
     if device.type == "cpu":
-        return host
+        return host, None
     if device.type != "cuda":
-        return host.to(device)
+        return host.to(device), None
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "tritonscale: these gradients' launch tables are not built yet, and the stream is capturing a CUDA "
-            "graph; run the step once outside the capture first (a warm-up, as torch.cuda.graph requires), "
-            "with the gradients at the addresses the graph will use"
+            "graph; run the step outside the capture first (warm-up steps, as torch.cuda.graph requires) with "
+            "the gradients at the addresses the graph will use (the same tensors: zero_grad(set_to_none=False), "
+            "or the same flatten_grads_ buffer)"
         )
     pinned = host.pin_memory()
-    return torch.empty(pinned.shape, dtype=pinned.dtype, device=device).copy_(pinned, non_blocking=True)
+    table = torch.empty(pinned.shape, dtype=pinned.dtype, device=device).copy_(pinned, non_blocking=True)
+    stream = torch.cuda.current_stream(device)
+    done = torch.cuda.Event()
+    done.record(stream)
+    return table, Upload(stream.cuda_stream, done)
 
 
 def describe_grads(
