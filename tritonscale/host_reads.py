@@ -16,3 +16,22 @@ def are_free(device: torch.device) -> bool:
     and not while Dynamo traces: a compiled step takes the device paths, so no host read (and no
     Python number that would become a constant of the graph) gets into it."""
     return device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def capturing(device: torch.device) -> bool:
+    """True while ``device``'s current stream captures a CUDA graph. A replay runs no Python, so
+    a host read, a host decision or a Python counter inside the captured code would be frozen at
+    its capture-time value: such steps refuse (``refuse_in_capture``). The one switch: tests turn
+    it on to check the refusals on the CPU (``monkeypatch.setattr(host_reads, "capturing", ...)``)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_in_capture(device: torch.device, what: str, fix: str) -> None:
+    """Raise a RuntimeError naming ``what`` cannot be captured and the ``fix``, while ``device``
+    captures a CUDA graph (``capturing``); nothing otherwise. Call it before anything changes.
+    Example: ``refuse_in_capture(scale.device, "update() with max_consecutive_skips", "set it to None")``."""
+    if capturing(device):
+        raise RuntimeError(
+            f"tritonscale: {what} cannot be captured in a CUDA graph (a replay runs no Python, so it would "
+            f"never advance or check again); {fix}"
+        )

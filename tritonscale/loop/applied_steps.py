@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from ..host_reads import refuse_in_capture
 from ..scaler.grad_scaler import GradScaler
+from .step_log import CAPTURE_FIX
 from .scaler_arg import check_scaler
 
 __all__ = ["AppliedSteps"]
@@ -47,6 +49,8 @@ class AppliedSteps:
         ``last_skip_flag()`` (torch's, None) is refused with a TypeError and nothing noted."""
         check_scaler(scaler, "AppliedSteps.record", "last_skip_flag")
         flag = scaler.last_skip_flag()
+        if flag is not None:  # the first record allocates, and a later read caches: host state
+            refuse_in_capture(flag.device, "AppliedSteps.record", CAPTURE_FIX)
         self._flag, self._skipped = flag, None
         if flag is None:
             self._on_host += 1

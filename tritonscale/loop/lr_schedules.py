@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..host_reads import refuse_in_capture
 from .lr_tables import check_schedulable, check_total_steps, record_lrs
 from .scaler_arg import check_scaler
 
@@ -68,7 +69,11 @@ class SkipAwareLR:
         tensor_lrs = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
         device = tensor_lrs[0].device if tensor_lrs else _params_device(self.optimizer)
         self._count = torch.zeros((), dtype=torch.int64, device=device)  # applied steps
-        self._calls = 0  # step() calls: a host number, so the table's end is known without a read
+        # step() calls: counted on the device (a replayed CUDA graph advances it; a Python number
+        # would stay at its capture value), and on the host for the eager calls, so the table's end
+        # is known without a read. Replays past total_steps keep the last rate (the index is clamped).
+        self._calls = torch.zeros((), dtype=torch.int64, device=device)
+        self._host_calls = 0
 
     @property
     def applied_steps(self) -> torch.Tensor:
@@ -77,18 +82,25 @@ class SkipAwareLR:
 
     def step(self) -> None:
         """After ``scaler.update()``: count the step if it was applied and set each group's rate."""
-        if self._calls >= self.total_steps:
+        if self._host_calls >= self.total_steps:
             raise RuntimeError(
                 f"SkipAwareLR was built with total_steps={self.total_steps} and step() was called that many "
                 "times; build it with a larger total_steps"
             )
         self._check_groups()
+        if any(not isinstance(t, torch.Tensor) for t in self._tables):
+            refuse_in_capture(
+                self._count.device,
+                "SkipAwareLR.step() with a float lr (set from the host)",
+                "build the optimizer with lr=torch.tensor(...) on the parameters' device",
+            )
         skipped = self._scaler.last_skip_flag()
         if skipped is None:  # the scaler has no state yet: nothing was skipped
             self._count.add_(1)
         else:
             self._count.add_((~torch.as_tensor(skipped)).to(device=self._count.device, dtype=torch.int64))
-        self._calls += 1
+        self._calls.add_(1)
+        self._host_calls += 1
         self._write_lrs()
 
     def get_last_lr(self) -> list[torch.Tensor | float]:
@@ -97,8 +109,9 @@ class SkipAwareLR:
         return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        """``applied_steps`` (a device tensor copy) and ``calls`` (the number of step() calls)."""
-        return {"applied_steps": self._count.clone(), "calls": self._calls}
+        """``applied_steps`` (a device tensor copy) and ``calls`` (the number of step() calls, replays of a
+        captured step() included: read on the host)."""
+        return {"applied_steps": self._count.clone(), "calls": int(self._calls)}  # calls: one host read
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the count, the calls, and each group's rate for that count. Reads the count on the
@@ -106,11 +119,13 @@ class SkipAwareLR:
         applied, calls = _checked_state(state_dict, self.total_steps)
         self._check_groups()
         self._count.fill_(applied)
-        self._calls = calls
+        self._calls.fill_(calls)
+        self._host_calls = calls
         self._write_lrs()
 
     def _write_lrs(self) -> None:
-        index = self._count.view(1)
+        # Clamped: a replayed capture can count past total_steps, and must not read past the table.
+        index = self._count.clamp(max=self.total_steps).view(1)
         host_count = None
         for group, table in zip(self.optimizer.param_groups, self._tables):
             if isinstance(table, torch.Tensor):

@@ -31,12 +31,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..host_reads import refuse_in_capture
 from ..scaler.diagnostics import STAT_NAMES
 from .scaler_arg import check_scaler
 
 #: stats() entries handed out as Python ints (counters and trackers); the others are floats.
 INT_STATS = frozenset({"skipped", "skipped_steps", "consecutive_skips", "growth_tracker", "hysteresis_left"})
 SLACK = 4  # default slots beyond ``delay``: copies still running when the row is due
+#: What a captured loop does instead of recording inside the graph.
+CAPTURE_FIX = (
+    "call it after each graph.replay(), outside the capture: it copies the replayed step's stats() (their "
+    "tensors are the graph's outputs, rewritten by each replay)"
+)
 
 
 @dataclass
@@ -111,6 +117,8 @@ class StepLog:
         step = self._records if step is None else _step(step)
         check_scaler(scaler, "StepLog.record", "stats")
         stats = scaler.stats()  # raises NO_STATS_WHEN_DISABLED for a disabled scaler
+        # The ring's slot, the event and the pending rows are host state a replay would not advance.
+        refuse_in_capture(stats["scale"].device, "StepLog.record", CAPTURE_FIX)
         row = torch.stack([stats[name].reshape(()).to(torch.float64) for name in STAT_NAMES])
         ring = self._ring_for(row.device)
         if len(self._pending) == self.slots:

@@ -334,11 +334,12 @@ class RankChecks:
     def next_iteration(self, device: torch.device | None = None) -> None:
         """The scaler ended an iteration (update(); a disabled scaler's step()). ``device``: where
         the count is to live from now on (the scale's); None keeps it where it is. Eagerly, a
-        Python count (``iteration`` adds it to the tensor when read); traced, the tensor's own op."""
+        Python count (``iteration`` adds it to the tensor when read); traced or captured in a CUDA graph,
+        the tensor's own op."""
         if device is not None and self._iteration.device != device:
             self._iteration = self._iteration.to(device)
-        if torch.compiler.is_compiling():
-            self._iteration.add_(1)
+        if torch.compiler.is_compiling() or host_reads.capturing(self._iteration.device):
+            self._iteration.add_(1)  # a Python count would not advance in a replay (nor in a compiled graph)
         else:
             self._uncounted += 1
         if self._calls:

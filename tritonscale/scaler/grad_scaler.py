@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..flags import read_found_inf
+from ..host_reads import refuse_in_capture
 from ..grads.groups import Grads, collect_grads
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import check_clip_args, kernels_compute
@@ -218,6 +219,7 @@ class GradScaler:
             self._per_optimizer_states = defaultdict(OptimizerRecord)
             return
         scale = self._state_for("update").scale
+        self._refuse_host_work_in_capture(scale.device, found_inf)
         records = list(self._per_optimizer_states.values())
         if found_inf is not None:
             record = OptimizerRecord.from_flag(found_inf, scale.device)
@@ -232,6 +234,21 @@ class GradScaler:
                 self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, outcome)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
         self._ranks.next_iteration(scale.device)
+
+    def _refuse_host_work_in_capture(self, device: torch.device, found_inf: bool | torch.Tensor | None) -> None:
+        """update()'s parts that a CUDA graph would freeze at capture: refused before any change."""
+        if self._policy.needs_host_check():
+            refuse_in_capture(
+                device,
+                "update() with a policy that checks on the host (on_min_scale='raise'/'warn', max_consecutive_skips, "
+                "raise_at_scale)",
+                "capture with on_min_scale='clamp' and neither max_consecutive_skips nor raise_at_scale, or call "
+                "update() after each replay, outside the graph",
+            )
+        if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+            refuse_in_capture(
+                device, "update(found_inf=<a Python bool>)", "pass found_inf as a 0-dim device tensor the graph reads"
+            )
 
     # ------------------------------------------------------------- read-outs
     # None communicates, none changes state; each optimizer's comes from its iteration's object.
