@@ -232,3 +232,100 @@ def test_gpu_compiled_post_backward_step_equals_eager():
     assert scales == eager_scales and min(scales) < max(scales)
     for p1, p2 in zip(params, eager_params):
         torch.testing.assert_close(p1, p2)
+
+
+def _post_backward_run(captured: bool, grad_sets):
+    """The post-backward step (clip, fused step, update, SkipAwareLR.step) over ``grad_sets``
+    loaded into the gradients in place; eager, or by torch's recipe through ``CapturedStep``
+    (warm-up on a side stream, ``torch.cuda.graph(g)`` with no stream=, replays). Each step's
+    stats() row goes through a StepLog, recorded after the step (outside the graph)."""
+    import tritonscale
+    from tritonscale.loop.captured_step import CapturedStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).cuda()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
+    scaler = tritonscale.GradScaler(
+        "cuda", init_scale=2.0**16, growth_interval=3, hysteresis=2, skip_norm_factor=5.0,
+        backend="triton", compile_policy=False,
+    )  # fmt: skip
+    scaler.place_state("cuda")
+    sched = tritonscale.SkipAwareLR(torch.optim.lr_scheduler.StepLR(opt, 2, 0.7), scaler, total_steps=len(grad_sets))
+    log = tritonscale.StepLog(delay=0)
+
+    def post_backward():
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+    step = CapturedStep(post_backward, opt, warmup=3) if captured else post_backward
+    lrs = []
+    for i, grads in enumerate(grad_sets):
+        for p, g in zip(model.parameters(), grads):
+            p.grad.copy_(g)
+        step()
+        log.record(scaler, i)
+        lrs.append(opt.param_groups[0]["lr"].clone())
+    torch.cuda.synchronize()
+    moments = [t.clone() for state in opt.state.values() for t in state.values()]
+    return [p.detach().clone() for p in model.parameters()], moments, lrs, log.flush(), sched.state_dict()
+
+
+def test_gpu_post_backward_step_by_torchs_recipe_equals_eager():
+    """torch's recipe exactly, through CapturedStep: N replays with an overflow, growth, hysteresis
+    (two overflows before a backoff) and a norm-spike skip equal N eager steps bit for bit:
+    parameters, optimizer state, every learning rate, every logged row (scale, counters, norm)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    shapes = [(64, 64), (64,)]
+    grad_sets = [[torch.randn(s, device="cuda", generator=g) * 2.0**10 for s in shapes] for _ in range(16)]
+    grad_sets[6][0][1, 2] = math.inf  # hysteresis: the first overflow skips without a backoff
+    grad_sets[7][1][3] = math.nan  # the second backs off
+    grad_sets[12] = [t * 100.0 for t in grad_sets[12]]  # a norm spike: skipped, finite
+    eager, replayed = _post_backward_run(False, grad_sets), _post_backward_run(True, grad_sets)
+    for a, b in zip(eager[:3], replayed[:3]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, rtol=0, atol=0, equal_nan=True)
+    assert str(replayed[3]) == str(eager[3])  # every logged row, NaN norms included
+    assert replayed[4]["calls"] == eager[4]["calls"] == len(grad_sets)
+    assert torch.equal(replayed[4]["applied_steps"], eager[4]["applied_steps"])
+    rows = [values for _, values in eager[3]]
+    assert sum(r["skipped"] for r in rows) >= 3 and len({r["scale"] for r in rows}) >= 3  # it moved
+
+
+def test_gpu_captured_step_refuses_gradients_that_moved():
+    """zero_grad(set_to_none=True) after the capture: the next call refuses, naming the fix, and
+    recapture() captures the new gradients after one eager warm-up."""
+    from tritonscale.loop.captured_step import CapturedStep
+
+    import tritonscale
+
+    model = torch.nn.Linear(16, 16).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
+    scaler = tritonscale.GradScaler("cuda", backend="triton", compile_policy=False)
+
+    def backward():
+        scaler.scale(model(torch.randn(4, 16, device="cuda")).square().mean()).backward()
+
+    def post_backward():
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    step = CapturedStep(post_backward, opt, warmup=2)
+    for _ in range(4):
+        opt.zero_grad(set_to_none=False)
+        backward()
+        step()
+    opt.zero_grad(set_to_none=True)
+    backward()
+    with pytest.raises(RuntimeError, match="moved since its capture.*recapture"):
+        step()
+    step.recapture()
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        backward()
+        step()
+    assert step.graph is not None

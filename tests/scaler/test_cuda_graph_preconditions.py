@@ -5,7 +5,8 @@ step must (1) read nothing on the host, (2) issue the same ops on every step, wh
 values are (a Python branch on a skip or a growth would be frozen at capture), and (3) keep the
 state it carries from step to step at fixed addresses, updated in place. The step here is the
 whole iteration: forward, scale, backward, clip_grad_norm_ folded into fused AdamW, step, update,
-over normal steps, an overflow (skip and backoff) and growth. The replay itself needs a GPU:
+over normal steps, an overflow (skip and backoff) and growth, and SkipAwareLR.step after it (a tensor
+lr, its counts on the device). The replay itself needs a GPU:
 tests/test_gpu.py.
 """
 
@@ -16,7 +17,7 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tritonscale import GradScaler
+from tritonscale import GradScaler, SkipAwareLR
 
 STEPS = 8
 OVERFLOW = 4
@@ -42,8 +43,9 @@ class OpRecorder(TorchDispatchMode):
 def test_the_whole_step_is_fit_for_a_cuda_graph(forbid_host_reads):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True)  # a tensor lr: on the device
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend="torch", compile_policy=False)
+    schedule = SkipAwareLR(torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5), scaler, total_steps=STEPS + 1)
     x, y = torch.randn(16, 8), torch.randn(16, 4)
 
     def step() -> None:
@@ -53,9 +55,11 @@ def test_the_whole_step_is_fit_for_a_cuda_graph(forbid_host_reads):
         scaler.clip_grad_norm_(optimizer, 0.5)
         scaler.step(optimizer)
         scaler.update()
+        schedule.step()  # the learning rate of applied steps, counted on the device
 
     step()  # the first step makes the lazy state: the scale tensor, the optimizer's moments
-    state = {"scale": scaler._scale, "growth tracker": scaler._growth_tracker}
+    state = {"scale": scaler._scale, "growth tracker": scaler._growth_tracker, "lr": optimizer.param_groups[0]["lr"],
+             "applied steps": schedule._count, "schedule calls": schedule._calls}  # fmt: skip
     addresses = {name: t.data_ptr() for name, t in state.items()}
     per_step, scales = [], []
     for i in range(STEPS):
@@ -74,3 +78,4 @@ def test_the_whole_step_is_fit_for_a_cuda_graph(forbid_host_reads):
     # The carried state is the same memory, updated in place.
     assert {name: t.data_ptr() for name, t in state.items()} == addresses
     assert scaler._scale is state["scale"] and scaler._growth_tracker is state["growth tracker"]
+    assert schedule.state_dict()["calls"] == STEPS + 1  # every call counted on the device
