@@ -8,8 +8,9 @@ says why a table and not a closed form: it is torch's arithmetic, bit for bit).
 
 Optimizers whose ``param_group["lr"]`` is a tensor (torch's fused or capturable Adam/AdamW/SGD built
 with ``lr=torch.tensor(...)``) get the rate written into that tensor in place, on the device: no
-host read. A group whose ``lr`` is a Python float can only be set from the host, so there
-``step()`` reads the counter once (one host read per step, as the recipe
+host read; on the paths a GPU takes, one launch for the whole step() (``kernels/loop_state.py``:
+the count, the calls and every group's rate). A group whose ``lr`` is a Python float can only be
+set from the host, so there ``step()`` reads the counter once (one host read per step, as the recipe
 ``if not scaler.last_step_skipped(): scheduler.step()``); pass a tensor lr to avoid it.
 """
 
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from ..host_reads import refuse_in_capture
+from ..kernels.loop_state import advance_lr
+from ..scaler.diagnostics import one_launch
 from .lr_tables import check_schedulable, check_total_steps, record_lrs
 from .scaler_arg import check_scaler
 
@@ -74,6 +77,11 @@ class SkipAwareLR:
         # is known without a read. Replays past total_steps keep the last rate (the index is clamped).
         self._calls = torch.zeros((), dtype=torch.int64, device=device)
         self._host_calls = 0
+        # The one-launch step's inputs: every group's table in one [groups, total_steps + 1] tensor
+        # (all tensor lrs of one dtype on the count's device), and the lrs' addresses (``_lr_addresses``).
+        same = len({(t.dtype, t.device) for t in tensor_lrs}) == 1 and len(tensor_lrs) == len(lrs)
+        self._stacked = torch.stack(self._tables) if same and tensor_lrs[0].device == device else None
+        self._addresses: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     @property
     def applied_steps(self) -> torch.Tensor:
@@ -82,7 +90,10 @@ class SkipAwareLR:
 
     def step(self) -> None:
         """After ``scaler.update()``: count the step if it was applied and set each group's rate."""
-        if self._host_calls >= self.total_steps:
+        # Traced, the host count is not kept (a Python int Dynamo would guard on and recompile at
+        # each call); as in a replayed capture, a call past total_steps keeps the last rate.
+        traced = torch.compiler.is_compiling()
+        if not traced and self._host_calls >= self.total_steps:
             raise RuntimeError(
                 f"SkipAwareLR was built with total_steps={self.total_steps} and step() was called that many "
                 "times; build it with a larger total_steps"
@@ -94,14 +105,53 @@ class SkipAwareLR:
                 "SkipAwareLR.step() with a float lr (set from the host)",
                 "build the optimizer with lr=torch.tensor(...) on the parameters' device",
             )
+        counter, addresses = self._one_launch_inputs()
+        if addresses is not None:
+            advance_lr(counter, self._count, self._calls, self._stacked, addresses)
+        else:
+            self._count_and_write()
+        if not traced:
+            self._host_calls += 1
+
+    def _count_and_write(self) -> None:
+        """``step()`` in torch ops: the count, the calls, each group's rate."""
         skipped = self._scaler.last_skip_flag()
         if skipped is None:  # the scaler has no state yet: nothing was skipped
             self._count.add_(1)
         else:
             self._count.add_((~torch.as_tensor(skipped)).to(device=self._count.device, dtype=torch.int64))
         self._calls.add_(1)
-        self._host_calls += 1
         self._write_lrs()
+
+    def _one_launch_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the scaler's skip counter, the lrs' address table) when ``step()`` is one launch
+        (``advance_lr``): the paths a GPU takes, every lr a tensor of one dtype on the count's
+        device, and the scaler's ``last_skip_counter()`` there; (_, None) otherwise."""
+        device = self._count.device
+        if self._stacked is None or not one_launch(device, getattr(self._scaler, "backend", "auto")):
+            return None, None
+        read_counter = getattr(self._scaler, "last_skip_counter", None)  # a wrapper may forward only the flag
+        counter = read_counter() if read_counter is not None else None
+        if counter is None or counter.device != device:
+            return None, None
+        return counter, self._lr_addresses()
+
+    def _lr_addresses(self) -> torch.Tensor | None:
+        """The groups' lr addresses as an int64 device tensor, rebuilt when an lr tensor was
+        replaced (checked each call: a group's lr is the optimizer's to change); None when one is
+        not a 0-dim tensor of the table's dtype (then step() takes the torch ops)."""
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        if any(lr.dtype != self._stacked.dtype or lr.device != self._count.device or lr.dim() != 0 for lr in lrs):
+            return None
+        key = tuple([lr.data_ptr() for lr in lrs])
+        if self._addresses is None or self._addresses[0] != key:
+            refuse_in_capture(
+                self._count.device,
+                "SkipAwareLR.step() with a param group's lr tensor new since the warm-up",
+                "warm up with the optimizer's lr tensors as the graph will use them",
+            )
+            self._addresses = (key, torch.tensor(key, dtype=torch.int64).to(self._count.device))
+        return self._addresses[1]
 
     def get_last_lr(self) -> list[torch.Tensor | float]:
         """Each group's current rate: a device tensor (a copy, not the group's lr) for a tensor lr,

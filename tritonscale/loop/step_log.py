@@ -3,11 +3,12 @@ handed to the logger a few steps later, with its step number.
 
 A logger that reads ``scaler.stats()`` at once waits for the device every step, which undoes the
 overlap the fused pass buys. ``StepLog.record`` packs the stats into one device row (one stack,
-float64: the counters stay exact integers and the float32 scale and norm bit-exact), starts a
-non-blocking copy of it into a slot of a host ring (pinned memory on an accelerator; on the CPU
-the copy is a plain synchronous copy) and records an event after the copy. ``ready`` hands out the
-rows whose copy has finished (``event.query()``, which never waits) and that are at least
-``delay`` records old; ``flush`` waits for the rest, at the end.
+float64: the counters stay exact integers and the float32 scale and norm bit-exact; on the paths a
+GPU takes ``stats()`` already gathered them into one buffer, one launch, which is copied as it is,
+each value in its own dtype), starts a non-blocking copy of it into a slot of a host ring (pinned
+memory on an accelerator; on the CPU the copy is a plain synchronous copy) and records an event
+after the copy. ``ready`` hands out the rows whose copy has finished (``event.query()``, which
+never waits) and that are at least ``delay`` records old; ``flush`` waits for the rest, at the end.
 
 Reading a slot is a host-memory read, not a device read: once the copy's event has completed, the
 slot's bytes are in host memory and are read through ``ctypes`` from the slot's address. That is
@@ -32,12 +33,24 @@ from dataclasses import dataclass
 import torch
 
 from ..host_reads import refuse_in_capture
+from ..kernels.loop_state import SLOT_BYTES
 from ..scaler.diagnostics import STAT_NAMES
 from .scaler_arg import check_scaler
 
 #: stats() entries handed out as Python ints (counters and trackers); the others are floats.
 INT_STATS = frozenset({"skipped", "skipped_steps", "consecutive_skips", "growth_tracker", "hysteresis_left"})
 SLACK = 4  # default slots beyond ``delay``: copies still running when the row is due
+ROW_BYTES = SLOT_BYTES * len(STAT_NAMES)  # a row in the ring: a slot of 8 bytes per stat
+#: The dtypes a row's value may have, and how the host reads each from the ring's memory.
+_CTYPES = {
+    torch.float64: ctypes.c_double,
+    torch.float32: ctypes.c_float,
+    torch.int64: ctypes.c_int64,
+    torch.int32: ctypes.c_int32,
+}
+#: Where each value lies in a row: (name, dtype, byte offset).
+Layout = tuple[tuple[str, torch.dtype, int], ...]
+STACKED: Layout = tuple((name, torch.float64, SLOT_BYTES * i) for i, name in enumerate(STAT_NAMES))
 #: What a captured loop does instead of recording inside the graph.
 CAPTURE_FIX = (
     "call it after each graph.replay(), outside the capture: it copies the replayed step's stats() (their "
@@ -47,13 +60,15 @@ CAPTURE_FIX = (
 
 @dataclass
 class _Pending:
-    """A row whose copy was started: its step, its host slot, the event after the copy and the
-    device row itself, kept until the copy is done (the allocator must not reuse its memory)."""
+    """A row whose copy was started: its step, its host slot, the event after the copy, the
+    device row itself, kept until the copy is done (the allocator must not reuse its memory), and
+    where each value lies in it."""
 
     step: int
     slot: int
     event: torch.Event | None  # None on the CPU: the copy was synchronous
     row: torch.Tensor
+    layout: Layout
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -119,7 +134,7 @@ class StepLog:
         stats = scaler.stats()  # raises NO_STATS_WHEN_DISABLED for a disabled scaler
         # The ring's slot, the event and the pending rows are host state a replay would not advance.
         refuse_in_capture(stats["scale"].device, "StepLog.record", CAPTURE_FIX)
-        row = torch.stack([stats[name].reshape(()).to(torch.float64) for name in STAT_NAMES])
+        row, layout = _row_of(stats)
         ring = self._ring_for(row.device)
         if len(self._pending) == self.slots:
             self._finish_oldest(wait=True)
@@ -129,7 +144,7 @@ class StepLog:
         if row.device.type != "cpu":
             event = torch.Event(device=row.device)
             event.record()
-        self._pending.append(_Pending(step, slot, event, row))
+        self._pending.append(_Pending(step, slot, event, row, layout))
         self._records += 1
 
     def ready(self) -> list[tuple[int, dict]]:
@@ -152,7 +167,7 @@ class StepLog:
     def _ring_for(self, device: torch.device) -> torch.Tensor:
         if self._ring is None:
             pin = device.type != "cpu"
-            self._ring = torch.empty(self.slots, len(STAT_NAMES), dtype=torch.float64, pin_memory=pin)
+            self._ring = torch.empty(self.slots, ROW_BYTES, dtype=torch.uint8, pin_memory=pin)
             self._device = device
         elif device != self._device:
             raise ValueError(
@@ -166,14 +181,14 @@ class StepLog:
         pending = self._pending.popleft()
         if wait and pending.event is not None:
             pending.event.synchronize()
-        self._finished.append((pending.step, self._read(pending.slot)))
+        self._finished.append((pending.step, self._read(pending.slot, pending.layout)))
 
-    def _read(self, slot: int) -> dict:
+    def _read(self, slot: int, layout: Layout) -> dict:
         """The slot's values as Python numbers: a read of host memory after its copy completed,
-        through ``ctypes`` at the slot's address (no Tensor -> host read: see the module docstring)."""
-        row = self._ring[slot]
-        numbers = (ctypes.c_double * len(STAT_NAMES)).from_address(row.data_ptr())[:]
-        return {name: int(v) if name in INT_STATS else v for name, v in zip(STAT_NAMES, numbers)}
+        through ``ctypes`` at each value's address (no Tensor -> host read: see the module docstring)."""
+        address = self._ring[slot].data_ptr()
+        values = {name: _CTYPES[dtype].from_address(address + offset).value for name, dtype, offset in layout}
+        return {name: int(values[name]) if name in INT_STATS else float(values[name]) for name in STAT_NAMES}
 
     def _hand_out(self) -> list[tuple[int, dict]]:
         """The finished rows, oldest first, each given to ``on_ready`` before it leaves the log: if
@@ -185,6 +200,26 @@ class StepLog:
                 self.on_ready(*self._finished[0])
             rows.append(self._finished.popleft())
         return rows
+
+
+def _row_of(stats: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Layout]:
+    """``stats`` as one uint8 device row of ``ROW_BYTES`` and where each value lies in it. Gathered
+    (every value a view of one buffer of that size, ``scaler/diagnostics.py``): that buffer as it
+    is, no launch. Otherwise one stack of the values as float64 (exact for every dtype stats() has)."""
+    first = stats[STAT_NAMES[0]]
+    storage = first.untyped_storage()
+    gathered = storage.nbytes() == ROW_BYTES and all(
+        t.untyped_storage().data_ptr() == storage.data_ptr() and t.dtype in _CTYPES for t in stats.values()
+    )
+    if not gathered:
+        return torch.stack([stats[name].reshape(()).to(torch.float64) for name in STAT_NAMES]).view(
+            torch.uint8
+        ), STACKED
+    row = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, 0, (ROW_BYTES,))
+    layout = tuple(
+        (name, stats[name].dtype, stats[name].storage_offset() * stats[name].element_size()) for name in STAT_NAMES
+    )
+    return row, layout
 
 
 def _step(step: object) -> int:

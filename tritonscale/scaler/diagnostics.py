@@ -11,6 +11,9 @@ from collections.abc import Iterable
 
 import torch
 
+from .. import host_reads
+from ..kernels.loop_state import SLOT_BYTES, gather_stats
+from ..passes.backends import resolve_backend
 from ..policy.counters import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
 
 #: stats() of a scaler made with enabled=False: what it cannot report, and what to log instead.
@@ -31,16 +34,33 @@ STAT_NAMES = (
 )
 
 
+def one_launch(device: torch.device, backend: str) -> bool:
+    """Whether the loop's small gathers (``stats()``, ``SkipAwareLR.step``) run as one Triton launch
+    each (``kernels/loop_state.py``): on the paths a GPU takes, with the scaler's backend resolving
+    to Triton there, and not while Dynamo traces (a traced step gets the torch ops, which the
+    compiler fuses). Elsewhere (the CPU reading the host, the torch backend) the torch ops are
+    cheaper than a launch through Triton's interpreter. Example: ``one_launch(scale.device, "auto")``."""
+    if host_reads.are_free(device) or torch.compiler.is_compiling():
+        return False
+    return resolve_backend(backend, device).name == "triton"
+
+
 def device_stats(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
     counters: torch.Tensor,
     last_found_inf: torch.Tensor | None,
     last_norm: torch.Tensor | None,
+    *,
+    gather: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``GradScaler.stats()``: copies of the scaler's device state as it is now, nothing read on the
     host. Copies, not views: the next update() writes the state in place, and a caller that keeps
-    the dict (an asynchronous logger) must still read this step's values."""
+    the dict (an asynchronous logger) must still read this step's values. ``gather``: one launch
+    (``one_launch``), the values 0-dim views of one fresh buffer of ``SLOT_BYTES`` per stat, each in
+    its own dtype (``StepLog`` copies that buffer to the host as it is); else one clone each."""
+    if gather:
+        return _gathered(scale, growth_tracker, counters, last_found_inf, last_norm)
     nan = torch.full((), float("nan"), device=scale.device)
     counters = counters.clone()
     return {
@@ -53,6 +73,32 @@ def device_stats(
         "consecutive_skips": counters[CONSECUTIVE_SKIPS],
         "hysteresis_left": counters[HYSTERESIS_LEFT],
     }
+
+
+#: The gathered buffer's order (``gather_stats``'s outs); each stat's slot is its index here.
+_GATHER_ORDER = ("scale", "growth_tracker", "norm", "found_inf", "skipped", "skipped_steps",
+                 "consecutive_skips", "hysteresis_left")  # fmt: skip
+
+
+def _gathered(scale, growth_tracker, counters, last_found_inf, last_norm) -> dict[str, torch.Tensor]:
+    """``device_stats`` in one launch: the same values (dtypes as the clones', the same bits)."""
+    dtypes = {
+        "scale": scale.dtype,
+        "growth_tracker": growth_tracker.dtype,
+        "norm": torch.get_default_dtype() if last_norm is None else last_norm.dtype,  # torch.full's, unset
+        "found_inf": scale.dtype if last_found_inf is None else last_found_inf.dtype,  # zeros_like(scale)'s
+    }
+    buffer = torch.empty(SLOT_BYTES * len(_GATHER_ORDER), dtype=torch.uint8, device=scale.device)
+    stats = {name: _slot(buffer, i, dtypes.get(name, counters.dtype)) for i, name in enumerate(_GATHER_ORDER)}
+    slots = (LAST_SKIPPED, SKIPPED_STEPS, CONSECUTIVE_SKIPS, HYSTERESIS_LEFT)
+    gather_stats((scale, growth_tracker, last_norm, last_found_inf, counters), slots, list(stats.values()))
+    return {name: stats[name] for name in STAT_NAMES}
+
+
+def _slot(buffer: torch.Tensor, index: int, dtype: torch.dtype) -> torch.Tensor:
+    """The 0-dim ``dtype`` view of slot ``index`` of the uint8 ``buffer``."""
+    start = index * SLOT_BYTES
+    return buffer[start : start + dtype.itemsize].view(dtype).view(())
 
 
 def nonfinite_grads(params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | Iterable[torch.Tensor]) -> list[str]:

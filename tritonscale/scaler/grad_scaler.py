@@ -36,7 +36,7 @@ from ..policy.state import DeviceState, HostState
 from ..process_groups import check_process_group
 from .checkpoint_codec import ScalerSnapshot, check_picklable, from_state_dict, to_state_dict
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
-from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats
+from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats, one_launch
 from .norm_history import NormHistoryOwner
 from .optimizer_step import OptimizerRecord, OptimizerStep, OptState, step_kind
 from .scale_outputs import scale_outputs
@@ -296,6 +296,17 @@ class GradScaler:
             return self._disabled_skip > 0 if self._disabled_skip is not None else None
         return self._ranks.skip(self._tensors.counters[LAST_SKIPPED] > 0) if self._tensors is not None else None
 
+    def last_skip_counter(self) -> torch.Tensor | None:
+        """What ``last_skip_flag()`` is computed from, for a kernel that reads it in its own launch
+        (``SkipAwareLR.step``): the last iteration skipped its step iff this 0-dim int32 device tensor
+        is > 0. A view of the scaler's state, rewritten in place by the next ``update()``: read it
+        at once (a value to keep is ``last_skip_flag()``). None where the flag is not that counter
+        alone (a disabled scaler, no state yet, a rank mismatch pending): use ``last_skip_flag()``.
+        Example: ``counter = scaler.last_skip_counter()``."""
+        if not self._enabled or self._tensors is None or self._ranks.pending is not None:
+            return None
+        return self._tensors.counters[LAST_SKIPPED]
+
     @runs_eagerly
     def last_step_skipped(self) -> bool:
         """Whether the last completed iteration skipped its step (a host read; the device flag is
@@ -316,7 +327,10 @@ class GradScaler:
         if not self._enabled:
             raise RuntimeError(NO_STATS_WHEN_DISABLED)
         state = self._state_for("stats")
-        return device_stats(state.scale, state.growth_tracker, state.counters, self._last_found_inf, self._last_norm)
+        gather = one_launch(state.scale.device, self._backend_name)  # the paths a GPU takes: one launch
+        return device_stats(
+            state.scale, state.growth_tracker, state.counters, self._last_found_inf, self._last_norm, gather=gather
+        )
 
     # ------------------------------------------------------------- settings
     @property
