@@ -234,13 +234,14 @@ def test_gpu_compiled_post_backward_step_equals_eager():
         torch.testing.assert_close(p1, p2)
 
 
-def _post_backward_run(captured: bool, grad_sets):
+def _post_backward_run(mode: str, grad_sets):
     """The post-backward step (clip, fused step, update, SkipAwareLR.step) over ``grad_sets``
-    loaded into the gradients in place; eager, or by torch's recipe through ``CapturedStep``
-    (warm-up on a side stream, ``torch.cuda.graph(g)`` with no stream=, replays). Each step's
-    stats() row goes through a StepLog, recorded after the step (outside the graph)."""
+    loaded into the gradients in place; ``mode``: "eager", "captured" (torch's recipe through
+    ``CapturedStep``: warm-up on a side stream, ``torch.cuda.graph(g)`` with no stream=, replays) or
+    "reduce-overhead" (``torch.compile(mode="reduce-overhead")``). Each step's stats() row goes
+    through a StepLog, recorded after the step (outside the graph)."""
     import tritonscale
-    from tritonscale.loop.captured_step import CapturedStep
+    from tritonscale import CapturedStep
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64).cuda()
@@ -261,7 +262,13 @@ def _post_backward_run(captured: bool, grad_sets):
         scaler.update()
         sched.step()
 
-    step = CapturedStep(post_backward, opt, warmup=3) if captured else post_backward
+    torch._dynamo.reset()
+    steps = {
+        "eager": lambda: post_backward,
+        "captured": lambda: CapturedStep(post_backward, opt, warmup=3),
+        "reduce-overhead": lambda: torch.compile(post_backward, mode="reduce-overhead"),
+    }
+    step = steps[mode]()
     lrs = []
     for i, grads in enumerate(grad_sets):
         for p, g in zip(model.parameters(), grads):
@@ -274,17 +281,24 @@ def _post_backward_run(captured: bool, grad_sets):
     return [p.detach().clone() for p in model.parameters()], moments, lrs, log.flush(), sched.state_dict()
 
 
-def test_gpu_post_backward_step_by_torchs_recipe_equals_eager():
-    """torch's recipe exactly, through CapturedStep: N replays with an overflow, growth, hysteresis
-    (two overflows before a backoff) and a norm-spike skip equal N eager steps bit for bit:
-    parameters, optimizer state, every learning rate, every logged row (scale, counters, norm)."""
+def _spiky_grad_sets():
+    """16 steps of gradients for a Linear(64, 64): two overflows in a row (hysteresis=2: the first
+    skips keeping the scale, the second backs off), growth between, a finite norm spike (skipped)."""
     g = torch.Generator(device="cuda").manual_seed(5)
     shapes = [(64, 64), (64,)]
     grad_sets = [[torch.randn(s, device="cuda", generator=g) * 2.0**10 for s in shapes] for _ in range(16)]
     grad_sets[6][0][1, 2] = math.inf  # hysteresis: the first overflow skips without a backoff
     grad_sets[7][1][3] = math.nan  # the second backs off
     grad_sets[12] = [t * 100.0 for t in grad_sets[12]]  # a norm spike: skipped, finite
-    eager, replayed = _post_backward_run(False, grad_sets), _post_backward_run(True, grad_sets)
+    return grad_sets
+
+
+def test_gpu_post_backward_step_by_torchs_recipe_equals_eager():
+    """torch's recipe exactly, through CapturedStep: N replays with an overflow, growth, hysteresis
+    (two overflows before a backoff) and a norm-spike skip equal N eager steps bit for bit:
+    parameters, optimizer state, every learning rate, every logged row (scale, counters, norm)."""
+    grad_sets = _spiky_grad_sets()
+    eager, replayed = _post_backward_run("eager", grad_sets), _post_backward_run("captured", grad_sets)
     for a, b in zip(eager[:3], replayed[:3]):
         for x, y in zip(a, b):
             torch.testing.assert_close(y, x, rtol=0, atol=0, equal_nan=True)
@@ -298,9 +312,8 @@ def test_gpu_post_backward_step_by_torchs_recipe_equals_eager():
 def test_gpu_captured_step_refuses_gradients_that_moved():
     """zero_grad(set_to_none=True) after the capture: the next call refuses, naming the fix, and
     recapture() captures the new gradients after one eager warm-up."""
-    from tritonscale.loop.captured_step import CapturedStep
-
     import tritonscale
+    from tritonscale import CapturedStep
 
     model = torch.nn.Linear(16, 16).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
@@ -329,3 +342,26 @@ def test_gpu_captured_step_refuses_gradients_that_moved():
         backward()
         step()
     assert step.graph is not None
+
+
+def test_gpu_reduce_overhead_step_with_the_loop_equals_eager():
+    """The same post-backward step with SkipAwareLR.step inside, compiled with
+    mode="reduce-overhead" (CUDA graphs where inductor can), StepLog.record after each call:
+    every learning rate, SkipAwareLR's counts and every logged counter and scale equal eager's bit
+    for bit; the norm and the parameters within float32 tolerance (inductor may reorder arithmetic
+    around the kernels' custom ops)."""
+    grad_sets = _spiky_grad_sets()
+    eager, compiled = _post_backward_run("eager", grad_sets), _post_backward_run("reduce-overhead", grad_sets)
+    for a, b in zip(eager[:2], compiled[:2]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, equal_nan=True)
+    assert torch.equal(torch.stack(compiled[2]), torch.stack(eager[2]))  # every learning rate
+    assert [step for step, _ in compiled[3]] == [step for step, _ in eager[3]]
+    for (_, got), (_, expected) in zip(compiled[3], eager[3]):
+        assert {k: v for k, v in got.items() if k != "norm"} == {k: v for k, v in expected.items() if k != "norm"}
+        nan = math.isnan(expected["norm"])
+        assert math.isnan(got["norm"]) if nan else math.isclose(got["norm"], expected["norm"], rel_tol=1e-5)
+    assert compiled[4]["calls"] == eager[4]["calls"] == len(grad_sets)
+    assert torch.equal(compiled[4]["applied_steps"], eager[4]["applied_steps"])
+    rows = [values for _, values in eager[3]]
+    assert sum(r["skipped"] for r in rows) >= 3 and len({r["scale"] for r in rows}) >= 3  # it moved
