@@ -186,6 +186,33 @@ def finalize_case(target, norm, has_clip=True, block_p=FINALIZE_BLOCK_P):
     )
 
 
+GATHER_STATS = "tritonscale.kernels.loop_state:gather_stats_kernel"
+ADVANCE_LR = "tritonscale.kernels.loop_state:advance_lr_kernel"
+
+
+def loop_state_cases(target: str) -> list[dict]:
+    """The loop's one-program kernels (kernels/loop_state.py): stats() gathered (with and without a
+    norm and a found_inf yet) and SkipAwareLR.step for one and three param groups. Their pointers
+    are 0-dim views at any offset: nothing is declared 16-byte divisible."""
+    values = {"scale": "*fp32", "tracker": "*i32", "norm": "*fp32", "found_inf": "*fp32", "counters": "*i32"}
+    gather_sig = {f"{name}_ptr": ty for name, ty in values.items()}
+    gather_sig |= {"out_scale": "*fp32", "out_tracker": "*i32", "out_norm": "*fp32", "out_found_inf": "*fp32"}
+    gather_sig |= {f"out_{name}": "*i32" for name in ("skipped", "skipped_steps", "consecutive", "hysteresis")}
+    slots = {"SKIPPED": 3, "SKIPPED_STEPS": 2, "CONSECUTIVE": 1, "HYSTERESIS": 0}
+    lr_sig = {"skipped_ptr": "*i32", "count_ptr": "*i64", "calls_ptr": "*i64", "tables_ptr": "*fp32",
+              "lr_addresses": "*i64", "total_steps": "i32"}  # fmt: skip
+    cases = []
+    for has in (True, False):
+        case = _case(f"gather_stats-{target}-{'full' if has else 'empty'}", GATHER_STATS, target, dict(gather_sig),
+                     {**slots, "HAS_NORM": has, "HAS_FOUND_INF": has}, num_warps=1)  # fmt: skip
+        cases.append({**case, "divisible": []})
+    for groups in (1, 3):
+        case = _case(f"advance_lr-{target}-G{groups}", ADVANCE_LR, target, dict(lr_sig),
+                     {"NUM_GROUPS": groups, "BLOCK_G": 1 if groups == 1 else 4}, num_warps=1)  # fmt: skip
+        cases.append({**case, "divisible": []})
+    return cases
+
+
 def _build_cases() -> list[dict]:
     cases = []
     # FLAT launches always pass ALIGNED=False; TABLE launches pass whether the host found every
@@ -202,6 +229,7 @@ def _build_cases() -> list[dict]:
         for norm in NORMS:
             cases.append(finalize_case(target, norm))
         cases.append(finalize_case(target, 2, has_clip=False))
+        cases += loop_state_cases(target)
     # The remaining apply modes (plain unscale_ is CHECK+INVERT; a clip-only step is neither).
     for check, invert in ((True, True), (False, False), (False, True)):
         for flat in (True, False):

@@ -22,6 +22,7 @@ from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterErro
 from .grads.flat_grads import flatten_grads_
 from .grads.sharding import mark_replicated
 from .loop.applied_steps import AppliedSteps
+from .loop.captured_step import CapturedStep
 from .loop.lr_schedules import SkipAwareLR
 from .loop.scale_history import ScaleHistory
 from .loop.step_log import StepLog
@@ -33,6 +34,7 @@ from .scaler.grad_scaler import GradScaler, OptState
 
 __all__ = [
     "AppliedSteps",
+    "CapturedStep",
     "DataFeedExhausted",
     "DynamicLossScaleManager",
     "ExponentialUpdateLossScaleManager",

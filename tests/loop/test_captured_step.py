@@ -160,3 +160,69 @@ def test_skip_aware_lr_counts_its_calls_on_the_device():
     assert isinstance(calls, torch.Tensor)
     sched.step()
     assert sched._calls is calls and int(calls) == 1 and sched.state_dict()["calls"] == 1
+
+
+class _FakeGraph:
+    """Stands for torch.cuda.CUDAGraph on the CPU: counts replays (a replay runs no Python)."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """torch.cuda's streams and graphs stood in for on the CPU; ``events`` lists what ran where."""
+    import contextlib
+
+    events = []
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def on(kind):
+        events.append(f"{kind} begins")
+        yield
+        events.append(f"{kind} ends")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: on("side stream"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **kwargs: on("capture"))
+    return events
+
+
+def test_the_captured_step_warms_up_captures_replays_and_refuses_moved_grads(fake_cuda_graphs):
+    """tritonscale.CapturedStep's calls: ``warmup`` eager steps on a side stream, then one capture
+    (by torch.cuda.graph, no stream=) replayed once, then replays only; gradients dropped since the
+    capture are refused before any replay, naming the fix; recapture() warms up once and captures again."""
+    events = fake_cuda_graphs
+    model, opt, scaler = _setup()
+    ran = []
+
+    def post_backward():
+        ran.append(len(events))
+        _post_backward(opt, scaler)
+
+    step = tritonscale.CapturedStep(post_backward, opt, warmup=2)
+    for _ in range(4):
+        _backward(model, scaler)
+        step()
+    assert events == ["side stream begins", "side stream ends"] * 2 + ["capture begins", "capture ends"]
+    assert len(ran) == 3 and step.graph.replays == 2  # two warm-ups, the capture; replays: the capture's and one
+    _backward(model, scaler, set_to_none=True)
+    gc.collect()
+    with pytest.raises(RuntimeError, match="moved since its capture.*recapture"):
+        step()
+    assert step.graph.replays == 2  # nothing replayed
+    step.recapture()
+    for _ in range(2):
+        _backward(model, scaler)
+        step()
+    assert len(ran) == 5 and events[-4:] == ["side stream begins", "side stream ends", "capture begins", "capture ends"]
+    assert step.graph.replays == 1

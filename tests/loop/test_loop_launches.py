@@ -148,3 +148,19 @@ def test_a_replaced_lr_tensor_is_written_and_refused_inside_a_capture(monkeypatc
     monkeypatch.setattr(host_reads, "capturing", lambda device: False)
     sched.step()
     assert float(opt.param_groups[1]["lr"]) == 0.25  # StepLR(2, 0.5) from 0.5 after 3 applied steps
+
+
+def test_last_skip_counter_is_what_last_skip_flag_reads():
+    """GradScaler.last_skip_counter(): None with no state and for a disabled scaler (use the flag
+    there); after each update, > 0 exactly when last_skip_flag() is set."""
+    assert tritonscale.GradScaler("cpu").last_skip_counter() is None
+    assert tritonscale.GradScaler("cpu", enabled=False).last_skip_counter() is None
+    params, opt, scaler, _, _ = _loop({}, 1)
+    for bad in (False, True, False):
+        scaler.scale(sum((p * p).sum() for p in params) * (float("inf") if bad else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        counter = scaler.last_skip_counter()
+        assert counter.dtype == torch.int32 and counter.dim() == 0
+        assert bool(counter > 0) == bool(scaler.last_skip_flag()) == bad
+        opt.zero_grad()
