@@ -47,8 +47,6 @@ ELSEWHERE = {
     "rank_agreement": ("rank", "updater_bf16_replica"),  # the Updater's all-reduce calls it
     "process_group": ("rank", "control"),
     "place_state": ("scaler/test_scaler_iteration_api.py", "test_place_state_makes_the_state_where_asked_once"),
-    # Read by SkipAwareLR.step's one launch, on the paths a GPU takes only (the rows read the host).
-    "last_skip_counter": ("loop/test_loop_launches.py", "test_last_skip_counter_is_what_last_skip_flag_reads"),
     # A CUDA graph's capture and replays need a GPU (tests/test_gpu.py); on the CPU its calls run with
     # torch.cuda's graph and streams stood in for: warm-ups, capture, replays, the moved-gradient refusal.
     "CapturedStep": (

@@ -19,6 +19,7 @@ import tritonscale
 import tritonscale.loop.lr_schedules as lr_schedules
 import tritonscale.scaler.grad_scaler as grad_scaler
 from tritonscale import host_reads
+from tritonscale.scaler.grad_scaler import live_skip_counter
 
 KNOBS = {"defaults": {}, "rich": {"hysteresis": 2, "skip_norm_factor": 5.0, "growth_interval": 2}}
 STEPS = 6
@@ -150,17 +151,17 @@ def test_a_replaced_lr_tensor_is_written_and_refused_inside_a_capture(monkeypatc
     assert float(opt.param_groups[1]["lr"]) == 0.25  # StepLR(2, 0.5) from 0.5 after 3 applied steps
 
 
-def test_last_skip_counter_is_what_last_skip_flag_reads():
-    """GradScaler.last_skip_counter(): None with no state and for a disabled scaler (use the flag
+def test_live_skip_counter_is_what_last_skip_flag_reads():
+    """live_skip_counter(scaler): None with no state and for a disabled scaler (use the flag
     there); after each update, > 0 exactly when last_skip_flag() is set."""
-    assert tritonscale.GradScaler("cpu").last_skip_counter() is None
-    assert tritonscale.GradScaler("cpu", enabled=False).last_skip_counter() is None
+    assert live_skip_counter(tritonscale.GradScaler("cpu")) is None
+    assert live_skip_counter(tritonscale.GradScaler("cpu", enabled=False)) is None
     params, opt, scaler, _, _ = _loop({}, 1)
     for bad in (False, True, False):
         scaler.scale(sum((p * p).sum() for p in params) * (float("inf") if bad else 1.0)).backward()
         scaler.step(opt)
         scaler.update()
-        counter = scaler.last_skip_counter()
+        counter = live_skip_counter(scaler)
         assert counter.dtype == torch.int32 and counter.dim() == 0
         assert bool(counter > 0) == bool(scaler.last_skip_flag()) == bad
         opt.zero_grad()

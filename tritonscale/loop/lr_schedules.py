@@ -24,6 +24,7 @@ import torch
 from ..host_reads import refuse_in_capture
 from ..kernels.loop_state import advance_lr
 from ..scaler.diagnostics import one_launch
+from ..scaler.grad_scaler import live_skip_counter
 from .lr_tables import check_schedulable, check_total_steps, record_lrs
 from .scaler_arg import check_scaler
 
@@ -126,12 +127,11 @@ class SkipAwareLR:
     def _one_launch_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(the scaler's skip counter, the lrs' address table) when ``step()`` is one launch
         (``advance_lr``): the paths a GPU takes, every lr a tensor of one dtype on the count's
-        device, and the scaler's ``last_skip_counter()`` there; (_, None) otherwise."""
+        device, and the scaler's ``live_skip_counter`` there; (_, None) otherwise."""
         device = self._count.device
         if self._stacked is None or not one_launch(device, getattr(self._scaler, "backend", "auto")):
             return None, None
-        read_counter = getattr(self._scaler, "last_skip_counter", None)  # a wrapper may forward only the flag
-        counter = read_counter() if read_counter is not None else None
+        counter = live_skip_counter(self._scaler)  # None for a wrapper: it forwards only the flag
         if counter is None or counter.device != device:
             return None, None
         return counter, self._lr_addresses()

@@ -19,18 +19,18 @@ from typing import Any
 import torch
 
 from ..flags import read_found_inf
-from ..host_reads import refuse_in_capture
 from ..grads.groups import Grads, collect_grads
+from ..host_reads import refuse_in_capture
 from ..passes.backends import check_backend_name
 from ..passes.clip_args import check_clip_args, kernels_compute
 from ..passes.grad_passes import PerDevice, torch_unscale_
 from ..passes.rank_checks import NOTHING_TO_UNDO, Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
 from ..passes.step_protocols import unwrap_optimizer
+from ..policy.counters import LAST_SKIPPED
 from ..policy.knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
 from ..policy.loss_scale_policy import LossScalePolicy
 from ..policy.peer_presets import PeerPreset
-from ..policy.counters import LAST_SKIPPED
 from ..policy.runner import PolicyRunner
 from ..policy.state import DeviceState, HostState
 from ..process_groups import check_process_group
@@ -296,13 +296,8 @@ class GradScaler:
             return self._disabled_skip > 0 if self._disabled_skip is not None else None
         return self._ranks.skip(self._tensors.counters[LAST_SKIPPED] > 0) if self._tensors is not None else None
 
-    def last_skip_counter(self) -> torch.Tensor | None:
-        """What ``last_skip_flag()`` is computed from, for a kernel that reads it in its own launch
-        (``SkipAwareLR.step``): the last iteration skipped its step iff this 0-dim int32 device tensor
-        is > 0. A view of the scaler's state, rewritten in place by the next ``update()``: read it
-        at once (a value to keep is ``last_skip_flag()``). None where the flag is not that counter
-        alone (a disabled scaler, no state yet, a rank mismatch pending): use ``last_skip_flag()``.
-        Example: ``counter = scaler.last_skip_counter()``."""
+    def _live_skip_counter(self) -> torch.Tensor | None:
+        """``live_skip_counter``'s answer (below)."""
         if not self._enabled or self._tensors is None or self._ranks.pending is not None:
             return None
         return self._tensors.counters[LAST_SKIPPED]
@@ -556,3 +551,13 @@ class GradScaler:
         record = self._recorded(optimizer)
         iteration = record if isinstance(record, OptimizerStep) else self._step_for(optimizer)
         return iteration.check(self, scale)
+
+
+def live_skip_counter(scaler: Any) -> torch.Tensor | None:
+    """The 0-dim int32 device counter ``scaler.last_skip_flag()`` is computed from (the last
+    iteration skipped its step iff it is > 0), for a kernel of this package that reads it in its own
+    launch (``SkipAwareLR.step``). Internal on purpose: it is a view of the scaler's state, rewritten
+    in place by the next ``update()`` -- a caller's value is ``last_skip_flag()``. None for anything
+    but a GradScaler of ours, and where the flag is not that counter alone (a disabled scaler, no
+    state yet, a rank mismatch pending). Example: ``counter = live_skip_counter(scaler)``."""
+    return scaler._live_skip_counter() if isinstance(scaler, GradScaler) else None
