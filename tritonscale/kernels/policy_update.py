@@ -37,24 +37,28 @@ import torch
 import triton
 import triton.language as tl
 
+# Constants the programs read are ``tl.constexpr`` (Triton compiles no other globals); ``.value``
+# gives the plain number.
 # policy/counters.py's slots of the int32 counters.
-HYSTERESIS_LEFT, CONSECUTIVE_SKIPS, SKIPPED_STEPS, LAST_SKIPPED, UPDATES, OVERFLOWS_SINCE, UPDATES_SINCE = range(7)
+HYSTERESIS_LEFT, CONSECUTIVE_SKIPS, SKIPPED_STEPS, LAST_SKIPPED, UPDATES, OVERFLOWS_SINCE, UPDATES_SINCE = (
+    tl.constexpr(slot) for slot in range(7)
+)
 # policy/counters.py's slots of the float32 norm statistics.
-NORM_AVERAGE, NORM_COUNT = range(2)
+NORM_AVERAGE, NORM_COUNT = tl.constexpr(0), tl.constexpr(1)
 # policy/spike_rules.py's float64 spike_stats: the header, then the z-score window, then ZClip's warm-up.
-Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN = range(4)
-SPIKE_HEADER = 4
+Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN = (tl.constexpr(slot) for slot in range(4))
+SPIKE_HEADER = tl.constexpr(4)
 #: policy/forms.py's SCALE_FLOOR: the lowest scale a backoff leaves (2**-126).
-SCALE_FLOOR = 2.0**-126
+SCALE_FLOOR = tl.constexpr(2.0**-126)
 #: HostCheck bits (policy/host_checks.py).
-AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = 1, 2, 4
+AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)
 #: Optimizers' flags read by pointer in the one launch.
 MAX_FLAGS = 4
 #: Window slots shifted per block.
-WINDOW_BLOCK = 1024
-#: ZClip modes and options as constexpr codes.
-ZCLIP_ZSCORE, ZCLIP_PERCENTILE = 0, 1
-ZCLIP_ADAPTIVE, ZCLIP_MEAN = 0, 1
+WINDOW_BLOCK = tl.constexpr(1024)
+#: ZClip modes and options as codes.
+ZCLIP_ZSCORE, ZCLIP_PERCENTILE = tl.constexpr(0), tl.constexpr(1)
+ZCLIP_ADAPTIVE, ZCLIP_MEAN = tl.constexpr(0), tl.constexpr(1)
 
 
 class UpdateRule(NamedTuple):
@@ -157,7 +161,8 @@ def _new_scale(scale, tracker, found, back_off, R: tl.constexpr):
     new = tl.where(back_off, lowered, tl.where(grown_ok, grown, scale))
     tracker = tl.where(back_off | grows, 0, tracker + 1)
     if R.RAISE_FLOOR:  # never to 0, unlike torch
-        new = tl.where(back_off & (new < SCALE_FLOOR), _f32(SCALE_FLOOR), new)
+        floor = _f32(SCALE_FLOOR)
+        new = tl.where(back_off & (new < floor), floor, new)
     if R.HAS_MIN:
         new = tl.maximum(new, _f32(R.MIN_SCALE), propagate_nan=tl.PropagateNan.ALL)
     if R.HAS_MAX:

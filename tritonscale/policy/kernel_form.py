@@ -32,8 +32,8 @@ from .spike_rules import warmup_size, window_size
 
 # The knobs' values (a tuple of the policy's fields) -> its rule: a pure function of the key.
 _rules: dict[tuple, UpdateRule] = {}
-_MODES = {"zscore": ZCLIP_ZSCORE, "percentile": ZCLIP_PERCENTILE}
-_OPTIONS = {"adaptive_scaling": ZCLIP_ADAPTIVE, "mean": ZCLIP_MEAN}
+_MODES = {"zscore": ZCLIP_ZSCORE.value, "percentile": ZCLIP_PERCENTILE.value}
+_OPTIONS = {"adaptive_scaling": ZCLIP_ADAPTIVE.value, "mean": ZCLIP_MEAN.value}
 
 
 def kernel_runs(device: torch.device, backend: str) -> bool:
@@ -58,7 +58,8 @@ def kernel_rule(policy: LossScalePolicy) -> UpdateRule:
 
 def _hold_mask(policy: LossScalePolicy) -> int:
     """The check bits that raise (a "warn" at min_scale lets the update go ahead)."""
-    return TOO_MANY_SKIPS | AT_RAISE_SCALE | (AT_MIN_SCALE if policy.on_min_scale == "raise" else 0)
+    raising = TOO_MANY_SKIPS.value | AT_RAISE_SCALE.value
+    return raising | (AT_MIN_SCALE.value if policy.on_min_scale == "raise" else 0)
 
 
 def _make_rule(policy: LossScalePolicy) -> UpdateRule:
