@@ -344,7 +344,7 @@ def policy_update_kernel(
     elif R.SKIP_ON_OVERFLOW:  # unscale_ only: what overflowed counts as skipped (skip_decision, no norm)
         skipped = found > 0
     else:
-        skipped = found != found  # False (a flag is never NaN here)
+        skipped = tl.full([], 0, tl.int1)
     go = True
     if CHECKS:
         scale = tl.load(scale_ptr)
