@@ -9,7 +9,10 @@ Input (stdin): a JSON list of cases, each
 
     {"id": str, "kernel": "module:attribute", "target": [backend, arch, warp_size],
      "signature": {arg: type}, "constexprs": {arg: value}, "divisible": [arg, ...],
-     "num_warps": int}
+     "num_warps": int, "options": {option: value} (optional, e.g. enable_fp_fusion)}
+
+A constexpr that is a NamedTuple (the policy kernel's rule) travels as
+``{"namedtuple": "module:Class", "fields": {name: value}}``.
 
 Output (stdout): a JSON object mapping each case id to what the compile produced: ``ok`` and
 ``error``, the global load/store instructions found in the assembly, and register/spill figures
@@ -58,6 +61,14 @@ def _resolve(spec: str):
     from triton.runtime.autotuner import Autotuner
 
     return fn.fn if isinstance(fn, Autotuner) else fn
+
+
+def _constexpr(value):
+    """A constexpr from its JSON form: a NamedTuple rebuilt from its class and fields."""
+    if isinstance(value, dict) and "namedtuple" in value:
+        module, attribute = value["namedtuple"].split(":")
+        return getattr(importlib.import_module(module), attribute)(**value["fields"])
+    return value
 
 
 def _cuobjdump() -> str | None:
@@ -130,8 +141,10 @@ def compile_case(case: dict) -> tuple[str, dict]:
         if missing:
             raise TypeError(f"signature lacks {missing} of {case['kernel']}{fn.arg_names}")
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case["divisible"]}
-        src = ASTSource(fn=fn, signature=case["signature"], constexprs=case["constexprs"], attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget(*case["target"]), options={"num_warps": case["num_warps"]})
+        constexprs = {name: _constexpr(value) for name, value in case["constexprs"].items()}
+        src = ASTSource(fn=fn, signature=case["signature"], constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": case["num_warps"], **case.get("options", {})}
+        compiled = triton.compile(src, target=GPUTarget(*case["target"]), options=options)
     except Exception:
         result["error"] = traceback.format_exc(limit=3)
         return case["id"], result
@@ -142,11 +155,14 @@ def compile_case(case: dict) -> tuple[str, dict]:
     if "ptx" in asm:
         ptx = asm["ptx"]
         ops = _PTX_MEMOPS.findall(ptx)
+        result["fused_multiply_adds"] = len(re.findall(r"\bfma\.", ptx))
+        result["float64_ops"] = len(re.findall(r"\.f64\b", ptx))
         result["ptx_local"] = ".local" in ptx
         result["resources"] = _cuda_resources(asm["cubin"]) if "cubin" in asm else None
     else:
         amdgcn = asm.get("amdgcn", "")
         ops = _AMD_MEMOPS.findall(amdgcn)
+        result["float64_ops"] = len(re.findall(r"\bv_\w+_f64\b", amdgcn))
         result["hsaco_bytes"] = len(asm.get("hsaco", b""))
         result["resources"] = _amd_resources(amdgcn)
     result["loads"] = sorted({op for op in ops if "ld." in op or "_load_" in op})

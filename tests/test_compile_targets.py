@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 import tritonscale
+from tritonscale import LossScalePolicy
 from tritonscale.kernels.launch_config import (
     CHUNK,
     DEFAULT_BLOCK,
@@ -54,6 +55,7 @@ FINALIZE_BLOCK_P = 1024
 CHECK = "tritonscale.kernels.check_pass:check_pass_kernel"
 APPLY = "tritonscale.kernels.apply_pass:apply_kernel"
 FINALIZE = "tritonscale.kernels.finalize:finalize_kernel"
+POLICY = "tritonscale.kernels.policy_update:policy_update_kernel"
 
 # Runtime argument types. Python ints below 2**31 are passed as i32 by Triton's launcher, which
 # is what every realistic call sees; the i64 variant (buffers over 2**31 elements) is one case.
@@ -213,6 +215,53 @@ def loop_state_cases(target: str) -> list[dict]:
     return cases
 
 
+_POLICY_SIG = {
+    "scale_ptr": "*fp32",
+    "tracker_ptr": "*i32",
+    "counters_ptr": "*i32",
+    "norm_stats_ptr": "*fp32",
+    "spike_ptr": "*fp64",
+    **{f"{flag}{k}_ptr": "*fp32" for flag in ("found", "skip") for k in range(4)},
+    "norm_ptr": "*fp32",
+    "found_out_ptr": "*fp32",
+    "check_out_ptr": "*fp64",
+    "hold": "i32",
+}
+#: A default policy (one optimizer, unclipped) and a rich one (every kind of state, the host checks,
+#: two optimizers, a norm): the kernel's smallest and largest specialisations.
+POLICY_CASES = {
+    "default": (LossScalePolicy(), {"NUM_FOUND": 1, "NUM_SKIPS": 1, "HAS_NORM": False, "CHECKS": False}),
+    "rich": (
+        LossScalePolicy(
+            hysteresis=2,
+            skip_norm_factor=5.0,
+            skip_norm_sigma=3.0,
+            skip_norm_window=128,
+            clip_norm_z=2.5,
+            min_scale=1.0,
+            on_min_scale="raise",
+            max_consecutive_skips=5,
+            growth_delay=2,
+        ),
+        {"NUM_FOUND": 2, "NUM_SKIPS": 2, "HAS_NORM": True, "CHECKS": True},
+    ),  # fmt: skip
+}
+
+
+def policy_case(target, name):
+    from tritonscale.policy.kernel_form import kernel_rule
+
+    policy, launch = POLICY_CASES[name]
+    rule = {
+        "namedtuple": "tritonscale.kernels.policy_update:UpdateRule",
+        "fields": kernel_rule(policy.validate())._asdict(),
+    }
+    constexprs = {**launch, "COUNT_ONLY": False, "R": rule}
+    case = _case(f"policy-{target}-{name}", POLICY, target, dict(_POLICY_SIG), constexprs, num_warps=1)
+    case["options"] = {"enable_fp_fusion": False}  # the rule rounds after every operation, as the host form
+    return case
+
+
 def _build_cases() -> list[dict]:
     cases = []
     # FLAT launches always pass ALIGNED=False; TABLE launches pass whether the host found every
@@ -248,6 +297,7 @@ def _build_cases() -> list[dict]:
         cases.append(apply_case("sm90", "fp32", True, block=block, num_warps=warps))
     # The largest finalize block (finalize() caps BLOCK_P there).
     cases.append(finalize_case("sm90", 2, block_p=FINALIZE_MAX_BLOCK))
+    cases += [policy_case(target, name) for target in TARGETS for name in POLICY_CASES]
     return cases
 
 
@@ -382,6 +432,20 @@ def test_unaligned_table_accesses_are_scalar(compiled, kernel, target, dtype):
         assert not any(".v4." in op or ".v2." in op for op in accesses), accesses
     else:
         assert not any(op.startswith("buffer_") and "dwordx" in op for op in accesses), accesses
+
+
+# --- the policy kernel ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(POLICY_CASES))
+@pytest.mark.parametrize("target", TARGETS)
+def test_policy_kernel_compiles_with_its_float64_arithmetic(compiled, target, name):
+    result = _result(compiled, policy_case(target, name)["id"])
+    # The rich policy's spike rules keep float64 averages. (A float32 scale times a float64 factor
+    # rounded once is the float32 product where the factor is a float32 number: LLVM narrows it.)
+    assert (result["float64_ops"] > 0) == (name == "rich"), result["float64_ops"]
+    if target in CUDA_TARGETS:  # contraction off: every product rounded, as the host form rounds it
+        assert result["fused_multiply_adds"] == 0
 
 
 # --- no spills --------------------------------------------------------------------------------

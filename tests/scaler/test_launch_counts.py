@@ -19,8 +19,8 @@ PHASES = ("scale", "clip", "step", "update")
 RICH = {"hysteresis": 2, "skip_norm_factor": 5.0}
 #: The most launches each phase may make (fused AdamW folding the clip / foreach SGD).
 BOUNDS = {
-    "fused": {"scale": 1, "clip": 12, "step": 17, "update": 49},
-    "sgd": {"scale": 1, "clip": 5, "step": 15, "update": 49},
+    "fused": {"scale": 1, "clip": 12, "step": 17, "update": 1},
+    "sgd": {"scale": 1, "clip": 5, "step": 15, "update": 1},
 }
 
 
@@ -81,3 +81,27 @@ def test_the_counter_counts_torchs_scaler_as_its_kernels():
     assert counter.ops["scale"] == ["aten.mul"]
     assert "aten._fused_adamw_" in counter.ops["step"]
     assert "aten._amp_foreach_non_finite_check_and_unscale_" in counter.ops["clip"]
+
+
+#: A policy with every kind of state the update carries: hysteresis, a norm average, both spike rules.
+SPIKES = {"hysteresis": 2, "skip_norm_factor": 5.0, "skip_norm_sigma": 3.0, "skip_norm_window": 4, "clip_norm_z": 2.0}
+
+
+@pytest.mark.parametrize("knobs", [{}, SPIKES], ids=["defaults", "spike-rules"])
+def test_update_is_one_launch_whatever_the_policy_and_the_optimizers(forbid_host_reads, knobs):
+    """Two optimizers on one scaler, each clipped and stepped: the update reads both flags in its one launch."""
+    params = _params(2)
+    optimizers = [torch.optim.SGD([p], lr=0.1, foreach=True) for p in params]
+    scaler = GradScaler("cpu", init_scale=2.0**10, backend="triton", compile_policy=False, **knobs)
+    counter = LaunchCounter()
+    for i in range(3):
+        for p in params:
+            p.grad = None
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        for k, optimizer in enumerate(optimizers):
+            if not knobs or k == 0:  # the norm rules keep one optimizer's history: one clip
+                scaler.clip_grad_norm_(optimizer, 1.0)
+            scaler.step(optimizer)
+        with counter.phase("update") if i == 2 else contextlib.nullcontext():
+            scaler.update()
+    assert counter.ops["update"] == ["triton.policy_update_kernel"]

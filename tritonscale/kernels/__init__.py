@@ -7,6 +7,7 @@ Data flow of one step, one file each:
   the total norm, the clip coefficient and the combined factor ``inv_scale * clip_coef``.
 * ``apply_pass``  -- multiplies the gradients in place by that factor (optionally checking for
   inf/NaN in the same pass, which is what a plain ``unscale_`` needs).
+* ``policy_update`` -- one tiny program: the loss-scale policy's whole update (``update()``'s one launch).
 
 Beside them: ``tensor_table`` describes any number of gradient tensors to one launch;
 ``launch_config`` holds block sizes, program counts and the autotune configurations;

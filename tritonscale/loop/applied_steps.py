@@ -25,8 +25,8 @@ import torch
 
 from ..host_reads import refuse_in_capture
 from ..scaler.grad_scaler import GradScaler
-from .step_log import CAPTURE_FIX
 from .scaler_arg import check_scaler
+from .step_log import CAPTURE_FIX
 
 __all__ = ["AppliedSteps"]
 

@@ -110,8 +110,6 @@ def unscale_and_check_(
     return combine_rank_flags(found_infs, group, agreement, scale.device)  # gradients on several devices
 
 
-
-
 def _unscale_each_device_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
     found_infs = {d: torch.zeros((), dtype=torch.float32, device=d) for d in grads.devices}
     per_device_scale = PerDevice(scale)

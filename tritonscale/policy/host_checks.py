@@ -11,7 +11,9 @@ Three of the peers' rules end a run from inside the scale update, and a device v
 ``host_check_flags`` computes the conditions before the update, in either form of the rule (on the
 device: one integer tensor); the runner reads that one value and ``act_on_host_checks`` raises or
 warns. A raising update changes nothing. Example: ``flags = host_check_flags(policy, scale,
-counters, found_inf, skipped)``, then ``act_on_host_checks(policy, HostCheck(int(flags)), scale, counters)``.
+counters, found_inf, skipped)``, then ``act_on_host_checks(policy, HostCheck(int(flags)),
+HostCheckRead.of(scale, counters))``. On a GPU the policy kernel computes the same bits in its one
+launch and, where a raising one fires, leaves the state untouched (``kernels/policy_update.py``).
 
 On the device a read waits for the stream, so ``UpdatesWithoutRead`` reads only when a condition
 could hold: from the scale and the skip count of its last read it knows how many updates must pass
@@ -25,7 +27,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from enum import IntFlag
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -105,30 +107,43 @@ def host_check_flags(
     return flags
 
 
-def act_on_host_checks(policy: LossScalePolicy, flags: HostCheck, scale: torch.Tensor, counters: torch.Tensor) -> None:
+class HostCheckRead(NamedTuple):
+    """What a check's message names, as read before the update: the scale, the consecutive skips,
+    the updates so far (the step). Example: ``HostCheckRead.of(state.scale, state.counters)``."""
+
+    scale: float
+    in_a_row: int
+    step: int
+
+    @classmethod
+    def of(cls, scale: torch.Tensor, counters: torch.Tensor) -> HostCheckRead:
+        """Read from the state tensors (host reads: only once a check fired)."""
+        return cls(float(scale.item()), int(counters[CONSECUTIVE_SKIPS].item()), int(counters[UPDATES].item()))
+
+
+def act_on_host_checks(policy: LossScalePolicy, flags: HostCheck, read: HostCheckRead) -> None:
     """Raise or warn for the conditions in ``flags`` (read once on the host, before the update).
 
     The warning points at the caller of ``GradScaler.update()``.
     """
     if not flags:
         return
-    step = int(counters[UPDATES].item())
+    step, scale = read.step, read.scale
     if flags & HostCheck.TOO_MANY_SKIPS:
-        in_a_row = int(counters[CONSECUTIVE_SKIPS].item()) + 1
         raise RuntimeError(
-            f"{in_a_row} consecutive steps were skipped, more than "
-            f"max_consecutive_skips={policy.max_consecutive_skips}; loss scale {scale.item():g} at step {step}"
+            f"{read.in_a_row + 1} consecutive steps were skipped, more than "
+            f"max_consecutive_skips={policy.max_consecutive_skips}; loss scale {scale:g} at step {step}"
         )
     if flags & HostCheck.AT_RAISE_SCALE:
         raise FloatingPointError(
             f"Minimum loss scale reached: the overflow at step {step} would leave the loss scale (now "
-            f"{scale.item():g}) at or below raise_at_scale={policy.raise_at_scale:g} (fairseq's min_loss_scale). "
+            f"{scale:g}) at or below raise_at_scale={policy.raise_at_scale:g} (fairseq's min_loss_scale). "
             "The loss is probably exploding: lower the learning rate, clip the gradients or grow the batch"
         )
     if flags & HostCheck.AT_MIN_SCALE:
         message = (
             f"overflow at step {step} with the loss scale already at min_scale={policy.min_scale:g} "
-            f"(scale {scale.item():g}): it cannot back off further"
+            f"(scale {scale:g}): it cannot back off further"
         )
         if policy.on_min_scale == "raise":
             raise RuntimeError(message)

@@ -1,10 +1,10 @@
 """The end of an iteration: the optimizers' flags go into the policy's rule.
 
-``PolicyRunner`` runs a ``LossScalePolicy``'s rule methods on the scaler's device state: on the
-device through ``torch.compile`` where that is on (default: on CUDA, where the rule's ~10-40 tiny
-ops would otherwise each cost a launch), on the device eagerly elsewhere, and on the host where
-reading a value is free (the CPU; ``forms.py``). On the device the only host read is the
-opt-in check of policies that must stop or warn.
+``PolicyRunner`` runs a ``LossScalePolicy``'s rule on the scaler's device state: on the host where
+reading a value is free (the CPU; ``forms.py``); on a GPU as one Triton launch whatever the policy
+(``kernel_form.py``); as tensor ops while Dynamo traces a step (inductor fuses them), where the
+kernel cannot launch, or compiled on request (``compile_policy=True``). On the device the only
+host read is the opt-in check of policies that must stop or warn.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import torch
 
 from .. import host_reads
 from ..flags import combine_flags, flags_on, moved_to
+from ..kernels.policy_update import MAX_FLAGS, update_policy_state_
 from .counters import CONSECUTIVE_SKIPS
 from .forms import ON_DEVICE, ON_HOST, RuleForm
-from .host_checks import HostCheck, UpdatesWithoutRead, act_on_host_checks, host_check_flags
+from .host_checks import HostCheck, HostCheckRead, UpdatesWithoutRead, act_on_host_checks, host_check_flags
+from .kernel_form import kernel_rule, kernel_runs
 from .loss_scale_policy import LossScalePolicy
 from .spike_rules import zclip_max_norm
 from .state import DeviceState
@@ -36,13 +38,16 @@ class IterationOutcome(NamedTuple):
 
 
 class PolicyRunner:
-    """Calls a policy's ``skip_decision`` and ``update_``, compiled or eager.
+    """Calls a policy's ``skip_decision`` and ``update_``: one kernel, compiled or eager tensor ops.
 
-    ``compile_policy``: True / False, or None for "on CUDA devices only".
+    ``compile_policy``: True (the tensor ops compiled), False, or None: the kernel wherever it can
+    launch (``kernel_form.kernel_runs``), else eager tensor ops. ``backend``: the scaler's backend
+    name ("auto", "triton", "torch"), which decides where the kernel may launch.
     """
 
-    def __init__(self, compile_policy: bool | None) -> None:
+    def __init__(self, compile_policy: bool | None, backend: str = "auto") -> None:
         self.compile_policy = compile_policy
+        self.backend = backend
         # A pure function of its key: each rule is bound to its policy, which it keeps alive, so the
         # id in the key names that policy as long as the entry exists. A knob set later still counts:
         # the eager rule reads it at each call, a compiled one recompiles on Dynamo's guards.
@@ -51,6 +56,16 @@ class PolicyRunner:
 
     def _compiles(self, device: torch.device) -> bool:
         return self.compile_policy if self.compile_policy is not None else device.type == "cuda"
+
+    def uses_kernel(self, device: torch.device) -> bool:
+        """The update runs as the one policy kernel on ``device``: the device form, not asked to be
+        compiled, not while Dynamo traces (a compiled step keeps the tensor ops, which inductor fuses)."""
+        return (
+            self.compile_policy is not True
+            and not torch.compiler.is_compiling()
+            and not host_reads.are_free(device)
+            and kernel_runs(device, self.backend)
+        )
 
     def form(self, device: torch.device, compiled: bool | None = None) -> RuleForm:
         """The form the rule runs in on ``device``: on the host where reads are free, unless compiled."""
@@ -84,9 +99,11 @@ class PolicyRunner:
         """Fold this iteration's outcome into ``state`` in place; return the combined found_inf
         and the norm that were used (the last clip_grad_norm_'s, or None)."""
         device = state.scale.device
-        found_inf, skipped = self._flags(policy, state, outcome)
-        if found_inf is None:
+        if not outcome.found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
+        if self.uses_kernel(device):
+            return self._kernel_update_(policy, state, outcome, count_only=False)
+        found_inf, skipped = self._flags(policy, state, outcome)
         norm = _last_norm(outcome, device)
         checks = policy.needs_host_check()
         if checks:
@@ -95,11 +112,38 @@ class PolicyRunner:
             state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm,
             spike_stats=state.spike_stats,
         )  # fmt: skip
-        if checks:
+        self._seen(policy, state, checks)
+        return found_inf, norm
+
+    def _seen(self, policy: LossScalePolicy, state: DeviceState, checked: bool) -> None:
+        if checked:
             self._unread.seen(policy, state)
         else:  # nothing checked now: a later check reads
             self._unread.forget()
-        return found_inf, norm
+
+    def _kernel_update_(
+        self, policy: LossScalePolicy, state: DeviceState, outcome: IterationOutcome, count_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The update (or ``count_only``, record_iteration_) as one launch. The opt-in host checks:
+        where one could fire, the kernel also writes the check bits and the values they name, and
+        leaves the state untouched when a raising one fires; the one host read follows the launch."""
+        device = state.scale.device
+        found_infs = _at_most(MAX_FLAGS, [moved_to(f, device) for f in outcome.found_infs])
+        skips = _at_most(MAX_FLAGS, [moved_to(f, device) for f in outcome.skips])
+        norm = _last_norm(outcome, device)
+        checks = not count_only and policy.needs_host_check()
+        reads = checks and not self._unread.skips_read(policy, state)
+        tensors = (state.scale, state.growth_tracker, state.counters, state.norm_stats, state.spike_stats)
+        result = update_policy_state_(
+            tensors, found_infs, skips, norm, kernel_rule(policy), count_only=count_only, checks=reads, hold=reads
+        )
+        if reads:
+            flags, scale, in_a_row, step = result.checks.tolist()  # the one host read
+            self._unread.set(policy, scale, int(in_a_row))
+            act_on_host_checks(policy, HostCheck(int(flags)), HostCheckRead(scale, int(in_a_row), int(step)))
+        if not count_only:
+            self._seen(policy, state, checks)
+        return result.found_inf, norm
 
     def _host_check(
         self, policy: LossScalePolicy, state: DeviceState, found_inf: torch.Tensor, skipped: torch.Tensor
@@ -116,7 +160,8 @@ class PolicyRunner:
             values = torch.stack([flags.double(), state.scale.double(), state.counters[CONSECUTIVE_SKIPS].double()])
             flags, scale, in_a_row = values.tolist()  # the one host read
             self._unread.set(policy, scale, int(in_a_row))
-        act_on_host_checks(policy, HostCheck(int(flags)), state.scale, state.counters)
+        if flags:
+            act_on_host_checks(policy, HostCheck(int(flags)), HostCheckRead.of(state.scale, state.counters))
 
     def clip_limit(self, policy: LossScalePolicy, state: DeviceState | None, max_norm: float) -> Any:
         """With ZClip's adaptive clip on (``clip_norm_z``): the function from this step's norm to the
@@ -134,10 +179,12 @@ class PolicyRunner:
         rules' histories). Returns the found_inf and norm of the iteration, as ``update_`` does, so
         stats() describes the step it counted. Nothing recorded (torch allows that here): nothing
         counted, (None, None)."""
-        found_inf, skipped = self._flags(policy, state, outcome)
-        if found_inf is None:
+        if not outcome.found_infs:
             return None, None
         device = state.scale.device
+        if self.uses_kernel(device):
+            return self._kernel_update_(policy, state, outcome, count_only=True)
+        found_inf, skipped = self._flags(policy, state, outcome)
         norm = _last_norm(outcome, device)
         self.rule(policy, "record_iteration_", device)(
             state.counters, state.norm_stats, skipped, norm, spike_stats=state.spike_stats
@@ -146,24 +193,28 @@ class PolicyRunner:
 
     def _flags(
         self, policy: LossScalePolicy, state: DeviceState, outcome: IterationOutcome
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The iteration's combined found_inf (None if nothing was recorded) and skip flag, from
-        flags that are already the process group's (the passes combined them)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The iteration's combined found_inf and skip flag, from flags that are already the
+        process group's (the passes combined them); at least one found_inf was recorded."""
         device = state.scale.device
         found_inf = flags_on(device, outcome.found_infs)
-        if found_inf is None:
-            return None, None
         if outcome.skips:
             return found_inf, combine_flags(outcome.skips)
         # No optimizer stepped (unscale_ only): what overflowed counts as skipped.
         return found_inf, self.rule(policy, "skip_decision", device)(found_inf, None, state.norm_stats)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"compile_policy": self.compile_policy}
+        return {"compile_policy": self.compile_policy, "backend": self.backend}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Rules (compiled ones too) are rebuilt on use; a copy reads its first host check.
-        self.__init__(state["compile_policy"])
+        self.__init__(state["compile_policy"], state.get("backend", "auto"))
+
+
+def _at_most(count: int, flags: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flags`` as they are, or summed into one when there are more than the kernel reads by
+    pointer (more optimizers than ``MAX_FLAGS`` on one scaler: two launches more)."""
+    return flags if len(flags) <= count else [combine_flags(flags)]
 
 
 def _last_norm(outcome: IterationOutcome, device: torch.device) -> torch.Tensor | None:

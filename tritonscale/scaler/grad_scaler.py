@@ -94,7 +94,7 @@ class GradScaler:
         self._backend_name = check_backend_name(backend)
         self._fold = bool(fold_into_optimizer)
         self._process_group = check_process_group(process_group)
-        self._rules = PolicyRunner(compile_policy)
+        self._rules = PolicyRunner(compile_policy, self._backend_name)
         self._enabled = False if cuda_missing(device, enabled) else enabled  # torch disables it then, too
         policy, init_scale = peer_policy(policy, init_scale)  # a peer's preset brings its initial scale
         self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)

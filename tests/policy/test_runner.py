@@ -1,0 +1,156 @@
+"""Where the rule runs (``PolicyRunner``): one kernel on the GPU paths, the tensor ops under Dynamo
+or on request, the host form where reads are free -- and the same state whichever it is.
+
+On the CPU the GPU paths are taken with the host-read switch off and the Triton backend (the kernel
+through the interpreter). The oracle is the same runner with reads free (the host form).
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from oracles.scale_rules import Loop
+
+from tritonscale import GradScaler, LossScalePolicy, host_reads, presets
+from tritonscale.kernels import policy_update
+from tritonscale.policy.runner import IterationOutcome, PolicyRunner
+from tritonscale.policy.state import HostState
+
+CPU = torch.device("cpu")
+
+
+def bits(t: torch.Tensor) -> list:
+    flat = t.detach().reshape(-1)
+    fmt = {torch.float32: "f", torch.float64: "d"}.get(flat.dtype)
+    return [struct.pack(fmt, v) for v in flat.tolist()] if fmt else flat.tolist()
+
+
+def launches(monkeypatch) -> list:
+    """Record each call of the policy kernel's launcher (and run it)."""
+    calls, original = [], policy_update.update_policy_state_
+    monkeypatch.setattr(
+        "tritonscale.policy.runner.update_policy_state_", lambda *a, **k: (calls.append(k), original(*a, **k))[1]
+    )
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("compile_policy", "backend", "compiling", "expected"),
+    [
+        (None, "triton", False, True),
+        (False, "triton", False, True),
+        (True, "triton", False, False),  # asked for the compiled tensor ops
+        (None, "auto", False, False),  # the interpreter only where the scaler's kernels are Triton's
+        (None, "torch", False, False),
+        (None, "triton", True, False),  # Dynamo traces: the tensor ops, which inductor fuses
+    ],
+)
+def test_the_kernel_runs_on_the_gpu_paths_only(monkeypatch, compile_policy, backend, compiling, expected):
+    monkeypatch.setattr(host_reads, "are_free", lambda device: False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    assert PolicyRunner(compile_policy, backend).uses_kernel(CPU) is expected
+
+
+def test_the_host_form_stays_where_reads_are_free():
+    assert PolicyRunner(None, "triton").uses_kernel(CPU) is False
+
+
+@pytest.mark.parametrize("optimizers", [1, 2, 5])  # 5: more than the kernel reads by pointer
+@pytest.mark.parametrize("count_only", [False, True])
+def test_the_runner_on_the_kernel_equals_the_host_form(monkeypatch, optimizers, count_only):
+    policy = LossScalePolicy(hysteresis=2, skip_norm_factor=2.0, skip_norm_sigma=2.0, skip_norm_window=3,
+                             clip_norm_z=1.5, clip_norm_warmup_steps=2, growth_interval=2).validate()  # fmt: skip
+    states = [HostState.initial(2.0**16, policy).to_device(CPU) for _ in range(2)]
+    runners = [PolicyRunner(False, "triton") for _ in range(2)]
+    calls = launches(monkeypatch)
+    for step in range(8):
+        found = [torch.tensor(float(step % 3 == 1 and k == optimizers - 1)) for k in range(optimizers)]
+        skips = [f.clone() for f in found] if step % 4 != 3 else []  # step 3, 7: unscale_ only
+        outcome = IterationOutcome(found, skips, [torch.tensor(1.0 + step % 3)])
+        results = []
+        for free, runner, state in zip((False, True), runners, states):
+            monkeypatch.setattr(host_reads, "are_free", lambda device, free=free: free)
+            run = runner.count_only_ if count_only else runner.update_
+            results.append(run(policy, state, outcome))
+        for name in ("scale", "growth_tracker", "counters", "norm_stats", "spike_stats"):
+            assert bits(getattr(states[0], name)) == bits(getattr(states[1], name)), f"step {step}: {name}"
+        assert bits(results[0][0]) == bits(results[1][0]), f"step {step}: found_inf"
+    assert len(calls) == 8  # the device side launched the kernel every time, the host side never
+
+
+def test_a_raise_on_the_kernel_path_changes_nothing(monkeypatch, forbid_host_reads):
+    scaler = GradScaler("cpu", init_scale=1.0, policy=presets.deepspeed(hysteresis=1), backend="triton")
+    calls = launches(monkeypatch)
+    loop = Loop(scaler, "triton")
+    loop.step(False)
+    before = scaler.state_dict()
+    with pytest.raises(RuntimeError, match="already at min_scale=1"):
+        loop.step(True)
+    assert scaler.state_dict() == before
+    assert calls and all(call["checks"] for call in calls)
+
+
+def test_the_kernel_path_reads_nothing_on_the_host(monkeypatch, forbid_host_reads):
+    scaler = GradScaler("cpu", init_scale=2.0**10, backend="triton", hysteresis=2, skip_norm_sigma=2.0)
+    calls = launches(monkeypatch)
+    param = torch.nn.Parameter(torch.ones(8))
+    optimizer = torch.optim.SGD([param], lr=1e-3)
+    for overflow in (False, True, False, True, True, False):
+        optimizer.zero_grad()
+        scaler.scale(param.sum()).backward()
+        param.grad[3] = float("inf") if overflow else 1.0
+        scaler.clip_grad_norm_(optimizer, 1e6)
+        scaler.step(optimizer)  # a plain SGD reads its skip flag: the step protocol's, not the rule's
+        with forbid_host_reads.armed():
+            scaler.update()
+    assert len(calls) == 6
+
+
+STEP = st.tuples(st.just("step"), st.sampled_from([True, True, False]))
+OPS = st.lists(st.one_of(STEP, STEP, st.tuples(st.just("new_scale"), st.sampled_from([1.0, 8.0, 2.0**-12]))),
+               min_size=1, max_size=12)  # fmt: skip
+POLICIES = st.sampled_from([
+    presets.deepspeed(4, 2, 2, min_loss_scale=1.0).policy,
+    presets.fairseq(1.0, 3, 0.3, min_loss_scale=2.0**-3).policy,
+    LossScalePolicy(growth_interval=2, min_scale=2.0**-2, on_min_scale="warn", max_consecutive_skips=3),
+    LossScalePolicy(growth_interval=2, min_scale=2.0**-2, on_min_scale="raise", max_consecutive_skips=2),
+])  # fmt: skip
+
+
+def outcome(action) -> tuple:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            action()
+            error = None
+        except Exception as raised:  # noqa: BLE001 -- compared with the host form's
+            error = (type(raised), str(raised))
+    return error, [str(w.message) for w in caught]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(policy=POLICIES, ops=OPS)
+def test_the_kernels_checks_fire_where_the_host_checks_do(monkeypatch, policy, ops):
+    host, device = (GradScaler("cpu", init_scale=4.0, policy=policy, backend="triton") for _ in range(2))
+    loops = Loop(host, "triton"), Loop(device, "triton")
+    for i, (kind, value) in enumerate(ops):
+        for scaler, loop, free in ((host, loops[0], True), (device, loops[1], False)):
+            monkeypatch.setattr(host_reads, "are_free", lambda d, free=free: free)
+            if kind == "step":
+                act = lambda lp=loop, v=value: lp.step(v)  # noqa: E731
+            else:
+                act = lambda s=scaler, v=value: s.update(new_scale=v)  # noqa: E731
+            if free:
+                expected = outcome(act)
+            else:
+                seen = outcome(act)
+        monkeypatch.setattr(host_reads, "are_free", lambda d: True)
+        assert seen == expected, f"op {i} {kind} {value}"
+        assert device.state_dict() == host.state_dict(), f"op {i}"
+        if expected[0] is not None:
+            return
