@@ -8,7 +8,7 @@ subprocess with a cleaned environment.
 Input (stdin): a JSON list of cases, each
 
     {"id": str, "kernel": "module:attribute", "target": [backend, arch, warp_size],
-     "signature": {arg: type}, "constexprs": {arg: value}, "divisible": [arg, ...],
+     "signature": {arg: type}, "constexprs": {arg: value}, "divisible": [arg, ...], "options": {...},
      "num_warps": int}
 
 Output (stdout): a JSON object mapping each case id to what the compile produced: ``ok`` and
@@ -131,7 +131,7 @@ def compile_case(case: dict) -> tuple[str, dict]:
             raise TypeError(f"signature lacks {missing} of {case['kernel']}{fn.arg_names}")
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case["divisible"]}
         src = ASTSource(fn=fn, signature=case["signature"], constexprs=case["constexprs"], attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget(*case["target"]), options={"num_warps": case["num_warps"]})
+        compiled = triton.compile(src, target=GPUTarget(*case["target"]), options={"num_warps": case["num_warps"], **case.get("options", {})})
     except Exception:
         result["error"] = traceback.format_exc(limit=3)
         return case["id"], result
