@@ -50,7 +50,8 @@ def _state(policy: LossScalePolicy, seed: int, scale: float):
     state.norm_stats.copy_(torch.tensor([0.8 + 0.1 * seed % 0.5, float(seed % 5)]))
     stats = state.spike_stats
     if stats.numel():
-        stats[spike_rules.HEADER :] = 1.0 + 0.1 * torch.randn(stats.numel() - spike_rules.HEADER, generator=gen).double()
+        history = torch.randn(stats.numel() - spike_rules.HEADER, generator=gen).double()
+        stats[spike_rules.HEADER :] = 1.0 + 0.1 * history
         seen = [0, 1, 2, 5, 10**6][seed % 5]
         stats[spike_rules.Z_SEEN] = seen
         stats[spike_rules.EMA_MEAN] = 1.0 + 0.05 * seed

@@ -93,5 +93,6 @@ def finalize_step(
     if not decides:  # the ZClip knobs only
         rule = {name: value for name, value in rule.items() if name.startswith("ZCLIP_")}
         earlier = None
-    state, spikes = decision.state, decision.policy.has_spike_state()  # without: an empty tensor, no pointer
-    return FinalizeStep({**constexprs, **rule}, earlier, state.norm_stats, state.spike_stats if spikes else None), decides
+    state = decision.state
+    spike_stats = state.spike_stats if decision.policy.has_spike_state() else None  # else empty: no pointer
+    return FinalizeStep({**constexprs, **rule}, earlier, state.norm_stats, spike_stats), decides
