@@ -102,6 +102,22 @@ def _found_and_norm(partials_ptr, num_partials, partials_stride, inv_scale, NORM
 
 
 @triton.jit
+def _clip(found_inf, norm, max_norm, inv_scale, HAS_CLIP: tl.constexpr, UNSCALE_ON_OVERFLOW: tl.constexpr):
+    """(clip_coef, factor): torch's clip coefficient, and base.gradient_factor's rule (1 on
+    overflow; ``inv_scale`` there, the clip 1, where overflowed steps go ahead)."""
+    if HAS_CLIP:
+        clip_coef = tl.minimum(max_norm * (1.0 / (norm + 1e-6)), 1.0, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        clip_coef = tl.full([], 1.0, dtype=tl.float32)
+    if UNSCALE_ON_OVERFLOW:
+        clip_coef = tl.where(found_inf, 1.0, clip_coef)
+        factor = tl.where(found_inf, inv_scale, inv_scale * clip_coef)
+    else:
+        factor = tl.where(found_inf, 1.0, inv_scale * clip_coef)
+    return clip_coef, factor
+
+
+@triton.jit
 def finalize_kernel(
     partials_ptr,  # fp32 [3, stride]
     num_partials,  # columns in use
@@ -143,16 +159,7 @@ def finalize_kernel(
             spike_stats_ptr, norm, max_norm, ZCLIP_Z, ZCLIP_WARMUP, ZCLIP_PERCENTILE, ZCLIP_TO_MEAN, ZCLIP_EPS,
             ZCLIP_FACTOR,
         )  # fmt: skip
-    if HAS_CLIP:
-        clip_coef = tl.minimum(max_norm * (1.0 / (norm + 1e-6)), 1.0, propagate_nan=tl.PropagateNan.ALL)
-    else:
-        clip_coef = tl.full([], 1.0, dtype=tl.float32)
-    # factor: base.gradient_factor's rule (1 on overflow; 1 / scale where overflowed steps go ahead).
-    if UNSCALE_ON_OVERFLOW:
-        clip_coef = tl.where(found_inf, 1.0, clip_coef)
-        factor = tl.where(found_inf, inv_scale, inv_scale * clip_coef)
-    else:
-        factor = tl.where(found_inf, 1.0, inv_scale * clip_coef)
+    clip_coef, factor = _clip(found_inf, norm, max_norm, inv_scale, HAS_CLIP, UNSCALE_ON_OVERFLOW)
     flag = found_inf.to(tl.float32)
     if FOLD:
         grad_scale = (scale.to(tl.float64) / clip_coef.to(tl.float64)).to(tl.float32)
