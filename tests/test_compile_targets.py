@@ -28,6 +28,7 @@ import pytest
 
 import tritonscale
 from tritonscale import LossScalePolicy
+from tritonscale.kernels.finalize import STEP_OFF
 from tritonscale.kernels.launch_config import (
     CHUNK,
     DEFAULT_BLOCK,
@@ -83,6 +84,43 @@ _FINALIZE_SIG = {
     "scale_ptr": "*fp32",
     "result_ptr": "*fp32",
     "max_norm": "fp32",
+    "earlier_ptr": "*fp32",
+    "norm_stats_ptr": "*fp32",
+    "spike_stats_ptr": "*fp64",
+}
+#: finalize's step constexprs (kernels/finalize.py STEP_OFF) for the steps a scaler launches: none
+#: (a plain check), the default policy folding into a fused step, and a rich policy (every norm rule,
+#: the z-score window, ZClip) with an earlier flag, as passes/step_decision.py maps them.
+FINALIZE_STEPS = {
+    "": {**STEP_OFF, "HAS_EARLIER": False},
+    "-fold": {**STEP_OFF, "HAS_EARLIER": True, "FOLD": True, "UNFIT_OVERFLOWS": True, "DECIDE": True},
+    "-rich": {
+        **STEP_OFF,
+        "HAS_EARLIER": True,
+        "FOLD": True,
+        "UNFIT_OVERFLOWS": True,
+        "DECIDE": True,
+        "NORM_ABOVE": 100.0,
+        "NORM_FACTOR": 5.0,
+        "NORM_WARMUP": 10,
+        "SIGMA": 6.0,
+        "WINDOW": 128,
+        "MIN_SEEN": 64,
+        "BLOCK_W": 128,
+        "ZCLIP_Z": 2.5,
+        "ZCLIP_WARMUP": 25,
+        "ZCLIP_EPS": 1e-6,
+    },
+    "-rich-percentile": {
+        **STEP_OFF,
+        "HAS_EARLIER": False,
+        "UNSCALE_ON_OVERFLOW": True,
+        "DECIDE": True,
+        "SKIP_ON_OVERFLOW": False,
+        "ZCLIP_Z": 2.5,
+        "ZCLIP_WARMUP": 25,
+        "ZCLIP_PERCENTILE": True,
+    },
 }
 
 
@@ -94,7 +132,7 @@ def _grad_signature(args: tuple[str, ...], dtype: str, num_items: str) -> dict[s
     return {name: sig[name] for name in args}  # keep declaration order
 
 
-def _case(case_id, kernel, target, signature, constexprs, *, padded=True, num_warps=DEFAULT_NUM_WARPS):
+def _case(case_id, kernel, target, signature, constexprs, *, padded=True, num_warps=DEFAULT_NUM_WARPS, options=None):
     divisible = [name for name, ty in signature.items() if ty.startswith("*")]
     if padded and "num_items" in signature:
         divisible.append("num_items")
@@ -107,6 +145,7 @@ def _case(case_id, kernel, target, signature, constexprs, *, padded=True, num_wa
         "constexprs": constexprs,
         "divisible": divisible,
         "num_warps": num_warps,
+        "options": options or {},  # further compile options, as the launcher passes them
     }
 
 
@@ -176,15 +215,16 @@ def apply_case(
     )
 
 
-def finalize_case(target, norm, has_clip=True, block_p=FINALIZE_BLOCK_P):
+def finalize_case(target, norm, has_clip=True, block_p=FINALIZE_BLOCK_P, step=""):
     clip = "clip" if has_clip else "noclip"
     return _case(
-        f"finalize-{target}-{NORMS[norm]}-{clip}-P{block_p}",
+        f"finalize-{target}-{NORMS[norm]}-{clip}-P{block_p}{step}",
         FINALIZE,
         target,
         dict(_FINALIZE_SIG),
-        {"NORM": norm, "HAS_CLIP": has_clip, "BLOCK_P": block_p},
+        {"NORM": norm, "HAS_CLIP": has_clip, "BLOCK_P": block_p, **FINALIZE_STEPS[step]},
         num_warps=FINALIZE_NUM_WARPS,
+        options={"enable_fp_fusion": False},  # finalize() launches it so
     )
 
 
@@ -279,6 +319,9 @@ def _build_cases() -> list[dict]:
             cases.append(finalize_case(target, norm))
         cases.append(finalize_case(target, 2, has_clip=False))
         cases += loop_state_cases(target)
+        for step in FINALIZE_STEPS:
+            if step:
+                cases.append(finalize_case(target, 2, step=step))
     # The remaining apply modes (plain unscale_ is CHECK+INVERT; a clip-only step is neither).
     for check, invert in ((True, True), (False, False), (False, True)):
         for flat in (True, False):

@@ -17,9 +17,23 @@ Reads P partial columns (see check_pass) and the loss scale, and writes four fp3
 inv_scale = 1 / scale is computed in float64 and rounded to float32, exactly as torch.amp.GradScaler
 does. The combination runs in float64, so only a norm above float32's range becomes inf. The
 partials are reduced in a fixed order by a single program: identical inputs give identical bits.
+
+With ``step`` (``finalize(..., step=...)``), the same program also decides what the optimizer step
+needs, so the step adds no launch (the rules: skip_rule.py):
+
+    max_norm   ZClip's adaptive max_norm from the norm and spike_stats, when ZCLIP_Z is set
+    found_inf  also raised by a flag recorded earlier in the iteration (HAS_EARLIER), and, with
+               UNFIT_OVERFLOWS, by a fold divisor that is not finite (an overflow, never a step of zeros)
+    clip_coef  1 on overflow and factor 1 / scale there, when the policy lets overflowed steps go
+               ahead (UNSCALE_ON_OVERFLOW: base.unscaled_on_overflow)
+    grad_scale scale / clip_coef (FOLD): what a fused optimizer divides by; float64 division rounded
+               once, which is float32's correctly rounded division (torch's)
+    skip       the policy's skip_decision over found_inf and the norm (DECIDE)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -28,22 +42,38 @@ import triton.language as tl
 from .check_pass import PARTIAL_ROWS
 from .jit_helpers import pow2_inverse
 from .launch_config import FINALIZE_MAX_BLOCK, FINALIZE_NUM_WARPS
+from .skip_rule import skip_decision, zclip_max_norm
 
 RESULT_FIELDS = ("found_inf", "norm", "clip_coef", "factor")
+#: With ``step``: two more results after RESULT_FIELDS.
+STEP_FIELDS = ("grad_scale", "skip")
+#: The step constexprs and their values when ``step`` is None (every rule off); HAS_EARLIER follows
+#: ``FinalizeStep.earlier``.
+STEP_OFF = {
+    "UNFIT_OVERFLOWS": False,
+    "UNSCALE_ON_OVERFLOW": False,
+    "FOLD": False,
+    "DECIDE": False,
+    "SKIP_ON_OVERFLOW": True,
+    "NORM_ABOVE": None,
+    "NORM_FACTOR": None,
+    "NORM_WARMUP": 0,
+    "SIGMA": None,
+    "WINDOW": 0,
+    "MIN_SEEN": 0,
+    "BLOCK_W": 1,
+    "ZCLIP_Z": None,
+    "ZCLIP_WARMUP": 0,
+    "ZCLIP_PERCENTILE": False,
+    "ZCLIP_TO_MEAN": False,
+    "ZCLIP_EPS": 0.0,
+    "ZCLIP_FACTOR": 1.0,
+}
 
 
 @triton.jit
-def finalize_kernel(
-    partials_ptr,  # fp32 [3, stride]
-    num_partials,  # columns in use
-    partials_stride,  # row stride, in elements
-    scale_ptr,  # fp32 [1] loss scale (device-resident)
-    result_ptr,  # fp32 [4]: found_inf, norm, clip_coef, factor
-    max_norm,  # fp32 clip threshold (ignored unless HAS_CLIP)
-    NORM: tl.constexpr,  # 1, 2, or 0 for the inf-norm
-    HAS_CLIP: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-):
+def _found_and_norm(partials_ptr, num_partials, partials_stride, inv_scale, NORM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """(found_inf as int1, the unscaled norm in fp32) from the partials, in a fixed order."""
     o_p = tl.arange(0, BLOCK_P)
     big = tl.zeros([], dtype=tl.float32)
     bad = tl.zeros([], dtype=tl.float32)  # sum of |g| over non-finite gradients: 0, +inf or NaN
@@ -52,8 +82,6 @@ def finalize_kernel(
         big = tl.maximum(big, tl.max(tl.load(partials_ptr + start + o_p, mask=m_p, other=0.0), axis=0))
         bad += tl.sum(tl.load(partials_ptr + 2 * partials_stride + start + o_p, mask=m_p, other=0.0), axis=0)
     found_inf = bad != 0  # true for +inf and for NaN
-
-    inv_scale = (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
     if NORM == 0:
         norm = (big.to(tl.float64) * inv_scale.to(tl.float64)).to(tl.float32)
     else:
@@ -70,17 +98,86 @@ def finalize_kernel(
         if NORM == 2:
             total = tl.sqrt(total)
         norm = (total / inv_big.to(tl.float64) * inv_scale.to(tl.float64)).to(tl.float32)
-    norm = tl.where(found_inf, bad, norm)  # torch's norm: NaN if any NaN, else +inf
+    return found_inf, tl.where(found_inf, bad, norm)  # torch's norm: NaN if any NaN, else +inf
 
+
+@triton.jit
+def _clip(found_inf, norm, max_norm, inv_scale, HAS_CLIP: tl.constexpr, UNSCALE_ON_OVERFLOW: tl.constexpr):
+    """(clip_coef, factor): torch's clip coefficient, and base.gradient_factor's rule (1 on
+    overflow; ``inv_scale`` there, the clip 1, where overflowed steps go ahead)."""
     if HAS_CLIP:
         clip_coef = tl.minimum(max_norm * (1.0 / (norm + 1e-6)), 1.0, propagate_nan=tl.PropagateNan.ALL)
     else:
         clip_coef = tl.full([], 1.0, dtype=tl.float32)
-    tl.store(result_ptr, found_inf.to(tl.float32))
+    if UNSCALE_ON_OVERFLOW:
+        clip_coef = tl.where(found_inf, 1.0, clip_coef)
+        factor = tl.where(found_inf, inv_scale, inv_scale * clip_coef)
+    else:
+        factor = tl.where(found_inf, 1.0, inv_scale * clip_coef)
+    return clip_coef, factor
+
+
+@triton.jit
+def finalize_kernel(
+    partials_ptr,  # fp32 [3, stride]
+    num_partials,  # columns in use
+    partials_stride,  # row stride, in elements
+    scale_ptr,  # fp32 [1] loss scale (device-resident)
+    result_ptr,  # fp32 [4] (+2 with a step): found_inf, norm, clip_coef, factor (, grad_scale, skip)
+    max_norm,  # fp32 clip threshold (ignored unless HAS_CLIP)
+    earlier_ptr,  # fp32 [1] found_inf recorded earlier in the iteration (read with HAS_EARLIER)
+    norm_stats_ptr,  # fp32 [2] the policy's norm average (read with NORM_FACTOR)
+    spike_stats_ptr,  # fp64 the spike rules' state (read with SIGMA or ZCLIP_Z)
+    NORM: tl.constexpr,  # 1, 2, or 0 for the inf-norm
+    HAS_CLIP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HAS_EARLIER: tl.constexpr,
+    UNFIT_OVERFLOWS: tl.constexpr,  # a fold divisor that is not finite counts as an overflow
+    UNSCALE_ON_OVERFLOW: tl.constexpr,  # the policy lets overflowed steps go ahead
+    FOLD: tl.constexpr,  # write grad_scale = scale / clip_coef
+    DECIDE: tl.constexpr,  # write the step's skip flag
+    SKIP_ON_OVERFLOW: tl.constexpr,  # skip_rule.skip_decision's knobs ...
+    NORM_ABOVE: tl.constexpr,
+    NORM_FACTOR: tl.constexpr,
+    NORM_WARMUP: tl.constexpr,
+    SIGMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MIN_SEEN: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    ZCLIP_Z: tl.constexpr,  # ... and skip_rule.zclip_max_norm's (None: a fixed max_norm)
+    ZCLIP_WARMUP: tl.constexpr,
+    ZCLIP_PERCENTILE: tl.constexpr,
+    ZCLIP_TO_MEAN: tl.constexpr,
+    ZCLIP_EPS: tl.constexpr,
+    ZCLIP_FACTOR: tl.constexpr,
+):
+    scale = tl.load(scale_ptr)
+    inv_scale = (1.0 / scale.to(tl.float64)).to(tl.float32)
+    found_inf, norm = _found_and_norm(partials_ptr, num_partials, partials_stride, inv_scale, NORM, BLOCK_P)
+    if ZCLIP_Z is not None:
+        max_norm = zclip_max_norm(
+            spike_stats_ptr, norm, max_norm, ZCLIP_Z, ZCLIP_WARMUP, ZCLIP_PERCENTILE, ZCLIP_TO_MEAN, ZCLIP_EPS,
+            ZCLIP_FACTOR,
+        )  # fmt: skip
+    clip_coef, factor = _clip(found_inf, norm, max_norm, inv_scale, HAS_CLIP, UNSCALE_ON_OVERFLOW)
+    flag = found_inf.to(tl.float32)
+    if FOLD:
+        grad_scale = (scale.to(tl.float64) / clip_coef.to(tl.float64)).to(tl.float32)
+        if UNFIT_OVERFLOWS:  # grad_passes._fold_divisor's rule where nothing is read on the host
+            flag = tl.maximum(flag, (grad_scale - grad_scale != 0).to(tl.float32))
+        tl.store(result_ptr + 4, grad_scale)
+    if HAS_EARLIER:
+        flag = tl.maximum(tl.load(earlier_ptr), flag)
+    if DECIDE:
+        skip = skip_decision(
+            flag, norm, norm_stats_ptr, spike_stats_ptr, SKIP_ON_OVERFLOW, NORM_ABOVE, NORM_FACTOR, NORM_WARMUP,
+            SIGMA, WINDOW, MIN_SEEN, BLOCK_W,
+        )  # fmt: skip
+        tl.store(result_ptr + 5, skip.to(tl.float32))
+    tl.store(result_ptr, flag)
     tl.store(result_ptr + 1, norm)
     tl.store(result_ptr + 2, clip_coef)
-    # factor: base.gradient_factor's rule (1 on overflow), on the device.
-    tl.store(result_ptr + 3, tl.where(found_inf, 1.0, inv_scale * clip_coef))
+    tl.store(result_ptr + 3, factor)
 
 
 def finalize(
@@ -89,12 +186,15 @@ def finalize(
     scale: torch.Tensor,
     norm: int = 2,
     max_norm: float | None = None,
+    step: FinalizeStep | None = None,
 ) -> torch.Tensor:
-    """Reduce ``partials[:, :num_partials]``; return a new fp32 [4] tensor (see RESULT_FIELDS).
+    """Reduce ``partials[:, :num_partials]``; return a new fp32 [4] tensor (see RESULT_FIELDS), or
+    [6] with ``step`` (RESULT_FIELDS + STEP_FIELDS; the fields a step does not ask for are unset).
 
     ``scale`` is the device-resident loss scale (pass ones to skip unscaling). With ``max_norm``
     None the clip coefficient is 1 and the factor is just ``1 / scale``. The factor follows
     ``tritonscale.passes.backends.base.gradient_factor`` (1 on overflow), the rule's one home.
+    ``step``: what else the step needs decided in the same program (:class:`FinalizeStep`).
     """
     if partials.dtype != torch.float32 or partials.shape[0] != PARTIAL_ROWS:
         raise ValueError(f"partials must be a float32 [{PARTIAL_ROWS}, P] tensor")
@@ -102,8 +202,10 @@ def finalize(
         raise ValueError(f"num_partials {num_partials} outside 1..{partials.shape[1]}")
     if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != partials.device:
         raise ValueError("scale must be a 1-element float32 tensor on the partials' device")
-    result = torch.empty(len(RESULT_FIELDS), dtype=torch.float32, device=partials.device)
+    fields = len(RESULT_FIELDS) + (len(STEP_FIELDS) if step is not None else 0)
+    result = torch.empty(fields, dtype=torch.float32, device=partials.device)
     block_p = min(triton.next_power_of_2(num_partials), FINALIZE_MAX_BLOCK)
+    step = step if step is not None else _NO_STEP
     finalize_kernel[(1,)](
         partials,
         num_partials,
@@ -111,9 +213,35 @@ def finalize(
         scale,
         result,
         float(max_norm) if max_norm is not None else 0.0,
+        step.earlier if step.earlier is not None else scale,  # unread placeholders: any fp32 tensor
+        step.norm_stats if step.norm_stats is not None else scale,
+        step.spike_stats if step.spike_stats is not None else scale,
         NORM=norm,
         HAS_CLIP=max_norm is not None,
         BLOCK_P=block_p,
+        HAS_EARLIER=step.earlier is not None,
+        **step.constexprs,
         num_warps=FINALIZE_NUM_WARPS,
+        # Each operation rounded on its own, as torch's ops round: a fused multiply-add would give
+        # the rules' float64 thresholds (ZClip's mean + z * std) other bits. The norm is unchanged
+        # (its products are by powers of two: exact either way).
+        enable_fp_fusion=False,
     )
     return result
+
+
+@dataclass(frozen=True)
+class FinalizeStep:
+    """What ``finalize`` decides for the step besides the clip: ``constexprs`` (STEP_OFF's names,
+    the policy's rule as ``passes/step_decision.py`` maps it), the flag recorded ``earlier`` in the
+    iteration (fp32 [1] or 0-dim, or None), and the policy's state the rules read (``norm_stats``
+    fp32 [2], ``spike_stats`` fp64; None where no rule reads them), all on the partials' device.
+    Example: ``FinalizeStep({**STEP_OFF, "FOLD": True})``."""
+
+    constexprs: dict = field(default_factory=lambda: dict(STEP_OFF))
+    earlier: torch.Tensor | None = None
+    norm_stats: torch.Tensor | None = None
+    spike_stats: torch.Tensor | None = None
+
+
+_NO_STEP = FinalizeStep()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -101,6 +102,8 @@ class ClipRequest:
     then unscaled, not clipped: ``base.unscaled_on_overflow``). ``max_norm`` inf: nothing clipped,
     the check and the unscale alone. ``limit_of``: a policy's adaptive clip (ZClip), the function
     from the norm (the ranks' combined norm) to the ``max_norm`` this step clips by, on the device.
+    ``decision``: the step's skip, ZClip's max_norm included, to be decided by the clip's finalize
+    where the clip runs as the kernels alone (``passes/step_decision.py``); None: the step decides.
     Example: ``ClipRequest(1.0, 2.0, fold=True)``."""
 
     max_norm: float | torch.Tensor
@@ -108,6 +111,7 @@ class ClipRequest:
     fold: bool = False
     unscale_on_overflow: bool = False
     limit_of: Callable[[torch.Tensor], torch.Tensor] | None = None
+    decision: Any = None
 
 
 def _got(value: object) -> str:

@@ -24,9 +24,11 @@ from .backends import Backend, CheckResult, clip_coefficient, gradient_factor, i
 from .backends.base import unscaled_on_overflow, with_clip
 from .backends.custom_ops import disjoint_at_run_time
 from .backends.torch_backend import wide_norms
+from .backends.triton_backend import TritonBackend
 from .clip_args import ClipRequest
 from .rank_checks import Agreement
 from .rank_combine import combine_check, combine_rank_flags
+from .step_decision import finalize_step
 
 #: The backend each (name, device) resolved to (``resolve_backend``): the choice depends on nothing
 #: else (the device's type, and whether Triton runs interpreted, fixed at import), and the backends
@@ -161,6 +163,8 @@ def clip_grads(
     device = _clip_device(grads, scale, group)
     scale = torch.ones((), dtype=torch.float32, device=device) if scale is None else moved_to(scale, device)
     runner = _backend(backend, device)
+    if _finalize_decides(runner, grads, device, request, group):
+        return device, _clip_in_finalize(runner, grads, device, scale, request)
     norm_type, max_norm = request.norm_type, request.max_norm
     result = _check_on(runner, grads, device, scale, norm_type, max_norm)
     replicas = grads.replicas
@@ -185,6 +189,51 @@ def clip_grads(
     if replicas is not None:
         _apply_on(runner, replicas, device, dataclasses.replace(applied, plan=replica_result.plan))
     return device, result
+
+
+def _finalize_decides(runner: Any, grads: Grads, device: torch.device, request: ClipRequest, group: Any) -> bool:
+    """Whether the clip runs as the kernels alone, its finalize deciding the fold's divisor, ZClip's
+    max_norm and the step's skip (``_clip_in_finalize``): eager, on the Triton backend, one device
+    with no process group, replicas or torch-op gradients, a number for ``max_norm``. Elsewhere
+    the torch ops below combine, clip and fold."""
+    return (
+        isinstance(runner, TritonBackend)
+        and bool(grads.kernel.get(device))
+        and group is None
+        and grads.replicas is None
+        and grads.unchecked is None
+        and not grads.other.get(device)
+        and not isinstance(request.max_norm, torch.Tensor)
+        and (request.limit_of is None or request.decision is not None)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _clip_in_finalize(
+    runner: TritonBackend, grads: Grads, device: torch.device, scale: torch.Tensor, request: ClipRequest
+) -> CheckResult:
+    """Check pass -> finalize (-> apply pass): the finalize gives the clip, the fold's divisor and,
+    where nothing is read on the host, the step's skip (``passes/step_decision.py``). Where reads are
+    free the fold's unfit divisor is seen on the host, as ``_fold_divisor`` does."""
+    reads_free = host_reads.are_free(device)
+    step, decides = finalize_step(
+        request.decision,
+        device,
+        fold=request.fold,
+        unfit_overflows=request.fold and not reads_free,
+        unscale_on_overflow=request.unscale_on_overflow,
+        decide=not reads_free,
+    )
+    result = runner.check(grads.kernel[device], scale, request.norm_type, request.max_norm, step)
+    if not decides:
+        result.skip = None
+    if not request.fold:
+        result.grad_scale = None
+        runner.apply_(result)
+    elif reads_free and not (math.isfinite(result.grad_scale.item()) or result.found_inf.item() > 0):
+        result.grad_scale = scale  # could not fold: the clip applied here, the optimizer divides by the scale
+        runner.apply_(dataclasses.replace(result, factor=result.clip_coef))
+    return result
 
 
 def _clip_device(grads: Grads, scale: torch.Tensor | None, group: Any) -> torch.device:

@@ -45,6 +45,7 @@ from ..flags import flags_on, moved_to, read_flag, read_found_inf, summed_flag
 from ..grads.groups import collect_grads
 from ..passes.clip_args import ClipRequest
 from ..passes.grad_passes import check_grads, clip_grads, unscale_and_check_
+from ..passes.step_decision import StepDecision
 from ..passes.step_protocols import (
     StepProtocol,
     guard_direct_step,
@@ -152,6 +153,10 @@ class OptimizerStep(OptimizerRecord):
     alike. ``optimizer``: the real optimizer (``unwrap_optimizer``'s); None for a record that
     carries only a caller's flag (``update(found_inf=...)``). Made by :meth:`adopt`."""
 
+    #: The step's skip flag as the clip's finalize decided it (None: the step decides), and the
+    #: policy it decided by: a policy replaced since (load_state_dict) decides again.
+    decided_skip: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _decided_by: Any = field(default=None, repr=False, compare=False)
     #: The real optimizer, held weakly (as torch's table holds none): an optimizer dropped in the
     #: middle of an iteration is not kept alive by the scaler until its update().
     _optimizer: Any = field(default=None, repr=False, compare=False)
@@ -218,7 +223,7 @@ class OptimizerStep(OptimizerRecord):
             self.stage = OptState.UNSCALED
         else:
             flags = check_grads(grads, scale, backend, group, agreement)
-        self.found_inf_per_device = flags
+        self.found_inf_per_device, self.decided_skip = flags, None
 
     def clip(self, scaler: Any, max_norm: Any, norm_type: float, kernels: bool, process_group: Any) -> torch.Tensor:
         """``clip_grad_norm_``: unscale (what is still pending), check and clip in one fused pass;
@@ -229,7 +234,11 @@ class OptimizerStep(OptimizerRecord):
         self.not_stepped("clip_grad_norm_")
         folds = self.clip_folds(scaler._fold)
         limit_of = scaler._rules.clip_limit(policy, scaler._tensors, max_norm)  # ZClip's adaptive max_norm
-        request = ClipRequest(max_norm, norm_type, folds, not policy.skip_on_overflow, limit_of=limit_of)
+        # The step's skip decided in the clip's finalize where it can (passes/step_decision.py).
+        decision = StepDecision(policy, scaler._tensors, self.found_inf_per_device)
+        request = ClipRequest(
+            max_norm, norm_type, folds, not policy.skip_on_overflow, limit_of=limit_of, decision=decision
+        )
         sparse_ok = not (folds and self._torch_fused)  # torch's fused steps: dense only
         grads = collect_grads(
             inner, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True, takes_norm=True
@@ -251,8 +260,10 @@ class OptimizerStep(OptimizerRecord):
                 self.grad_scale = result.grad_scale
         if checked:
             found = self.found_inf_per_device
-            found[device] = torch.maximum(found[device], result.found_inf) if device in found else result.found_inf
+            merged = result.skip is not None or device not in found  # a deciding finalize merged them
+            found[device] = result.found_inf if merged else torch.maximum(found[device], result.found_inf)
         self.norm, self.stage = result.norm, OptState.UNSCALED
+        self.decided_skip, self._decided_by = result.skip, policy
         scaler._norm_owner.claim(policy, inner)
         return result.norm
 
@@ -282,12 +293,15 @@ class OptimizerStep(OptimizerRecord):
 
     def skip_flag(self, scaler: Any, device: torch.device, required: bool = True) -> torch.Tensor:
         """Decide on the device whether this step is skipped (an overflow the policy does not let
-        through, or a norm spike); remember it for update(). ``required``: no inf check recorded
-        (no gradients) is torch's error; otherwise it reads 0."""
-        found_inf = self.found_inf_on(device, required)
-        norm = moved_to(self.norm, device) if self.norm is not None else None
-        decide = scaler._rules.rule(scaler._policy, "skip_decision", device)
-        skip = decide(found_inf, norm, scaler._tensors.norm_stats, spike_stats=scaler._tensors.spike_stats)
+        through, or a norm spike); remember it for update(). The clip's finalize decided it already
+        where it could (``decided_skip``): then nothing is launched. ``required``: no inf check
+        recorded (no gradients) is torch's error; otherwise it reads 0."""
+        skip = self.decided_skip
+        if skip is None or skip.device != device or self._decided_by is not scaler._policy:
+            found_inf = self.found_inf_on(device, required)
+            norm = moved_to(self.norm, device) if self.norm is not None else None
+            decide = scaler._rules.rule(scaler._policy, "skip_decision", device)
+            skip = decide(found_inf, norm, scaler._tensors.norm_stats, spike_stats=scaler._tensors.spike_stats)
         self.skip = skip if scaler._ranks.pending is None else scaler._ranks.skip(skip)  # forced on by a mismatch
         return self.skip
 

@@ -107,6 +107,9 @@ class CheckResult:
     factor: torch.Tensor  # inv_scale * clip_coef (1 on overflow): what apply_ multiplies by
     plan: Any  # backend-private description of the gradients, reused by apply_
     grad_scale: Any = None  # a folded clip: what the fused optimizer divides by (grad_passes.clip_grads)
+    #: The step's skip flag, where the finalize decided it (passes/step_decision.py); found_inf then
+    #: holds the flags recorded earlier in the iteration too. None: the step decides.
+    skip: Any = None
 
 
 class Backend(Protocol):

@@ -15,6 +15,7 @@ import torch
 from ...grads.flat_runs import one_run
 from ...kernels import apply_factor_, check_pass, describe_grads, finalize, norm_code
 from ...kernels.check_pass import PARTIAL_ROWS
+from ...kernels.finalize import FinalizeStep
 from ...kernels.jit_helpers import INTERPRETING
 from .base import CheckResult
 
@@ -28,21 +29,22 @@ def layouts(groups: list[list[torch.Tensor]]) -> list:
 
 
 def check_layouts(
-    described: list, scale: torch.Tensor, norm_type: float, max_norm: float | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    described: list, scale: torch.Tensor, norm_type: float, max_norm: float | None, step: FinalizeStep | None = None
+) -> tuple[torch.Tensor, ...]:
     """The check pass over every layout of the device, then the finalize: found_inf, norm,
-    clip_coef and factor as 0-dim float32 tensors. Every group writes its own columns of one
-    partials buffer, so the single finalize sees them all; an empty device still gets one
-    all-zero column."""
+    clip_coef and factor as 0-dim float32 tensors (and grad_scale, skip with ``step``:
+    ``kernels/finalize.py``). Every group writes its own columns of one partials buffer, so the
+    single finalize sees them all; every column is written, so the buffer needs no fill, except
+    on an empty device, which gets one all-zero column."""
     code = norm_code(norm_type)
-    columns = max(1, sum(layout.programs for layout in described))
-    partials = torch.zeros(PARTIAL_ROWS, columns, dtype=torch.float32, device=scale.device)
+    columns = sum(layout.programs for layout in described)
+    make = torch.empty if columns else torch.zeros
+    partials = make(PARTIAL_ROWS, max(1, columns), dtype=torch.float32, device=scale.device)
     start = 0
     for layout in described:
         check_pass(layout, partials[:, start:], code)
         start += layout.programs
-    result = finalize(partials, columns, scale, code, max_norm)
-    return result[0], result[1], result[2], result[3]
+    return tuple(finalize(partials, max(1, columns), scale, code, max_norm, step).unbind())
 
 
 @dataclass
@@ -67,8 +69,15 @@ class TritonBackend:
             apply_factor_(layout, scale, invert=True, found_inf=found_inf)
 
     def check(
-        self, groups: list[list[torch.Tensor]], scale: torch.Tensor, norm_type: float, max_norm: float | None
+        self,
+        groups: list[list[torch.Tensor]],
+        scale: torch.Tensor,
+        norm_type: float,
+        max_norm: float | None,
+        step: FinalizeStep | None = None,
     ) -> CheckResult:
+        """The check pass and finalize; with ``step`` (eager only: the traced op takes none) the
+        finalize also gives the fold's divisor (``grad_scale``) and the step's ``skip`` flag."""
         if torch.compiler.is_compiling():
             plan = TracedPlan([g for grads in groups for g in grads], [len(grads) for grads in groups])
             found_inf, norm, clip_coef, factor = torch.ops.tritonscale.check(
@@ -76,8 +85,11 @@ class TritonBackend:
             )
             return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=plan)
         described = layouts(groups)
-        found_inf, norm, clip_coef, factor = check_layouts(described, scale, norm_type, max_norm)
-        return CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=described)
+        found_inf, norm, clip_coef, factor, *decided = check_layouts(described, scale, norm_type, max_norm, step)
+        result = CheckResult(found_inf=found_inf, norm=norm, clip_coef=clip_coef, factor=factor, plan=described)
+        if decided:
+            result.grad_scale, result.skip = decided
+        return result
 
     def apply_(self, result: CheckResult) -> None:
         if isinstance(result.plan, TracedPlan):

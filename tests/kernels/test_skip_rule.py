@@ -1,0 +1,129 @@
+"""finalize's step results (kernels/finalize.py, kernels/skip_rule.py) against the torch-op path they
+replace, bit for bit: ZClip's max_norm (spike_rules.zclip_max_norm), the clip and factor after it
+(base.with_clip, base.unscaled_on_overflow), the fold's divisor with an unfit divisor counted as an
+overflow (grad_passes._fold_divisor's device rule), the earlier flag merged, and the policy's
+skip_decision over all of it (the norm rules, the z-score window, the isfinite gate)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritonscale.kernels import skip_rule
+from tritonscale.passes.backends import TritonBackend, inverse_scale
+from tritonscale.passes.backends.base import unscaled_on_overflow, with_clip
+from tritonscale.passes.step_decision import StepDecision, finalize_step
+from tritonscale.policy import counters, spike_rules
+from tritonscale.policy.loss_scale_policy import LossScalePolicy
+from tritonscale.policy.state import HostState
+
+CPU = torch.device("cpu")
+POLICIES = {
+    "defaults": {},
+    "goes_ahead": {"skip_on_overflow": False},
+    "above": {"skip_norm_above": 1.2},
+    "factor": {"skip_norm_factor": 1.5, "norm_warmup_steps": 3},
+    "sigma": {"skip_norm_sigma": 3.0, "skip_norm_window": 8, "skip_norm_min_steps": 2},
+    "sigma_long": {"skip_norm_sigma": 2.0, "skip_norm_window": 1500},
+    "zclip": {"clip_norm_z": 2.0, "clip_norm_warmup_steps": 4},
+    "zclip_mean": {"clip_norm_z": 1.5, "clip_norm_warmup_steps": 4, "clip_norm_option": "mean"},
+    "zclip_percentile": {"clip_norm_z": 1.0, "clip_norm_warmup_steps": 4, "clip_norm_mode": "percentile"},
+    "rich": {"hysteresis": 2, "skip_norm_factor": 5.0, "skip_norm_sigma": 2.5, "clip_norm_z": 2.5},
+}
+#: The norms the gradients are made to have: ordinary, near and past each rule's threshold.
+NORMS = [0.4, 1.0, 1.1, 1.25, 1.6, 3.0, 40.0]
+
+
+def test_the_kernels_layouts_are_the_policys():
+    assert (skip_rule.NORM_AVERAGE.value, skip_rule.NORM_COUNT.value) == (counters.NORM_AVERAGE, counters.NORM_COUNT)
+    names = ("Z_SEEN", "EMA_MEAN", "EMA_VAR", "EMA_SEEN", "HEADER")
+    assert [getattr(skip_rule, n).value for n in names] == [getattr(spike_rules, n) for n in names]
+
+
+def _state(policy: LossScalePolicy, seed: int, scale: float):
+    """A device state with a history: a norm average and count, a z-score window of norms around 1
+    with ``seen`` anywhere from empty to full, ZClip's average warmed up or not."""
+    gen = torch.Generator().manual_seed(seed)
+    state = HostState.initial(scale, policy).to_device(CPU)
+    state.norm_stats.copy_(torch.tensor([0.8 + 0.1 * seed % 0.5, float(seed % 5)]))
+    stats = state.spike_stats
+    if stats.numel():
+        history = torch.randn(stats.numel() - spike_rules.HEADER, generator=gen).double()
+        stats[spike_rules.HEADER :] = 1.0 + 0.1 * history
+        seen = [0, 1, 2, 5, 10**6][seed % 5]
+        stats[spike_rules.Z_SEEN] = seen
+        stats[spike_rules.EMA_MEAN] = 1.0 + 0.05 * seed
+        stats[spike_rules.EMA_VAR] = 0.01 * (1 + seed % 3)
+        stats[spike_rules.EMA_SEEN] = seen
+    return state
+
+
+def _grads(norm: float, scale: float, bad: float | None, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(300, generator=gen), torch.randn(7, 5, generator=gen)]
+    total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]).double())
+    grads = [(g.double() / total * norm * scale).float() for g in grads]
+    if bad is not None:
+        grads[1][3, 2] = bad
+    return grads
+
+
+def _torch_op_path(policy, state, grads, scale, max_norm, earlier):
+    """Today's torch-op path: the plain check, then each rule as the policy's tensor ops."""
+    base = TritonBackend().check([grads], scale, 2.0, None)
+    limit = max_norm
+    if policy.clip_norm_z is not None:
+        limit = spike_rules.zclip_max_norm(policy, state.spike_stats, base.norm, max_norm)
+    result = with_clip(base, scale, limit)
+    if not policy.skip_on_overflow:
+        result = unscaled_on_overflow(result, scale)
+    divisor = scale / result.clip_coef
+    found = torch.maximum(result.found_inf, (~torch.isfinite(divisor)).float())
+    if earlier is not None:
+        found = torch.maximum(earlier, found)
+    skip = policy.skip_decision(found, result.norm, state.norm_stats, spike_stats=state.spike_stats)
+    return [found, result.norm, result.clip_coef, result.factor, divisor, skip]
+
+
+def _bits(values: list[torch.Tensor]) -> list[int]:
+    return [int(v.reshape(()).view(torch.int32)) for v in values]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("bad", [None, math.inf, math.nan], ids=["finite", "inf", "nan"])
+@pytest.mark.parametrize("policy_id", list(POLICIES))
+def test_finalize_decides_the_step_as_the_torch_ops_do(policy_id, bad, seed):
+    policy = LossScalePolicy(**POLICIES[policy_id]).validate()
+    scale = torch.tensor(2.0**10)
+    state = _state(policy, seed, 2.0**10)
+    earlier = torch.tensor(float(seed == 3))  # a flag an earlier pass of the iteration recorded
+    max_norm = [1.0, 0.0, 2.5, math.inf, 1.3][seed]
+    for norm in NORMS if bad is None else NORMS[:1]:  # an inf/NaN gradient: the norm is inf/NaN whatever it was
+        grads = _grads(norm, 2.0**10, bad, seed)
+        step, decides = finalize_step(
+            StepDecision(policy, state, {CPU: earlier}),
+            CPU,
+            fold=True,
+            unfit_overflows=True,
+            unscale_on_overflow=not policy.skip_on_overflow,
+            decide=True,
+        )
+        assert decides
+        got = TritonBackend().check([grads], scale, 2.0, max_norm, step)
+        got = [got.found_inf, got.norm, got.clip_coef, got.factor, got.grad_scale, got.skip]
+        want = _torch_op_path(policy, state, grads, scale, max_norm, earlier)
+        assert _bits(got) == _bits(want), (norm, [float(v) for v in got], [float(v) for v in want])
+
+
+def test_a_divisor_past_float32_is_an_overflow_and_skips():
+    """clip_coef 0 (max_norm 0) makes scale / clip_coef inf: no step of zeros, the step is skipped."""
+    policy = LossScalePolicy().validate()
+    state = _state(policy, 0, 8.0)
+    step, _ = finalize_step(
+        StepDecision(policy, state, {}), CPU, fold=True, unfit_overflows=True, unscale_on_overflow=False, decide=True
+    )
+    got = TritonBackend().check([_grads(1.0, 8.0, None, 0)], torch.tensor(8.0), 2.0, 0.0, step)
+    assert (float(got.grad_scale), float(got.found_inf), float(got.skip)) == (math.inf, 1.0, 1.0)
+    assert float(got.factor) == float(inverse_scale(torch.tensor(8.0)) * 0.0)  # the clip's factor, not 1

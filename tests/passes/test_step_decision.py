@@ -1,0 +1,81 @@
+"""The step decided in the clip's finalize (passes/step_decision.py) against the host path.
+
+On the GPU paths (host reads not free) the clip's finalize decides the fold's divisor, ZClip's
+max_norm and the step's skip, and the step runs no rule of its own; where reads are free the same
+iteration runs the policy's rule on the host and the torch-op fold. Both are held to the same
+trajectory, bit for bit, through overflows, norm spikes, an unscale_ before the clip, and two clips
+in one iteration: parameters, optimizer state, the scale, the counters and every skip flag."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritonscale import GradScaler, host_reads
+
+POLICIES = {
+    "rich": {
+        "hysteresis": 2,
+        "skip_norm_factor": 3.0,
+        "norm_warmup_steps": 3,
+        "skip_norm_sigma": 3.0,
+        "skip_norm_window": 8,
+        "clip_norm_z": 2.0,
+        "clip_norm_warmup_steps": 4,
+    },
+    "goes_ahead": {"dynamic": False, "skip_on_overflow": False, "skip_norm_above": 40.0},
+    "defaults": {},
+}
+STEPS = 24
+SPIKES = {9: 30.0, 16: 60.0}  # the gradients' size those steps, times the usual
+OVERFLOWS = (6, 13)
+
+
+def _optimizer(kind: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if kind == "fused":
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+
+
+def _trajectory(kind: str, knobs: dict) -> list[list[torch.Tensor]]:
+    """Run STEPS steps; each step's parameters, optimizer state, scale, counters and skip flag."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 17, 64)]
+    optimizer = _optimizer(kind, params)
+    scaler = GradScaler("cpu", init_scale=2.0**8, backend="triton", compile_policy=False, **knobs)
+    rows = []
+    for step in range(STEPS):
+        weight = SPIKES.get(step, 1.0 + 0.1 * math.sin(step))
+        loss = sum((p * p).sum() * weight for p in params)
+        if step in OVERFLOWS:
+            loss = loss + params[1][3] * math.inf
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if step % 5 == 4 and kind == "sgd":
+            scaler.unscale_(optimizer)  # the clip after it merges the flag unscale_ recorded
+        scaler.clip_grad_norm_(optimizer, 2.0)
+        if step % 7 == 3:
+            scaler.clip_grad_norm_(optimizer, 1.0)  # a second clip: it decides again
+        scaler.step(optimizer)
+        scaler.update()
+        skip = scaler.last_skip_flag().clone()
+        state = [t.clone() for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        tensors = scaler._tensors
+        rows.append([*(p.detach().clone() for p in params), *state, tensors.scale.clone(), tensors.counters.clone()])
+        rows[-1].append(skip)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["fused", "sgd"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_gpu_path_steps_as_the_host_path(monkeypatch, kind, policy):
+    host = _trajectory(kind, POLICIES[policy])
+    monkeypatch.setattr(host_reads, "are_free", lambda device: False)  # the paths a GPU takes
+    device = _trajectory(kind, POLICIES[policy])
+    skipped = [bool(row[-1]) for row in host]
+    assert any(skipped) and not all(skipped), skipped  # the rules fired, and not always
+    for step, (want, got) in enumerate(zip(host, device)):
+        for a, b in zip(want, got):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), (step, a, b)
