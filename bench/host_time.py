@@ -23,6 +23,7 @@ the optimizer do not depend on the values).
 
     python bench/host_time.py                      # ~2 minutes on 2 cores
     python bench/host_time.py --quick --out /tmp/host_time.json   # the smoke test
+    python bench/host_time.py --summarize run1.json run2.json      # docs/performance.md's table
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default-change warning
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -62,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=21, help="timed samples per variant, interleaved")
     parser.add_argument("--quick", action="store_true", help="2 repeats of 2 steps (the smoke test)")
     parser.add_argument("--out", type=Path, default=Path("out/host_time.json"))
+    parser.add_argument("--summarize", type=Path, nargs="+", help="print earlier runs' ratios as a markdown table")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = min(args.repeats, 2)
@@ -148,8 +151,29 @@ def run_case(args, tensors: int, each: int, policy: str) -> tuple[dict, dict]:
     return timed, count_launches(setups["ours"])
 
 
+def summary_table(runs: dict[str, dict]) -> str:
+    """Earlier runs (``{name: its JSON}``) as one markdown table: a row per case and phase, our
+    Triton launches, then each run's ours/torch for each of our backends (median, ``*`` where the
+    run's p20-p80 band straddles 1.0)."""
+    names = list(runs)
+    head = ["case", "phase", "Triton launches"] + [f"{n}: {b}" for n in names for b in ("triton", "torch backend")]
+    rows = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    first = runs[names[0]]["ratios"]
+    for k in range(0, len(first), 2):
+        case, phase = first[k]["what"].split(", ")[1:3], first[k]["ratio"].split("/")[0].split()[-1]
+        cells = [", ".join(case[:1] + [case[1]]), phase, str(first[k]["triton_launches"])]
+        for name in names:
+            for line in runs[name]["ratios"][k : k + 2]:
+                cells.append(f"{line['value']:.2f}" + ("*" if line["spread"]["within_noise"] else ""))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        print(summary_table({path.stem: json.loads(path.read_text()) for path in args.summarize}))
+        return 0
     if not INTERPRETING:
         raise RuntimeError("bench/host_time.py needs TRITON_INTERPRET=1 before triton is imported; run it as a script")
     info = machine(torch.device("cpu"))
