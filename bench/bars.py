@@ -1,4 +1,4 @@
-"""The performance issue's three headline ratios, from one run, printed one line per ratio.
+"""The performance issues' headline ratios, from one run, printed one line per ratio.
 
 1. Flat pre-optimizer section against the single-tensor ideal: 2000 gradients of 4096 float32
    elements, a scaled SGD optimizer. ``ours`` = ``scaler.clip_grad_norm_(opt, 1.0)``; ``torch`` =
