@@ -38,6 +38,7 @@ machine, every quantile, the raw samples and each ratio's spread goes to ``--out
 
     python bench/bars.py                      # CPU, ~1 minute
     python bench/bars.py --quick --out /tmp/bars.json   # tiny sizes (the smoke test)
+    python bench/bars.py --bars 2 --threads 1 --out /tmp/bar2.json   # bar 2 alone, one thread (a shared machine)
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="tritonscale's")
     parser.add_argument("--out", type=Path, default=Path("out/bars.json"))
+    parser.add_argument("--bars", type=int, nargs="+", choices=[1, 2, 3, 4], default=[1, 2, 3, 4], help="which bars")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = min(args.repeats, 2)
@@ -327,14 +330,20 @@ def bar4(args, device: torch.device) -> list[dict]:
 def main(argv=None, progress=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    info = machine(device)
-    print(f"bars on {describe(info)}; {args.repeats} interleaved repeats per variant, medians")
-    lines = []
-    bars = (bar1, bar2, bar3, bar4)
-    for k, bar in enumerate(bars):
-        lines += bar(args, device)
-        if progress is not None:
-            progress(k + 1, len(bars))
+    threads = torch.get_num_threads()
+    if args.threads is not None:  # one thread on a shared machine: no parallel region waits for a busy core
+        torch.set_num_threads(args.threads)
+    try:
+        info = machine(device)
+        print(f"bars on {describe(info)}; {args.repeats} interleaved repeats per variant, medians")
+        lines = []
+        bars = [bar for k, bar in enumerate((bar1, bar2, bar3, bar4), 1) if k in args.bars]
+        for k, bar in enumerate(bars):
+            lines += bar(args, device)
+            if progress is not None:
+                progress(k + 1, len(bars))
+    finally:
+        torch.set_num_threads(threads)
     write_results(args.out, info, args, ratios=lines)
     print(f"wrote {args.out}")
     return 0

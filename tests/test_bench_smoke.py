@@ -154,6 +154,14 @@ def test_bars_prints_every_ratio(tmp_path, capsys):
     assert [line.split()[0] for line in lines if " = " in line] == [r["bar"] for r in ratios]  # one line per ratio
 
 
+def test_bars_runs_the_bars_asked_for_on_the_threads_asked_for(tmp_path):
+    out, threads = tmp_path / "bar2.json", torch.get_num_threads()
+    assert load("bars").main(["--quick", "--bars", "2", "--threads", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {r["bar"] for r in data["ratios"]} == {"2"} and data["machine"]["threads"] == 1
+    assert torch.get_num_threads() == threads  # the caller's thread count is back
+
+
 def test_host_time_reports_every_phase_with_its_launches(tmp_path, capsys):
     # conftest.py set TRITON_INTERPRET=1 before triton was imported: the script runs in-process.
     out = tmp_path / "host_time.json"
