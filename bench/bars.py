@@ -1,4 +1,4 @@
-"""The performance issue's three headline ratios, from one run, printed one line per ratio.
+"""The performance issues' headline ratios, from one run, printed one line per ratio.
 
 1. Flat pre-optimizer section against the single-tensor ideal: 2000 gradients of 4096 float32
    elements, a scaled SGD optimizer. ``ours`` = ``scaler.clip_grad_norm_(opt, 1.0)``; ``torch`` =
@@ -17,7 +17,8 @@
    The gradients are restored (untimed) before every repeat; the scalers update after (untimed);
    once, untimed, the gradients each leaves are compared with torch's (max relative difference).
 2. A tiny whole step against torch: one parameter of 1024 elements, the whole scaled step
-   (forward, ``scale(loss).backward()``, clip, step, update, zero_grad) with AdamW(fused=True);
+   (forward, ``scale(loss).backward()``, clip, step, update, zero_grad) with AdamW(fused=True), and
+   again with plain SGD (``torch.optim.SGD``: the optimizer's own time least, the scaler's most);
    torch's GradScaler (``unscale_`` + ``clip_grad_norm_``) against ours (``clip_grad_norm_``):
    ``torch/ours`` (target >= 1.0). Then each policy knob (``hysteresis=2``,
    ``skip_norm_factor=5.0``, ``max_consecutive_skips=10``) against ours with the defaults (target:
@@ -25,6 +26,10 @@
 3. 16M float32 elements in 200 tensors, AdamW(fused=True), the full scaled step without forward
    and backward: torch (``unscale_`` + clip + step + update) against ours (the fold: clip + step +
    update): ``torch/ours`` (the issue quoted 1.49x).
+4. (CPU only) Host time per phase on the GPU paths against torch's GradScaler: ``bench/host_time.py``
+   in its own process (it needs Triton's interpreter for ``backend="triton"``, every launch replaced
+   by a no-op that counts): ``ours/torch`` per phase (target <= 1.0) with our Triton launches beside
+   it, at 1 and 148 tensors, defaults and ``hysteresis=2, skip_norm_factor=5.0``.
 
 All variants of a bar run interleaved (``timing.interleaved``), medians of ``--repeats`` repeats (bar 2: 10x as many
 samples) after one warm-up round. Every ratio is printed with its spread, the 20% and 80% quantiles
@@ -33,12 +38,17 @@ machine, every quantile, the raw samples and each ratio's spread goes to ``--out
 
     python bench/bars.py                      # CPU, ~1 minute
     python bench/bars.py --quick --out /tmp/bars.json   # tiny sizes (the smoke test)
+    python bench/bars.py --bars 2 --threads 1 --out /tmp/bar2.json   # bar 2 alone, one thread (a shared machine)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
@@ -63,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="tritonscale's")
     parser.add_argument("--out", type=Path, default=Path("out/bars.json"))
+    parser.add_argument("--bars", type=int, nargs="+", choices=[1, 2, 3, 4], default=[1, 2, 3, 4], help="which bars")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = min(args.repeats, 2)
@@ -200,15 +212,20 @@ def reach_line(what: str, timed: dict) -> dict:
 # ----------------------------------------------------------------------------- bar 2
 
 
-class TinyStep:
-    """One 1024-element parameter, AdamW(fused=True), the whole scaled step."""
+#: bar 2's optimizers: the fused AdamW, and plain SGD (no foreach, no fused: the optimizer's own cost least)
+TINY_OPTIMIZERS = {"AdamW(fused=True)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+                   "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-3)}  # fmt: skip
 
-    def __init__(self, kind: str, numel: int, device: torch.device, backend: str, **knobs):
+
+class TinyStep:
+    """One 1024-element parameter, an optimizer of ``TINY_OPTIMIZERS``, the whole scaled step."""
+
+    def __init__(self, kind: str, numel: int, device: torch.device, backend: str, optimizer: str, **knobs):
         torch.manual_seed(0)
         self.kind = kind
         self.p = torch.nn.Parameter(torch.randn(numel, device=device))
         self.x = torch.randn(numel, device=device)
-        self.opt = torch.optim.AdamW([self.p], lr=1e-3, fused=True)
+        self.opt = TINY_OPTIMIZERS[optimizer]([self.p])
         self.scaler = scaler(kind, device, backend, **knobs)
 
     def step(self) -> None:
@@ -235,16 +252,20 @@ def scaled_timing(timed: dict, factor: float) -> dict:
 
 
 def bar2(args, device: torch.device) -> list[dict]:
-    setups = {"torch": TinyStep("torch", args.bar2, device, args.backend),
-              "ours": TinyStep("ours", args.bar2, device, args.backend)}  # fmt: skip
+    fused, sgd = TINY_OPTIMIZERS
+    setups = {"torch": TinyStep("torch", args.bar2, device, args.backend, fused),
+              "ours": TinyStep("ours", args.bar2, device, args.backend, fused),
+              "torch, SGD": TinyStep("torch", args.bar2, device, args.backend, sgd),
+              "ours, SGD": TinyStep("ours", args.bar2, device, args.backend, sgd)}  # fmt: skip
     for knob, kw in KNOBS.items():
-        setups[f"ours+{knob}"] = TinyStep("ours", args.bar2, device, args.backend, **kw)
+        setups[f"ours+{knob}"] = TinyStep("ours", args.bar2, device, args.backend, fused, **kw)
     timed = interleaved(
         {name: synced(s.steps, device) for name, s in setups.items()}, 10 * args.repeats, reset=lambda name: None
     )
     per_step = {name: scaled_timing(t, 1 / TINY_STEPS_PER_SAMPLE) for name, t in timed.items()}
-    what = f"tiny whole step, 1 parameter of {args.bar2} elements, AdamW(fused=True)"
-    lines = [ratio_line("2", what, "torch", "ours", per_step, ">= 1.0")]
+    what = f"tiny whole step, 1 parameter of {args.bar2} elements, {fused}"
+    lines = [ratio_line("2", what, "torch", "ours", per_step, ">= 1.0"),
+             ratio_line("2", what.replace(fused, sgd), "torch, SGD", "ours, SGD", per_step, ">= 1.0")]  # fmt: skip
     for knob in KNOBS:
         lines.append(ratio_line("2", f"{what}, {knob} vs defaults", f"ours+{knob}", "ours", per_step, "<= 1.10"))
     return lines
@@ -286,17 +307,43 @@ def bar3(args, device: torch.device) -> list[dict]:
     return [ratio_line("3", what, "torch", "ours", timed, note=" (the issue measured 1.49x)")]
 
 
+# ----------------------------------------------------------------------------- bar 4
+
+
+def bar4(args, device: torch.device) -> list[dict]:
+    """``host_time.py`` in its own process (it needs Triton's interpreter, set before triton is
+    imported, which would run bars 1-3's "auto" kernels through it): its printed lines, echoed,
+    and its ratios."""
+    if device.type != "cpu":
+        return []  # a proxy for a GPU host's time: on a GPU, bar 2 and train_step.py measure the host itself
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "host_time.json"
+        command = [sys.executable, str(Path(__file__).with_name("host_time.py")), "--out", str(out),
+                   "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])  # fmt: skip
+        done = subprocess.run(command, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench/host_time.py failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        print("\n".join(line for line in done.stdout.splitlines() if line.startswith("4 ")))
+        return json.loads(out.read_text())["ratios"]
+
+
 def main(argv=None, progress=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    info = machine(device)
-    print(f"bars on {describe(info)}; {args.repeats} interleaved repeats per variant, medians")
-    lines = []
-    bars = (bar1, bar2, bar3)
-    for k, bar in enumerate(bars):
-        lines += bar(args, device)
-        if progress is not None:
-            progress(k + 1, len(bars))
+    threads = torch.get_num_threads()
+    if args.threads is not None:  # one thread on a shared machine: no parallel region waits for a busy core
+        torch.set_num_threads(args.threads)
+    try:
+        info = machine(device)
+        print(f"bars on {describe(info)}; {args.repeats} interleaved repeats per variant, medians")
+        lines = []
+        bars = [bar for k, bar in enumerate((bar1, bar2, bar3, bar4), 1) if k in args.bars]
+        for k, bar in enumerate(bars):
+            lines += bar(args, device)
+            if progress is not None:
+                progress(k + 1, len(bars))
+    finally:
+        torch.set_num_threads(threads)
     write_results(args.out, info, args, ratios=lines)
     print(f"wrote {args.out}")
     return 0

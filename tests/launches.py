@@ -1,123 +1,15 @@
-"""Count the device launches a step's phases make on the GPU paths, on the CPU.
-
-A GPU runs each aten op that computes as at least one kernel (or a copy), and each Triton launch as
-one. On the CPU the same code dispatches the same aten ops, and the Triton interpreter runs the same
-launches, so with the host-read switch off (``forbid_host_reads``: the paths a GPU takes) the count
-here is the count a GPU makes (``../shared/PERFORMANCE.md``, "Counting the GPU path's launches"):
-
-* every aten op dispatched under a ``TorchDispatchMode``, except those that launch nothing on a
-  GPU: views and metadata (``alias``, ``view``, ``select``, ...), allocations (``empty*``), and
-  host-side reads of metadata;
-* every Triton launch (``GridExecutor.__call__``, the interpreter's grid launch), without the aten
-  ops the interpreter itself dispatches to run the program on the CPU.
-
-Example::
-
-    counter = LaunchCounter()
-    with counter.phase("update"):
-        scaler.update()
-    counter.counts == {"update": 1}
-"""
+"""The launch counter the tests use: it lives in ``bench/launch_count.py`` (one home, which the
+docs' table, ``bench/launch_table.py``, and the host-time bar import too)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
-from collections.abc import Iterator
+import sys
+from pathlib import Path
 
-from torch.utils._python_dispatch import TorchDispatchMode
+_BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+if _BENCH not in sys.path:
+    sys.path.append(_BENCH)
 
-#: aten ops that allocate or describe memory without computing: no kernel on a GPU.
-NO_KERNEL = {
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "detach",
-    "lift_fresh",
-    "_local_scalar_dense",  # a host read, not a launch (the host-read switch refuses it anyway)
-    "set_",
-    "resize_",
-    "is_same_size",
-    "_has_compatible_shallow_copy_type",
-    "_record_function_enter_new",  # the profiler's markers around an optimizer step
-    "_record_function_exit",
-}
+from launch_count import LaunchCounter, count_phases, launches_nothing, no_op_launches, total  # noqa: E402
 
-
-def launches_nothing(func) -> bool:
-    """True for an aten op that makes no kernel on a GPU: a view, a metadata op, an allocation."""
-    schema = func._schema
-    if func.is_view or any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns):
-        return True
-    return func._overloadpacket.__name__.removesuffix("_") in NO_KERNEL or func._overloadpacket.__name__ in NO_KERNEL
-
-
-class _AtenCounter(TorchDispatchMode):
-    def __init__(self, owner: LaunchCounter) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.owner.inside_triton and not launches_nothing(func):
-            self.owner.record(f"aten.{func._overloadpacket.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
-class LaunchCounter:
-    """Launches per named phase (``counts``) and what they were (``ops``)."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.ops: dict[str, list[str]] = {}
-        self.inside_triton = False
-        self._phase: str | None = None
-
-    def record(self, what: str) -> None:
-        if self._phase is not None:
-            self.counts[self._phase] += 1
-            self.ops.setdefault(self._phase, []).append(what)
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Count what runs inside under ``name`` (a phase may be entered again: counts add up)."""
-        from triton.runtime.interpreter import GridExecutor
-
-        original = GridExecutor.__call__
-        counter = self
-
-        def launch(executor, *args, **kwargs):
-            if counter.inside_triton:  # a launch from inside a program: not a thing a GPU does
-                return original(executor, *args, **kwargs)
-            counter.record(f"triton.{executor.fn.__name__}")
-            counter.inside_triton = True
-            try:
-                return original(executor, *args, **kwargs)
-            finally:
-                counter.inside_triton = False
-
-        self.counts.setdefault(name, 0)
-        self._phase = name
-        GridExecutor.__call__ = launch
-        try:
-            with _AtenCounter(self):
-                yield
-        finally:
-            GridExecutor.__call__ = original
-            self._phase = None
-
-
-def count_phases(step, phases: tuple[str, ...]) -> LaunchCounter:
-    """Run ``step(counter)``, which enters ``counter.phase(name)`` for each of ``phases``."""
-    counter = LaunchCounter()
-    step(counter)
-    missing = [p for p in phases if p not in counter.counts]
-    if missing:
-        raise AssertionError(f"the step never entered {missing}")
-    return counter
-
-
-def total(counter: LaunchCounter) -> int:
-    return sum(counter.counts.values())
-
-
-__all__ = ["LaunchCounter", "count_phases", "launches_nothing", "total"]
+__all__ = ["LaunchCounter", "count_phases", "launches_nothing", "no_op_launches", "total"]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))  # the scripts import their shared helpers (bench/timing.py) by name
@@ -137,8 +138,10 @@ def test_bars_prints_every_ratio(tmp_path, capsys):
     assert data["machine"]["device"] == "cpu"
     ratios = data["ratios"]
     # bar 1: ideal/ours and torch/ours for three layouts, and the reach of the two per-parameter ones;
-    # bar 2: torch/ours and the 3 knobs; bar 3: torch/ours
-    assert [r["bar"] for r in ratios] == ["1"] * 8 + ["2"] * 4 + ["3"]
+    # bar 2: torch/ours with fused AdamW and with SGD, and the 3 knobs; bar 3: torch/ours;
+    # bar 4: host time, 4 cases x 5 (4 phases and the total) x 2 (our two backends)
+    assert [r["bar"] for r in ratios] == ["1"] * 8 + ["2"] * 5 + ["3"] + ["4"] * 40
+    assert "SGD" in ratios[9]["what"] and "AdamW" in ratios[8]["what"]
     assert all(r["value"] > 0 and r["spread"]["rounds"] >= 2 for r in ratios)
     compared = [r for r in ratios[:8] if "its reach" not in r["what"]]
     assert len(compared) == 6 and all(max(r["max_rel_diff_vs_torch"].values()) < 1e-5 for r in compared)
@@ -149,6 +152,51 @@ def test_bars_prints_every_ratio(tmp_path, capsys):
     lines = printed.splitlines()
     assert "cpu (" in lines[0]  # the machine line
     assert [line.split()[0] for line in lines if " = " in line] == [r["bar"] for r in ratios]  # one line per ratio
+
+
+def test_bars_runs_the_bars_asked_for_on_the_threads_asked_for(tmp_path):
+    out, threads = tmp_path / "bar2.json", torch.get_num_threads()
+    assert load("bars").main(["--quick", "--bars", "2", "--threads", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {r["bar"] for r in data["ratios"]} == {"2"} and data["machine"]["threads"] == 1
+    assert torch.get_num_threads() == threads  # the caller's thread count is back
+
+
+def test_host_time_reports_every_phase_with_its_launches(tmp_path, capsys):
+    # conftest.py set TRITON_INTERPRET=1 before triton was imported: the script runs in-process.
+    out = tmp_path / "host_time.json"
+    module = load("host_time")
+    assert module.main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    ratios = data["ratios"]
+    phases = ("scale", "clip", "step", "update", "total")
+    assert [r["ratio"] for r in ratios[:10]] == [f"{v} {p}/torch {p}" for p in phases
+                                                 for v in ("ours", "ours (torch backend)")]  # fmt: skip
+    assert len(ratios) == 40 and all(r["value"] > 0 and r["target"] == "<= 1.0" for r in ratios)
+    # The kernels were not run, but every launch was counted: the clip launches, the scale does not.
+    for case, launches in data["triton_launches"].items():
+        assert set(launches) == set(phases[:-1]) and launches["clip"] >= 1 and launches["scale"] == 0, case
+    assert ratios[2]["triton_launches"] == data["triton_launches"]["1 x 1024 float32, defaults"]["clip"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if " = " in line]
+    assert len(printed) == 40 and all("Triton launches" in line for line in printed)
+    from tritonscale import host_reads
+
+    assert host_reads.are_free(torch.device("cpu"))  # the switch is back as it was
+
+
+def test_launch_table_prints_torch_beside_ours(capsys):
+    # docs/performance.md's launch table: one markdown row per (optimizer, tensors, scaler).
+    assert load("launch_table").main([]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    header, body = rows[0], rows[1:]
+    assert [c.strip() for c in header] == ["scaler", "optimizer", "tensors", "scale", "clip", "step", "update", "total"]
+    assert len(body) == 12
+    for row in body:
+        cells = [c.strip() for c in row]
+        phases = [int(c) for c in cells[3:7]]
+        assert sum(phases) == int(cells[7]) and phases[0] == 1, cells  # scale: one multiply, both scalers
+        if cells[0] == "torch":
+            assert phases[3] == 1, cells  # torch's update is its one _amp_update_scale_
 
 
 def test_cpu_norms_writes_every_candidate(tmp_path):
@@ -229,8 +277,8 @@ def test_progress_bar_prints_on_a_time_interval_in_a_log():
     assert len(lines) == 3 and "~ 45%" in lines[0] and "b 1/4" in lines[2]
 
 
-BENCH_SCRIPTS = ("bars", "bench_clip_cpu", "collectives", "cpu_norms", "experiments", "kernel_report", "run_all",
-                 "sweep", "train_step")  # fmt: skip
+BENCH_SCRIPTS = ("bars", "bench_clip_cpu", "collectives", "cpu_norms", "experiments", "host_time", "kernel_report",
+                 "launch_table", "run_all", "sweep", "train_step")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", BENCH_SCRIPTS)

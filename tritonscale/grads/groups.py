@@ -217,12 +217,14 @@ def _sort_every_grad(
                         found.local(param, grad, g_index, p_index)
             else:
                 grad, into = found.local(param, grad, g_index, p_index)
-            if not allow_fp16 and grad.dtype is torch.float16:
+            dtype = grad.dtype  # each property read is a call into torch: read once per gradient
+            if not allow_fp16 and dtype is torch.float16:
                 raise ValueError(FP16_REFUSED)
             if kernels and is_supported_grad(grad):
-                into.per_device[grad.device][grad.dtype].append(grad)
+                device = grad.device
+                into.per_device[device][dtype].append(grad)
                 if dense_where is None:
-                    dense[grad.device].append(grad)
+                    dense[device].append(grad)
                 else:
                     found.add_dense(grad, g_index, p_index)
                 continue
