@@ -82,6 +82,7 @@ class SkipAwareLR:
                 f"SkipAwareLR was built with total_steps={self.total_steps} and step() was called that many "
                 "times; build it with a larger total_steps"
             )
+        self._check_not_stepped_by_hand()
         self._check_groups()
         skipped = self._scaler.last_skip_flag()
         if skipped is None:  # the scaler has no state yet: nothing was skipped
@@ -118,6 +119,17 @@ class SkipAwareLR:
             else:
                 host_count = int(self._count) if host_count is None else host_count  # the one host read
                 group["lr"] = table[host_count]
+
+    def _check_not_stepped_by_hand(self) -> None:
+        # Each scheduler.step() rewrites the rate by its own chain: a call left in the loop after
+        # wrapping would silently undo or double this object's rate (torch refuses what it can, too).
+        if self.scheduler.last_epoch != 0:
+            name = type(self.scheduler).__name__
+            raise RuntimeError(
+                f"SkipAwareLR: the wrapped {name} was stepped by hand (last_epoch={self.scheduler.last_epoch}) "
+                "after it was wrapped; remove the `schedule.step()` call from the loop: SkipAwareLR.step() "
+                "replaces it (it sets the rate of each applied step). Nothing was changed."
+            )
 
     def _check_groups(self) -> None:
         groups = self.optimizer.param_groups
