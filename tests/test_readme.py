@@ -39,6 +39,16 @@ def test_python_examples_run():
     assert loop["scaler"].get_scale() == 2.0**16
 
 
+def test_the_per_layer_logging_recipe_runs_for_a_plain_optimizer_too():
+    """The README's recipe for reading gradients between the clip and the step divided by
+    ``folded_grad_scale``, which is None with a non-fused optimizer (a TypeError in the old recipe):
+    a block shows it with a fused and a plain optimizer, and runs (test_python_examples_run)."""
+    recipes = [block for block in code_blocks("python") if "folded_grad_scale" in block]
+    assert recipes and all("fused=False" in block or "for fused in" in block for block in recipes), recipes
+    for block in recipes:
+        exec(compile(block, "README.md", "exec"), {})
+
+
 @pytest.mark.parametrize("page", DOCS, ids=[page.name for page in DOCS])
 def test_docs_python_examples_run(page):
     for block in code_blocks("python", page.read_text()):

@@ -256,7 +256,8 @@ class GradScaler:
 
     def folded_grad_scale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The divisor (``scale / clip_coef``) a clip folded into ``optimizer``'s fused step, until step()
-        hands it over; else None. Example: ``p.grad / scaler.folded_grad_scale(opt)``: unscaled, clipped."""
+        hands it over; else None (``p.grad`` then holds the unscaled, clipped gradients). Example, for any
+        optimizer: ``d = scaler.folded_grad_scale(opt); g = p.grad if d is None else p.grad / d``."""
         record = self._recorded(optimizer)
         return record.folded_grad_scale() if record is not None else None
 
