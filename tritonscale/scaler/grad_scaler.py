@@ -41,6 +41,7 @@ from .optimizer_step import OptimizerRecord, OptimizerStep, OptState, step_kind
 from .scale_outputs import scale_outputs
 from .scaler_args import (
     TORCH_INIT_SCALE,
+    TORCH_KNOB_DEFAULTS,
     check_disabled_policy,
     checked_init_scale,
     cuda_missing,
@@ -76,9 +77,9 @@ class GradScaler:
         self,
         device: str = "cuda",
         init_scale: float = TORCH_INIT_SCALE,
-        growth_factor: float = LossScalePolicy.growth_factor,
-        backoff_factor: float = LossScalePolicy.backoff_factor,
-        growth_interval: int = LossScalePolicy.growth_interval,
+        growth_factor: float = TORCH_KNOB_DEFAULTS["growth_factor"],
+        backoff_factor: float = TORCH_KNOB_DEFAULTS["backoff_factor"],
+        growth_interval: int = TORCH_KNOB_DEFAULTS["growth_interval"],
         enabled: bool = True,
         *,
         backend: str = "auto",
