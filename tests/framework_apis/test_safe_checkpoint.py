@@ -68,6 +68,8 @@ def test_a_zero_checkpoint_loads_without_deepspeed_installed(tmp_path, monkeypat
                           raise_error_at_min_scale=True, dynamic=True, dtype=torch.float16)  # fmt: skip
     path = tmp_path / "zero.pt"
     with monkeypatch.context() as patch:
+        for parent in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16"):  # importable, installed or not
+            patch.setitem(sys.modules, parent, types.ModuleType(parent))
         patch.setitem(sys.modules, module.__name__, module)
         torch.save({"optimizer": _zero_state(saved)}, path)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # no DeepSpeed importable while reading
