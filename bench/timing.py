@@ -43,8 +43,9 @@ def ratio_spread(a_samples: list[float], b_samples: list[float]) -> dict[str, ob
 
     ``a_samples[r]`` and ``b_samples[r]`` are round r of an interleaved measurement (run back to
     back, so drift hits both); round r's ratio is ``a_samples[r] / b_samples[r]``. Returned:
-    ``ratio`` (median of a / median of b: the headline figure), ``q20`` / ``q80`` (the 20% and 80%
-    quantiles of the per-round ratios), ``rounds`` and ``within_noise``: True when the band contains
+    ``ratio`` (the median of the per-round ratios: the headline figure, inside its own band, which a
+    median of a over a median of b need not be), ``q20`` / ``q80`` (the 20% and 80% quantiles of the
+    per-round ratios), ``rounds`` and ``within_noise``: True when the band contains
     1.0 (this run does not tell a from b), None with a single round (no spread to judge by).
     """
     if len(a_samples) != len(b_samples) or not a_samples:
@@ -52,7 +53,7 @@ def ratio_spread(a_samples: list[float], b_samples: list[float]) -> dict[str, ob
     per_round = [a / b for a, b in zip(a_samples, b_samples)]
     q20, q80 = band(per_round)
     within = q20 <= 1.0 <= q80 if len(per_round) > 1 else None
-    ratio = statistics.median(a_samples) / statistics.median(b_samples)
+    ratio = statistics.median(per_round)
     return {"ratio": ratio, "q20": q20, "q80": q80, "rounds": len(per_round), "within_noise": within}
 
 

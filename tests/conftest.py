@@ -15,10 +15,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from host_reads import HostReadGuard  # noqa: E402
 
+from tritonscale.kernels import TRITON_FOUND  # noqa: E402
 from tritonscale.passes.backends import BACKENDS as BACKEND_CHOICES  # noqa: E402
 
-# Every concrete backend ("auto" picks one of them).
-BACKENDS = [name for name in BACKEND_CHOICES if name != "auto"]
+# Every concrete backend ("auto" picks one of them); without triton installed (a CPU install, where
+# the tests that need no interpreter still run) only torch's.
+BACKENDS = [name for name in BACKEND_CHOICES if name != "auto" and (TRITON_FOUND or name != "triton")]
 
 
 @pytest.fixture(params=BACKENDS)

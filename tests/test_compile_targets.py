@@ -28,7 +28,7 @@ import pytest
 
 import tritonscale
 from tritonscale import LossScalePolicy
-from tritonscale.kernels.finalize import STEP_OFF
+from tritonscale.kernels.interfaces import STEP_OFF
 from tritonscale.kernels.launch_config import (
     CHUNK,
     DEFAULT_BLOCK,

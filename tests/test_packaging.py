@@ -200,3 +200,41 @@ def test_checkout_on_pythonpath_imports_its_own_kernels(checkout, tmp_path):
     kernels_file, no_bare_kernels = proc.stdout.split()
     assert Path(kernels_file) == checkout / "tritonscale" / "kernels" / "__init__.py", kernels_file
     assert no_bare_kernels == "True", "the checkout exposes a top-level `kernels` package"
+
+
+#: The README's quickstart, run as a user's script: its first Python block.
+QUICKSTART = (REPO / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+#: A process with neither triton nor numpy (what a fresh venv holding only CPU torch has): each import fails.
+WITHOUT_TRITON = "import sys\nsys.modules['triton'] = None\nsys.modules['numpy'] = None\n"
+#: ... and then: the package, its kernels subpackage, the quickstart, and backend='triton' refused when built.
+NO_TRITON_CHECKS = (
+    "import tritonscale, tritonscale.kernels\n"
+    "assert not tritonscale.kernels.TRITON_FOUND\n"
+    + QUICKSTART
+    + "assert scaler.get_scale() == 2.0**16 and bool(grad_norm.isfinite())\n"
+    "try:\n"
+    "    tritonscale.GradScaler('cpu', backend='triton')\n"
+    "except ModuleNotFoundError as error:\n"
+    "    print(error)\n"
+)
+
+
+def _assert_runs_without_triton(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stderr
+    message = proc.stdout.strip()
+    assert "GradScaler(backend='triton'): triton is not installed" in message, message
+    assert "backend='torch'" in message and "pip install" in message, message
+
+
+def test_checkout_imports_and_runs_the_quickstart_without_triton(checkout, tmp_path):
+    # triton is no dependency (a CPU install runs torch's ops): a checkout on PYTHONPATH imports,
+    # runs the quickstart, and refuses backend='triton' naming the install.
+    _assert_runs_without_triton(_python(WITHOUT_TRITON + NO_TRITON_CHECKS, tmp_path, pythonpath=checkout))
+
+
+def test_installed_wheel_imports_and_runs_the_quickstart_without_triton(wheel, tmp_path):
+    # The built wheel, unpacked as pip installs it into a site folder of its own: only torch beside it.
+    zf, _ = wheel
+    site = tmp_path / "site"
+    zf.extractall(site)
+    _assert_runs_without_triton(_python(WITHOUT_TRITON + NO_TRITON_CHECKS, tmp_path, pythonpath=site))

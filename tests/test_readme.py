@@ -39,6 +39,16 @@ def test_python_examples_run():
     assert loop["scaler"].get_scale() == 2.0**16
 
 
+def test_the_per_layer_logging_recipe_runs_for_a_plain_optimizer_too():
+    """The README's recipe for reading gradients between the clip and the step divided by
+    ``folded_grad_scale``, which is None with a non-fused optimizer (a TypeError in the old recipe):
+    a block shows it with a fused and a plain optimizer, and runs (test_python_examples_run)."""
+    recipes = [block for block in code_blocks("python") if "folded_grad_scale" in block]
+    assert recipes and all("fused=False" in block or "for fused in" in block for block in recipes), recipes
+    for block in recipes:
+        exec(compile(block, "README.md", "exec"), {})
+
+
 @pytest.mark.parametrize("page", DOCS, ids=[page.name for page in DOCS])
 def test_docs_python_examples_run(page):
     for block in code_blocks("python", page.read_text()):
@@ -75,3 +85,39 @@ def test_relative_links_resolve():
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             if not target.startswith(("http://", "https://")):
                 assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to missing {target}"
+
+
+#: A results file cited in prose: a relative link or a backquoted path under bench/results/.
+#: ``{a,b}`` as the shell expands it (``issue30-{old,new}{1,2,3}.json``: six files).
+RESULTS_CITATION = re.compile(r"(?:\]\(|`)((?:\.\./)?bench/results/[\w./{},-]+)")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    found = re.search(r"\{([^{}]*)\}", pattern)
+    if not found:
+        return [pattern]
+    head, tail = pattern[: found.start()], pattern[found.end() :]
+    return [name for option in found.group(1).split(",") for name in expand_braces(head + option + tail)]
+
+
+def cited_results(page: Path) -> list[tuple[str, Path]]:
+    """Each results file or folder the page cites, resolved from the page's folder (links) or the root."""
+    cited = []
+    for found in RESULTS_CITATION.findall(page.read_text()):
+        for name in expand_braces(found):
+            path = (page.parent / name) if name.startswith("../") else ROOT / name
+            cited.append((name, path.resolve()))
+    return cited
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *DOCS], ids=["README.md", *(page.name for page in DOCS)])
+def test_every_cited_results_file_exists(page):
+    missing = [found for found, path in cited_results(page) if not path.exists()]
+    assert not missing, f"{page.name} cites results files that do not exist: {missing}"
+
+
+def test_the_results_citations_are_found():
+    # The check above is not vacuous: the README and the performance page cite the H100 run.
+    readme = [found for found, _ in cited_results(ROOT / "README.md")]
+    assert "bench/results/h100/gpu_tier.log" in readme, readme
+    assert any("h100" in found for found, _ in cited_results(ROOT / "docs" / "performance.md"))

@@ -13,6 +13,7 @@ bottom layer: it imports nothing else of tritonscale.
 from .errors import RankMismatchError, ScalerConfigError
 from .framework_apis.checkpoint_import import from_apex, from_deepspeed, from_fairseq, from_megatron
 from .framework_apis.loss_scale_optimizer import LossScaleOptimizer
+from .framework_apis.safe_checkpoint import load_checkpoint
 from .framework_apis.scale_managers import (
     DynamicLossScaleManager,
     ExponentialUpdateLossScaleManager,
@@ -57,6 +58,7 @@ __all__ = [
     "from_deepspeed",
     "from_fairseq",
     "from_megatron",
+    "load_checkpoint",
     "mark_replicated",
     "nonfinite_grads",
     "presets",

@@ -370,6 +370,22 @@ def test_stepping_past_total_steps_raises_and_changes_nothing():
     assert _same(_lrs(opt), before_lrs) and str(sched.state_dict()) == before_state
 
 
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+def test_the_wrapped_scheduler_stepped_by_hand_is_refused(lr_kind):
+    """The newcomer's loop: SkipAwareLR added, the old ``scheduler.step()`` left in. torch's own step
+    rewrites the rate by its chain ([0.002855, ...] against [0.002927, ...] in the report); the next
+    SkipAwareLR.step() refuses, naming the call to remove, and changes nothing of its own."""
+    opt, scaler = _optimizer(lr_kind), FlagScaler()
+    inner = S.StepLR(opt, 1, 0.5)
+    sched = tritonscale.SkipAwareLR(inner, scaler, total_steps=4)
+    sched.step()
+    inner.step()  # the call left in the loop
+    before_state, before_lrs = str(sched.state_dict()), _lrs(opt)
+    with pytest.raises(RuntimeError, match=r"StepLR was stepped by hand .*remove the `schedule.step\(\)` call"):
+        sched.step()
+    assert _same(_lrs(opt), before_lrs) and str(sched.state_dict()) == before_state
+
+
 def test_changed_param_groups_are_refused():
     opt, scaler = _optimizer("tensor"), FlagScaler()
     sched = tritonscale.SkipAwareLR(S.StepLR(opt, 1, 0.5), scaler, total_steps=4)

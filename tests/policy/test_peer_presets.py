@@ -197,7 +197,7 @@ def test_a_deepspeed_version_as_pip_reports_it_picks_the_rule(version, delayed):
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: presets.deepspeed(loss_scale_window=0), r"presets 'deepspeed': The growth interval"),
+        (lambda: presets.deepspeed(loss_scale_window=0), r"presets.deepspeed\(loss_scale_window=0\): .* an int >= 1"),
         (lambda: presets.deepspeed(version="latest"), "version must be a DeepSpeed release such as '0.16.9'"),
         (lambda: presets.deepspeed(optimizer="zero3"), "'zero' .* or 'fp16'"),
         (lambda: presets.megatron(growth_factor=1.00000001), r"presets 'megatron': The growth factor must be > 1"),

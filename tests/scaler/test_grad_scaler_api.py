@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tritonscale
-from tritonscale import GradScaler, ScalerConfigError, host_reads
+from tritonscale import GradScaler, LossScalePolicy, ScalerConfigError, host_reads
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -139,13 +139,35 @@ def test_init_scale_given_overrides_the_presets_even_when_it_is_torchs_value():
     assert type(GradScaler("cpu").state_dict()["scale"]) is float  # the default's marker stays out
 
 
-def test_a_preset_takes_our_knobs_over_its_own_but_not_torchs_three():
+def test_a_preset_takes_every_knob_beside_it_over_its_own_torchs_three_included():
+    """One rule for knobs beside a preset: given, it overrides; left out, the preset's stays. torch's
+    three were refused there while ours were taken (issue 42); an explicit torch default counts too."""
     scaler = GradScaler("cpu", policy="megatron", hysteresis=3, min_scale=2.0)
     expected = tritonscale.presets.megatron().policy
     expected.hysteresis, expected.min_scale = 3, 2.0
     assert scaler.get_policy() == expected
-    with pytest.raises(ScalerConfigError, match="inside the policy"):
-        GradScaler("cpu", growth_interval=10, policy="megatron")
+    scaler = GradScaler("cpu", 2.0**10, 3.0, 0.25, 10, policy="megatron", hysteresis=3)
+    expected = tritonscale.presets.megatron(growth_factor=3.0, backoff_factor=0.25, growth_interval=10).policy
+    expected.hysteresis = 3
+    assert scaler.get_policy() == expected and scaler.get_scale() == 2.0**10
+    explicit_default = GradScaler("cpu", growth_interval=2000, policy=LossScalePolicy(growth_interval=5))
+    assert explicit_default.get_policy().growth_interval == 2000
+    assert GradScaler("cpu", policy=LossScalePolicy(growth_interval=5)).get_policy().growth_interval == 5
+
+
+def test_megatrons_preset_takes_its_config_names():
+    by_config = tritonscale.presets.megatron(initial_loss_scale=2.0**20, min_loss_scale=4.0, loss_scale_window=10)
+    by_scaler = tritonscale.presets.megatron(initial_scale=2.0**20, min_scale=4.0, growth_interval=10)
+    assert by_config == by_scaler
+    with pytest.raises(ScalerConfigError, match="loss_scale_window=10 and growth_interval=5 .* set one of them"):
+        tritonscale.presets.megatron(loss_scale_window=10, growth_interval=5)
+
+
+def test_a_disabled_deepspeed_preset_with_window_0_is_refused_saying_what_works():
+    # DeepSpeed ignores its fp16 section with fp16 off; a preset is built before the scaler: refused, documented.
+    with pytest.raises(ScalerConfigError, match=r"loss_scale_window=0\).*enabled=False.*passes no policy="):
+        GradScaler(enabled=False, policy=tritonscale.presets.deepspeed(loss_scale_window=0))
+    assert GradScaler("cpu", enabled=False).get_policy() == LossScalePolicy()
 
 
 @pytest.mark.parametrize(

@@ -189,7 +189,10 @@ def from_deepspeed(
 
     Example::
 
-        scaler.load_state_dict(from_deepspeed(torch.load(path, weights_only=False)["optimizer"]))
+        scaler.load_state_dict(from_deepspeed(tritonscale.load_checkpoint(path)["optimizer"]))
+
+    ``load_checkpoint`` reads the file with nothing in it run (its ZeRO ``loss_scaler`` as a plain record,
+    no DeepSpeed needed); ``torch.load(path, weights_only=False)`` would run any code the file names.
     """
     top = _saved(state, "from_deepspeed", "a DeepSpeed fp16 or ZeRO optimizer's state_dict()", ())
     optimizer = "fp16" if top.fields.get("loss_scaler") is None else "zero"

@@ -17,11 +17,38 @@ in plain PyTorch. Which gradients form one run (flat buffers, buckets) is host-s
 in ``tritonscale/grads/``: the caller hands the run to ``describe_grads``.
 """
 
-from .apply_pass import apply_factor_
-from .check_pass import check_pass
-from .finalize import finalize
+import importlib.util
+
 from .supported import NORM_INF, norm_code
-from .tensor_table import GradLayout, describe_grads
+
+#: Whether triton is installed. It is no dependency of a CPU install (the default backend there
+#: runs torch's ops; CUDA builds of torch bring their own triton), so without it this package still
+#: imports, with its triton-free ``supported`` tables, and the launchers raise ``triton_missing()``.
+TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+if TRITON_FOUND:
+    from .apply_pass import apply_factor_
+    from .check_pass import check_pass
+    from .finalize import finalize
+    from .tensor_table import GradLayout, describe_grads
+
+
+def triton_missing(what: str = "tritonscale's Triton kernels") -> ModuleNotFoundError:
+    """The error for a kernel asked for where triton is not installed: names the install."""
+    return ModuleNotFoundError(
+        f"{what}: triton is not installed. On a GPU machine install the CUDA (or ROCm) build of "
+        "torch, which brings the triton it was built with; for Triton's interpreter on a CPU, "
+        "`pip install 'triton>=3.8'` (the test extra: `pip install -e \".[test]\"`). Without triton, "
+        "GradScaler(..., backend='torch') (the CPU default) runs every pass with torch's own ops",
+        name="triton",
+    )
+
+
+def __getattr__(name: str):
+    if name in ("GradLayout", "apply_factor_", "check_pass", "describe_grads", "finalize"):
+        raise triton_missing(f"tritonscale.kernels.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "GradLayout",

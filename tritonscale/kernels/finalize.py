@@ -33,42 +33,15 @@ needs, so the step adds no launch (the rules: skip_rule.py):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import triton
 import triton.language as tl
 
 from .check_pass import PARTIAL_ROWS
+from .interfaces import RESULT_FIELDS, STEP_FIELDS, FinalizeStep
 from .jit_helpers import pow2_inverse
 from .launch_config import FINALIZE_MAX_BLOCK, FINALIZE_NUM_WARPS
 from .skip_rule import skip_decision, zclip_max_norm
-
-RESULT_FIELDS = ("found_inf", "norm", "clip_coef", "factor")
-#: With ``step``: two more results after RESULT_FIELDS.
-STEP_FIELDS = ("grad_scale", "skip")
-#: The step constexprs and their values when ``step`` is None (every rule off); HAS_EARLIER follows
-#: ``FinalizeStep.earlier``.
-STEP_OFF = {
-    "UNFIT_OVERFLOWS": False,
-    "UNSCALE_ON_OVERFLOW": False,
-    "FOLD": False,
-    "DECIDE": False,
-    "SKIP_ON_OVERFLOW": True,
-    "NORM_ABOVE": None,
-    "NORM_FACTOR": None,
-    "NORM_WARMUP": 0,
-    "SIGMA": None,
-    "WINDOW": 0,
-    "MIN_SEEN": 0,
-    "BLOCK_W": 1,
-    "ZCLIP_Z": None,
-    "ZCLIP_WARMUP": 0,
-    "ZCLIP_PERCENTILE": False,
-    "ZCLIP_TO_MEAN": False,
-    "ZCLIP_EPS": 0.0,
-    "ZCLIP_FACTOR": 1.0,
-}
 
 
 @triton.jit
@@ -228,20 +201,6 @@ def finalize(
         enable_fp_fusion=False,
     )
     return result
-
-
-@dataclass(frozen=True)
-class FinalizeStep:
-    """What ``finalize`` decides for the step besides the clip: ``constexprs`` (STEP_OFF's names,
-    the policy's rule as ``passes/step_decision.py`` maps it), the flag recorded ``earlier`` in the
-    iteration (fp32 [1] or 0-dim, or None), and the policy's state the rules read (``norm_stats``
-    fp32 [2], ``spike_stats`` fp64; None where no rule reads them), all on the partials' device.
-    Example: ``FinalizeStep({**STEP_OFF, "FOLD": True})``."""
-
-    constexprs: dict = field(default_factory=lambda: dict(STEP_OFF))
-    earlier: torch.Tensor | None = None
-    norm_stats: torch.Tensor | None = None
-    spike_stats: torch.Tensor | None = None
 
 
 _NO_STEP = FinalizeStep()

@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: Bytes per value in the stats buffer: every dtype of a stat fits (float32/64, int32/64).
-SLOT_BYTES = 8
+from .interfaces import SLOT_BYTES
 
 
 @triton.jit

@@ -37,6 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interfaces
+from .interfaces import MAX_FLAGS, UpdateRule
+
 # Constants the programs read are ``tl.constexpr`` (Triton compiles no other globals); ``.value``
 # gives the plain number.
 # policy/counters.py's slots of the int32 counters.
@@ -51,53 +54,14 @@ SPIKE_HEADER = tl.constexpr(4)
 #: policy/forms.py's SCALE_FLOOR: the lowest scale a backoff leaves (2**-126).
 SCALE_FLOOR = tl.constexpr(2.0**-126)
 #: HostCheck bits (policy/host_checks.py).
-AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)
-#: Optimizers' flags read by pointer in the one launch.
-MAX_FLAGS = 4
+AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = (
+    tl.constexpr(bit) for bit in (interfaces.AT_MIN_SCALE, interfaces.TOO_MANY_SKIPS, interfaces.AT_RAISE_SCALE)
+)
 #: Window slots shifted per block.
 WINDOW_BLOCK = tl.constexpr(1024)
 #: ZClip modes and options as codes.
-ZCLIP_ZSCORE, ZCLIP_PERCENTILE = tl.constexpr(0), tl.constexpr(1)
-ZCLIP_ADAPTIVE, ZCLIP_MEAN = tl.constexpr(0), tl.constexpr(1)
-
-
-class UpdateRule(NamedTuple):
-    """A policy's knobs as the kernel's constexprs (``policy/kernel_form.py`` builds it). Floats
-    are the values the host form computes with: float64 factors, float32-rounded limits."""
-
-    DYNAMIC: bool
-    SKIP_ON_OVERFLOW: bool
-    GROWTH_FACTOR: float  # float64, as torch's update takes it
-    BACKOFF_FACTOR: float
-    GROWTH_INTERVAL: int
-    HYSTERESIS: int
-    CONSECUTIVE_HYSTERESIS: bool
-    REFILL_ON_BACKOFF: bool
-    TOLERANCE: float  # float64 share; 0: off
-    RAISE_FLOOR: bool  # the floor after a backoff is SCALE_FLOOR (else min_scale clamps)
-    BACKOFF_FLOOR: float  # float64: max(SCALE_FLOOR, min_scale)
-    HAS_MIN: bool
-    MIN_SCALE: float
-    HAS_MAX: bool
-    MAX_SCALE: float
-    GROWTH_DELAY: int
-    AVERAGE_NORM: bool  # skip_norm_factor's running average
-    NORM_DECAY: float  # float32-rounded
-    Z_WINDOW: int  # the z-score window's slots; 0: off
-    ZCLIP_WARMUP: int  # ZClip's warm-up slots; 0: off
-    ZCLIP_Z: float
-    ZCLIP_ALPHA: float
-    ZCLIP_ONE_MINUS_ALPHA: float  # 1 - alpha in float64, as the host computes it
-    ZCLIP_MODE: int
-    ZCLIP_OPTION: int
-    ZCLIP_FACTOR: float
-    ZCLIP_EPS: float
-    ZCLIP_SKIP_ON_SPIKE: bool
-    CHECK_MIN_SCALE: bool  # on_min_scale "warn"/"raise" at min_scale
-    SKIP_LIMIT: int  # max_consecutive_skips; 0: off
-    CHECK_RAISE_AT: bool  # raise_at_scale
-    RAISE_AT: float
-    HOLD_MASK: int  # the check bits that raise: with ``hold`` they leave the state untouched
+ZCLIP_ZSCORE, ZCLIP_PERCENTILE = tl.constexpr(interfaces.ZCLIP_ZSCORE), tl.constexpr(interfaces.ZCLIP_PERCENTILE)
+ZCLIP_ADAPTIVE, ZCLIP_MEAN = tl.constexpr(interfaces.ZCLIP_ADAPTIVE), tl.constexpr(interfaces.ZCLIP_MEAN)
 
 
 @triton.jit

@@ -22,13 +22,16 @@ from typing import Any
 import torch
 
 from ..host_reads import refuse_in_capture
-from ..kernels.loop_state import advance_lr
+from ..kernels import TRITON_FOUND
 from ..scaler.diagnostics import one_launch
 from ..scaler.grad_scaler import live_skip_counter
 from .lr_tables import check_schedulable, check_total_steps, record_lrs
 from .scaler_arg import check_scaler
 
 STATE_KEYS = ("applied_steps", "calls")
+
+if TRITON_FOUND:  # without triton step() takes the torch ops (one_launch says False)
+    from ..kernels.loop_state import advance_lr
 
 
 class SkipAwareLR:
@@ -99,6 +102,7 @@ class SkipAwareLR:
                 f"SkipAwareLR was built with total_steps={self.total_steps} and step() was called that many "
                 "times; build it with a larger total_steps"
             )
+        self._check_not_stepped_by_hand()
         self._check_groups()
         if any(not isinstance(t, torch.Tensor) for t in self._tables):
             refuse_in_capture(
@@ -183,6 +187,17 @@ class SkipAwareLR:
             else:
                 host_count = int(self._count) if host_count is None else host_count  # the one host read
                 group["lr"] = table[host_count]
+
+    def _check_not_stepped_by_hand(self) -> None:
+        # Each scheduler.step() rewrites the rate by its own chain: a call left in the loop after
+        # wrapping would silently undo or double this object's rate (torch refuses what it can, too).
+        if self.scheduler.last_epoch != 0:
+            name = type(self.scheduler).__name__
+            raise RuntimeError(
+                f"SkipAwareLR: the wrapped {name} was stepped by hand (last_epoch={self.scheduler.last_epoch}) "
+                "after it was wrapped; remove the `schedule.step()` call from the loop: SkipAwareLR.step() "
+                "replaces it (it sets the rate of each applied step). Nothing was changed."
+            )
 
     def _check_groups(self) -> None:
         groups = self.optimizer.param_groups

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..host_reads import refuse_in_capture
-from ..kernels.loop_state import SLOT_BYTES
+from ..kernels.interfaces import SLOT_BYTES
 from ..scaler.diagnostics import STAT_NAMES
 from .scaler_arg import check_scaler
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 
-from ..kernels.finalize import STEP_OFF, FinalizeStep
+from ..kernels.interfaces import STEP_OFF, FinalizeStep
 from ..policy.forms import rounded_to_float32
 from ..policy.spike_rules import window_size
 
@@ -57,7 +56,7 @@ def rule_constexprs(policy: Any, *, with_norm: bool = True) -> dict[str, Any]:
             SIGMA=policy.skip_norm_sigma,
             WINDOW=window,
             MIN_SEEN=max(policy.skip_norm_min_steps, window // 2),
-            BLOCK_W=min(triton.next_power_of_2(window), WINDOW_BLOCK),
+            BLOCK_W=min(1 << (window - 1).bit_length(), WINDOW_BLOCK),
         )
     if policy.clip_norm_z is not None:
         knobs.update(

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.jit_helpers import INTERPRETING
-from ..kernels.policy_update import (
+from ..kernels import TRITON_FOUND
+from ..kernels.interfaces import (
     AT_MIN_SCALE,
     AT_RAISE_SCALE,
     TOO_MANY_SKIPS,
@@ -32,14 +32,18 @@ from .spike_rules import warmup_size, window_size
 
 # The knobs' values (a tuple of the policy's fields) -> its rule: a pure function of the key.
 _rules: dict[tuple, UpdateRule] = {}
-_MODES = {"zscore": ZCLIP_ZSCORE.value, "percentile": ZCLIP_PERCENTILE.value}
-_OPTIONS = {"adaptive_scaling": ZCLIP_ADAPTIVE.value, "mean": ZCLIP_MEAN.value}
+_MODES = {"zscore": ZCLIP_ZSCORE, "percentile": ZCLIP_PERCENTILE}
+_OPTIONS = {"adaptive_scaling": ZCLIP_ADAPTIVE, "mean": ZCLIP_MEAN}
 
 
 def kernel_runs(device: torch.device, backend: str) -> bool:
     """The policy kernel can launch on ``device`` for a scaler of ``backend`` ("auto", "triton",
     "torch"): on CUDA/ROCm with compiled Triton unless the backend is "torch"; on the CPU only under
     the interpreter and with backend "triton" (the interpreter is slow: "auto" keeps the tensor ops)."""
+    if not TRITON_FOUND:
+        return False
+    from ..kernels.jit_helpers import INTERPRETING  # triton's; imported once, then a dict lookup
+
     if device.type == "cpu":
         return INTERPRETING and backend == "triton"
     return device.type == "cuda" and not INTERPRETING and backend != "torch"
@@ -58,8 +62,8 @@ def kernel_rule(policy: LossScalePolicy) -> UpdateRule:
 
 def _hold_mask(policy: LossScalePolicy) -> int:
     """The check bits that raise (a "warn" at min_scale lets the update go ahead)."""
-    raising = TOO_MANY_SKIPS.value | AT_RAISE_SCALE.value
-    return raising | (AT_MIN_SCALE.value if policy.on_min_scale == "raise" else 0)
+    raising = TOO_MANY_SKIPS | AT_RAISE_SCALE
+    return raising | (AT_MIN_SCALE if policy.on_min_scale == "raise" else 0)
 
 
 def _make_rule(policy: LossScalePolicy) -> UpdateRule:

@@ -66,11 +66,22 @@ def megatron(
     growth_interval: int = 1000,
     hysteresis: int = 2,
     loss_scale: float | None = None,
+    *,
+    initial_loss_scale: float | None = None,
+    min_loss_scale: float | None = None,
+    loss_scale_window: int | None = None,
 ) -> PeerPreset:
     """Megatron-LM's ``DynamicGradScaler`` (its config's defaults: ``initial_loss_scale=2**32``,
     ``min_loss_scale=1``, ``loss_scale_window=1000``, ``hysteresis=2``); ``loss_scale=x``: its
     ``ConstantGradScaler`` (overflowed steps still skipped). Factors and floor are float32 tensors
-    there: rounded to float32 here (growth 1.1 is 1.10000002384...)."""
+    there: rounded to float32 here (growth 1.1 is 1.10000002384...). Megatron's config names
+    (``initial_loss_scale``, ``min_loss_scale``, ``loss_scale_window``, as its ``OptimizerConfig`` and
+    command line spell them) are taken too, in place of the scaler's; setting both names is refused."""
+    _check_args("megatron", "a number or None", initial_loss_scale=initial_loss_scale, min_loss_scale=min_loss_scale)
+    _check_args("megatron", "an int or None", loss_scale_window=loss_scale_window)
+    initial_scale = _one_of("initial_loss_scale", initial_loss_scale, "initial_scale", initial_scale, 2.0**32)
+    min_scale = _one_of("min_loss_scale", min_loss_scale, "min_scale", min_scale, 1.0)
+    growth_interval = _one_of("loss_scale_window", loss_scale_window, "growth_interval", growth_interval, 1000)
     numbers = {"initial_scale": initial_scale, "min_scale": min_scale, "growth_factor": growth_factor}
     _check_args("megatron", "a number", **numbers, backoff_factor=backoff_factor)
     _check_args("megatron", "an int", growth_interval=growth_interval, hysteresis=hysteresis)
@@ -86,6 +97,18 @@ def megatron(
         min_scale=as_float32(min_scale),
     )
     return _preset("megatron", initial_scale, policy, source)
+
+
+def _one_of(config_name: str, config_value: Any, scaler_name: str, scaler_value: Any, default: Any) -> Any:
+    """Megatron's config name for a knob, or its DynamicGradScaler's: whichever was set, not both."""
+    if config_value is None:
+        return scaler_value
+    if scaler_value != default:
+        raise ScalerConfigError(
+            f"presets 'megatron': {config_name}={config_value!r} and {scaler_name}={scaler_value!r} name the same "
+            "knob (Megatron's config and its DynamicGradScaler); set one of them"
+        )
+    return config_value
 
 
 #: The DeepSpeed release whose ZeRO optimizers (DynamicLossScaler) first grew one step later after an
@@ -112,6 +135,15 @@ def deepspeed(
     _check_args("deepspeed", "a number", min_loss_scale=min_loss_scale, loss_scale=loss_scale)
     ints = {"initial_scale_power": initial_scale_power, "loss_scale_window": loss_scale_window}
     _check_args("deepspeed", "an int", **ints, hysteresis=hysteresis)
+    if loss_scale_window < 1 and not loss_scale:
+        # DeepSpeed reads its fp16 section only when fp16 is on; a preset is built before any scaler
+        # (enabled or not) sees it, so it is refused here, saying what a run without fp16 passes.
+        raise ScalerConfigError(
+            f"presets.deepspeed(loss_scale_window={loss_scale_window!r}): the dynamic loss scaler grows after "
+            "loss_scale_window good steps, an int >= 1. DeepSpeed ignores its fp16 section when fp16 is off; "
+            "a run without loss scaling (bf16, GradScaler(enabled=False)) passes no policy=, and a static "
+            "scale is presets.deepspeed(loss_scale=x)"
+        )
     if optimizer not in ("zero", "fp16"):
         raise ScalerConfigError(
             f"optimizer must be 'zero' (ZeRO's DynamicLossScaler) or 'fp16' (FP16_Optimizer), got {optimizer!r}"

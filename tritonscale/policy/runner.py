@@ -17,7 +17,8 @@ import torch
 
 from .. import host_reads
 from ..flags import combine_flags, flags_on, moved_to
-from ..kernels.policy_update import MAX_FLAGS, update_policy_state_
+from ..kernels import TRITON_FOUND
+from ..kernels.interfaces import MAX_FLAGS
 from .counters import CONSECUTIVE_SKIPS
 from .forms import ON_DEVICE, ON_HOST, RuleForm
 from .host_checks import HostCheck, HostCheckRead, UpdatesWithoutRead, act_on_host_checks, host_check_flags
@@ -25,6 +26,9 @@ from .kernel_form import kernel_rule, kernel_runs
 from .loss_scale_policy import LossScalePolicy
 from .spike_rules import zclip_max_norm
 from .state import DeviceState
+
+if TRITON_FOUND:  # a CPU install without triton runs the rule's other forms (kernel_form.kernel_runs)
+    from ..kernels.policy_update import update_policy_state_
 
 
 class IterationOutcome(NamedTuple):

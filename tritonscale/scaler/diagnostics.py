@@ -12,7 +12,8 @@ from collections.abc import Iterable
 import torch
 
 from .. import host_reads
-from ..kernels.loop_state import SLOT_BYTES, gather_stats
+from ..kernels import TRITON_FOUND
+from ..kernels.interfaces import SLOT_BYTES
 from ..passes.backends import resolve_backend
 from ..policy.counters import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
 
@@ -32,6 +33,9 @@ STAT_NAMES = (
     "growth_tracker",
     "hysteresis_left",
 )
+
+if TRITON_FOUND:  # without triton every stats() takes the torch ops (one_launch says False)
+    from ..kernels.loop_state import gather_stats
 
 
 def one_launch(device: torch.device, backend: str) -> bool:

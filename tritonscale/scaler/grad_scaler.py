@@ -42,6 +42,7 @@ from .optimizer_step import OptimizerRecord, OptimizerStep, OptState, step_kind
 from .scale_outputs import scale_outputs
 from .scaler_args import (
     TORCH_INIT_SCALE,
+    TORCH_KNOB_DEFAULTS,
     check_disabled_policy,
     checked_init_scale,
     cuda_missing,
@@ -77,9 +78,9 @@ class GradScaler:
         self,
         device: str = "cuda",
         init_scale: float = TORCH_INIT_SCALE,
-        growth_factor: float = LossScalePolicy.growth_factor,
-        backoff_factor: float = LossScalePolicy.backoff_factor,
-        growth_interval: int = LossScalePolicy.growth_interval,
+        growth_factor: float = TORCH_KNOB_DEFAULTS["growth_factor"],
+        backoff_factor: float = TORCH_KNOB_DEFAULTS["backoff_factor"],
+        growth_interval: int = TORCH_KNOB_DEFAULTS["growth_interval"],
         enabled: bool = True,
         *,
         backend: str = "auto",
@@ -273,7 +274,8 @@ class GradScaler:
 
     def folded_grad_scale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The divisor (``scale / clip_coef``) a clip folded into ``optimizer``'s fused step, until step()
-        hands it over; else None. Example: ``p.grad / scaler.folded_grad_scale(opt)``: unscaled, clipped."""
+        hands it over; else None (``p.grad`` then holds the unscaled, clipped gradients). Example, for any
+        optimizer: ``d = scaler.folded_grad_scale(opt); g = p.grad if d is None else p.grad / d``."""
         record = self._recorded(optimizer)
         return record.folded_grad_scale() if record is not None else None
 

@@ -27,10 +27,32 @@ class DefaultInitScale(float):
         return "65536.0"
 
 
+class DefaultFloat(float):
+    """The type of the constructor's default ``growth_factor``/``backoff_factor``: torch's value,
+    told apart from the same number passed explicitly by identity, as ``DefaultInitScale`` is -- so
+    an explicit knob beside ``policy=`` overrides the policy's and the default leaves it."""
+
+    def __repr__(self) -> str:
+        return repr(float(self))
+
+
+class DefaultInt(int):
+    """``DefaultFloat`` for ``growth_interval``."""
+
+    def __repr__(self) -> str:
+        return repr(int(self))
+
+
 #: torch.amp.GradScaler's default ``init_scale`` (its other defaults are LossScalePolicy's).
 TORCH_INIT_SCALE = DefaultInitScale(2.0**16)
 #: The knobs torch's constructor and state_dict carry themselves (not inside ``policy``).
 TORCH_KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
+#: The constructor's defaults of those three: LossScalePolicy's (torch's), as objects of their own.
+TORCH_KNOB_DEFAULTS = {
+    "growth_factor": DefaultFloat(LossScalePolicy.growth_factor),
+    "backoff_factor": DefaultFloat(LossScalePolicy.backoff_factor),
+    "growth_interval": DefaultInt(LossScalePolicy.growth_interval),
+}
 
 
 def cuda_missing(device: str, enabled: bool) -> bool:
@@ -81,19 +103,18 @@ def policy_from_torch_args(
 ) -> LossScalePolicy:
     """The policy of ``GradScaler(..., growth_factor, backoff_factor, growth_interval, policy=, **knobs)``.
 
-    torch's three knobs come positionally or by keyword, the others as keywords or inside
-    ``policy``; setting torch's knobs both ways is refused rather than silently merged.
+    One rule for every knob beside ``policy=`` (a policy, a preset or its name): a knob given
+    explicitly overrides the policy's, one left out keeps it. torch's three knobs come positionally
+    or by keyword (their defaults are told apart from the same values passed explicitly by identity),
+    the others as keywords. Example: ``GradScaler("cuda", policy="megatron", growth_interval=10)``.
     """
     unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()) | (set(knobs) & set(TORCH_KNOBS)))
     if unknown:
         raise TypeError(f"GradScaler got unexpected keyword arguments {unknown}")
     torch_knobs = {"growth_factor": growth_factor, "backoff_factor": backoff_factor, "growth_interval": growth_interval}
-    if policy is None:
-        return LossScalePolicy(**torch_knobs, **knobs)
-    defaults = {name: getattr(LossScalePolicy, name) for name in TORCH_KNOBS}
-    if torch_knobs != defaults:
-        raise ScalerConfigError("with policy=..., set growth_factor/backoff_factor/growth_interval inside the policy")
-    return LossScalePolicy(**{**policy.knobs(), **knobs})
+    given = {name: value for name, value in torch_knobs.items() if value is not TORCH_KNOB_DEFAULTS[name]}
+    base = policy.knobs() if policy is not None else {name: getattr(LossScalePolicy, name) for name in TORCH_KNOBS}
+    return LossScalePolicy(**{**base, **given, **knobs})
 
 
 def check_disabled_policy(policy: LossScalePolicy) -> None:

@@ -15,6 +15,7 @@ import enum
 
 import torch
 
+from ...kernels import TRITON_FOUND, triton_missing
 from . import custom_ops  # noqa: F401  registers the custom ops a traced step calls (triton_backend.py)
 from .base import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale
 from .torch_backend import TorchBackend
@@ -41,6 +42,8 @@ def check_backend_name(name: str) -> str:
     lists the names that work."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == BackendName.TRITON and not TRITON_FOUND:  # refused when built, not at the first step
+        raise triton_missing("GradScaler(backend='triton')")
     return BackendName(name).value
 
 
@@ -54,6 +57,8 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
         return TorchBackend()
     triton_ok = TritonBackend.supports(device)
     if name == BackendName.TRITON:
+        if not TRITON_FOUND:
+            raise triton_missing("GradScaler(backend='triton')")
         if not triton_ok:
             raise RuntimeError(
                 f"backend='triton' cannot run on {device}: CPU tensors need TRITON_INTERPRET=1 set "

@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...grads.groups import Grads, first_overlap, shared_memory_error
-from ...kernels import apply_factor_
-from .triton_backend import check_layouts, layouts
+from .triton_backend import apply_factor_, check_layouts, layouts
 
 
 def _groups(grads: list[torch.Tensor], sizes: list[int]) -> list[list[torch.Tensor]]:

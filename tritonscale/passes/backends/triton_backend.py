@@ -13,11 +13,20 @@ from dataclasses import dataclass
 import torch
 
 from ...grads.flat_runs import one_run
-from ...kernels import apply_factor_, check_pass, describe_grads, finalize, norm_code
-from ...kernels.check_pass import PARTIAL_ROWS
-from ...kernels.finalize import FinalizeStep
-from ...kernels.jit_helpers import INTERPRETING
+from ...kernels import TRITON_FOUND, norm_code, triton_missing
 from .base import CheckResult
+
+if TRITON_FOUND:
+    from ...kernels import apply_factor_, check_pass, describe_grads, finalize
+    from ...kernels.check_pass import PARTIAL_ROWS
+    from ...kernels.interfaces import FinalizeStep
+    from ...kernels.jit_helpers import INTERPRETING
+else:  # no triton installed: supports() says so, and resolve_backend names the install
+
+    def apply_factor_(*args, **kwargs):
+        raise triton_missing()
+
+    INTERPRETING = False
 
 
 def layouts(groups: list[list[torch.Tensor]]) -> list:
@@ -61,6 +70,8 @@ class TritonBackend:
 
     @staticmethod
     def supports(device: torch.device) -> bool:
+        if not TRITON_FOUND:
+            return False
         if device.type == "cpu":
             return INTERPRETING
         return device.type == "cuda" and not INTERPRETING

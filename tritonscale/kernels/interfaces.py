@@ -1,0 +1,108 @@
+"""The triton-free half of the kernels' interfaces: the records and constants their callers build
+and read, importable where triton is not installed (a CPU install runs the torch backend; the
+modules that launch a kernel import its launcher only where ``TRITON_FOUND``, kernels/__init__.py).
+The kernel modules take these from here, so each lives once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+# ----------------------------------------------------------------- finalize (finalize.py)
+#: The four results every finalize writes, in order.
+RESULT_FIELDS = ("found_inf", "norm", "clip_coef", "factor")
+#: With ``step``: two more results after RESULT_FIELDS.
+STEP_FIELDS = ("grad_scale", "skip")
+#: The step constexprs and their values when ``step`` is None (every rule off); HAS_EARLIER follows
+#: ``FinalizeStep.earlier``.
+STEP_OFF = {
+    "UNFIT_OVERFLOWS": False,
+    "UNSCALE_ON_OVERFLOW": False,
+    "FOLD": False,
+    "DECIDE": False,
+    "SKIP_ON_OVERFLOW": True,
+    "NORM_ABOVE": None,
+    "NORM_FACTOR": None,
+    "NORM_WARMUP": 0,
+    "SIGMA": None,
+    "WINDOW": 0,
+    "MIN_SEEN": 0,
+    "BLOCK_W": 1,
+    "ZCLIP_Z": None,
+    "ZCLIP_WARMUP": 0,
+    "ZCLIP_PERCENTILE": False,
+    "ZCLIP_TO_MEAN": False,
+    "ZCLIP_EPS": 0.0,
+    "ZCLIP_FACTOR": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class FinalizeStep:
+    """What ``finalize`` decides for the step besides the clip: ``constexprs`` (STEP_OFF's names,
+    the policy's rule as ``passes/step_decision.py`` maps it), the flag recorded ``earlier`` in the
+    iteration (fp32 [1] or 0-dim, or None), and the policy's state the rules read (``norm_stats``
+    fp32 [2], ``spike_stats`` fp64; None where no rule reads them), all on the partials' device.
+    Example: ``FinalizeStep({**STEP_OFF, "FOLD": True})``."""
+
+    constexprs: dict = field(default_factory=lambda: dict(STEP_OFF))
+    earlier: torch.Tensor | None = None
+    norm_stats: torch.Tensor | None = None
+    spike_stats: torch.Tensor | None = None
+
+
+# ------------------------------------------------------------ the update (policy_update.py)
+#: Optimizers' flags the update reads by pointer in its one launch (more are summed first).
+MAX_FLAGS = 4
+#: HostCheck bits (policy/host_checks.py), as the kernel writes them.
+AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = 1, 2, 4
+#: ZClip's modes and options as codes.
+ZCLIP_ZSCORE, ZCLIP_PERCENTILE = 0, 1
+ZCLIP_ADAPTIVE, ZCLIP_MEAN = 0, 1
+
+
+class UpdateRule(NamedTuple):
+    """A policy's knobs as the kernel's constexprs (``policy/kernel_form.py`` builds it). Floats
+    are the values the host form computes with: float64 factors, float32-rounded limits."""
+
+    DYNAMIC: bool
+    SKIP_ON_OVERFLOW: bool
+    GROWTH_FACTOR: float  # float64, as torch's update takes it
+    BACKOFF_FACTOR: float
+    GROWTH_INTERVAL: int
+    HYSTERESIS: int
+    CONSECUTIVE_HYSTERESIS: bool
+    REFILL_ON_BACKOFF: bool
+    TOLERANCE: float  # float64 share; 0: off
+    RAISE_FLOOR: bool  # the floor after a backoff is SCALE_FLOOR (else min_scale clamps)
+    BACKOFF_FLOOR: float  # float64: max(SCALE_FLOOR, min_scale)
+    HAS_MIN: bool
+    MIN_SCALE: float
+    HAS_MAX: bool
+    MAX_SCALE: float
+    GROWTH_DELAY: int
+    AVERAGE_NORM: bool  # skip_norm_factor's running average
+    NORM_DECAY: float  # float32-rounded
+    Z_WINDOW: int  # the z-score window's slots; 0: off
+    ZCLIP_WARMUP: int  # ZClip's warm-up slots; 0: off
+    ZCLIP_Z: float
+    ZCLIP_ALPHA: float
+    ZCLIP_ONE_MINUS_ALPHA: float  # 1 - alpha in float64, as the host computes it
+    ZCLIP_MODE: int
+    ZCLIP_OPTION: int
+    ZCLIP_FACTOR: float
+    ZCLIP_EPS: float
+    ZCLIP_SKIP_ON_SPIKE: bool
+    CHECK_MIN_SCALE: bool  # on_min_scale "warn"/"raise" at min_scale
+    SKIP_LIMIT: int  # max_consecutive_skips; 0: off
+    CHECK_RAISE_AT: bool  # raise_at_scale
+    RAISE_AT: float
+    HOLD_MASK: int  # the check bits that raise: with ``hold`` they leave the state untouched
+
+
+# ------------------------------------------------------------ stats() (loop_state.py)
+#: Bytes per value in the stats buffer: every dtype of a stat fits (float32/64, int32/64).
+SLOT_BYTES = 8
