@@ -29,13 +29,23 @@ def quantiles(samples: list[float]) -> dict[str, float]:
 
 
 def band(samples: list[float]) -> tuple[float, float]:
-    """The 20% and 80% quantiles (``statistics.quantiles(n=5, method="inclusive")``: always within
-    the samples' range; the default exclusive method extrapolates past the smallest and largest of
-    a few samples, down to a negative time); a single sample is its own band."""
-    if len(samples) < 2:
-        return samples[0], samples[0]
-    q = statistics.quantiles(samples, n=5, method="inclusive")
-    return q[0], q[3]
+    """The 20% and 80% quantiles, linearly interpolated between the sorted samples (the "inclusive"
+    method of ``statistics.quantiles``: always within the samples' range, where the default
+    exclusive method extrapolates past the smallest and largest of a few samples, down to a
+    negative time); a single sample is its own band. Computed as ``lo + (hi - lo) * f``, so a
+    quantile between two equal samples is that sample exactly (``statistics.quantiles``' weighted
+    sum can land an ulp off it, and then outside a median that equals it)."""
+    ordered = sorted(samples)
+    return _inclusive_quantile(ordered, 0.2), _inclusive_quantile(ordered, 0.8)
+
+
+def _inclusive_quantile(ordered: list[float], q: float) -> float:
+    position = (len(ordered) - 1) * q
+    below = int(position)
+    if below + 1 >= len(ordered):
+        return ordered[below]
+    low, high = ordered[below], ordered[below + 1]
+    return low + (high - low) * (position - below)
 
 
 def ratio_spread(a_samples: list[float], b_samples: list[float]) -> dict[str, object]:
