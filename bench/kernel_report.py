@@ -81,8 +81,10 @@ def build_cases(targets: list[str], dtypes: list[str]) -> list[dict]:
                         "num_warps": warps,
                     })  # fmt: skip
         from tritonscale.kernels.finalize import finalize_kernel
+        from tritonscale.kernels.interfaces import STEP_OFF
 
-        constexprs = {"NORM": 2, "HAS_CLIP": True, "BLOCK_P": 1024}
+        # As finalize() launches it for a plain clip: the step's rules off, fused multiply-adds off.
+        constexprs = {"NORM": 2, "HAS_CLIP": True, "BLOCK_P": 1024, **STEP_OFF, "HAS_EARLIER": False}
         cases.append({
             "id": f"finalize-{target}-fp32-partials",
             "kernel": "tritonscale.kernels.finalize:finalize_kernel",
@@ -91,6 +93,7 @@ def build_cases(targets: list[str], dtypes: list[str]) -> list[dict]:
             "constexprs": constexprs,
             "divisible": [],
             "num_warps": FINALIZE_NUM_WARPS,
+            "options": {"enable_fp_fusion": False},
         })  # fmt: skip
     return cases
 
