@@ -114,8 +114,8 @@ def target_verdict(spread: dict, target: str) -> bool | None:
 
 
 def ratio_line(bar: str, what: str, num: str, den: str, timed: dict, target: str | None = None, note: str = "") -> dict:
-    """One printed line (and its JSON record): the ratio of two medians with its p20-p80 spread over
-    the interleaved rounds (``timing.ratio_spread``; "within noise" when the spread contains 1.0),
+    """One printed line (and its JSON record): the median of the per-round ratios with their p20-p80
+    spread over the interleaved rounds (``timing.ratio_spread``; "within noise" when the spread contains 1.0),
     and the medians."""
     a, b = timed[num]["median_ms"], timed[den]["median_ms"]
     spread = spread_of(timed, num, den)

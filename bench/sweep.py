@@ -231,10 +231,13 @@ def bench_point(numel: int, dtype: torch.dtype, layout: str, device: torch.devic
     for name in timed:
         point[name]["fraction_of_copy_bandwidth"] = point[name]["gb_per_s"] / copy_rate
     for key, base, ours in (("ratio_tritonscale", "torch", "tritonscale"), ("ratio_fold", "torch-fused", "fold")):
-        if base in timed:
+        if base not in timed:
+            continue
+        if "samples_ms" in timed[base]:  # the CPU's interleaved rounds: the speed-up is the spread's own
+            point[f"{key}_spread"] = spread_of(timed, base, ours)  # median, inside the band drawn around it
+            point[key] = point[f"{key}_spread"]["ratio"]
+        else:  # do_bench on a GPU keeps no rounds: the medians' ratio, with no band
             point[key] = timed[base]["median_ms"] / timed[ours]["median_ms"]
-            if "samples_ms" in timed[base]:  # the CPU's interleaved rounds (do_bench on a GPU keeps none)
-                point[f"{key}_spread"] = spread_of(timed, base, ours)
     return check_point(point, applied, device)
 
 
