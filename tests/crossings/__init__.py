@@ -20,8 +20,10 @@ Single process (``test_cells.py``; ids ``test_cell[<row>-<grads>-<scale>-<backen
   a ``flatten_grads_`` buffer, that buffer written whole, NaN left in its padding, DDP-style bucket
   views, memory moved after recognition, a parameter resized or retyped in place after
   recognition, sparse gradients); the scale (``SCALES``: 2**-126, 2**-80, 2**16, 2**126, numpy
-  arguments, ``enabled=False``); the backend (``BACKENDS``: torch, triton, and triton timed by
-  another stopwatch, ``stopwatch.py``);
+  arguments, ``enabled=False``); the backend (``BACKENDS``: torch, triton, triton timed by
+  another stopwatch, ``stopwatch.py``, and the paths a GPU takes, ``gpu_paths.py``: host reads
+  not free, the kernels through the interpreter, no host read inside the step but the documented
+  ones; its crossing is ``harness.gpu_paths_apply``);
 * the oracle, ``twins.py``: the same model with plain gradients under torch.amp.GradScaler +
   torch.nn.utils.clip_grad_norm_ (its documented differences applied: the 2**-126 floor, the
   skip after a disabled scaler's clip). ``harness.run_cell`` runs STEPS iterations with two

@@ -236,4 +236,5 @@ SCALES = [
 
 #: "triton_retimed": the Triton backend run twice, each time with an autotuner that times every
 #: launch configuration with another stopwatch (stopwatch.py): the results must be the same bits.
-BACKENDS = ["torch", "triton", "triton_retimed"]
+#: "gpu_paths": the Triton backend on the paths a GPU takes, host reads not free (gpu_paths.py).
+BACKENDS = ["torch", "triton", "triton_retimed", "gpu_paths"]

@@ -9,7 +9,9 @@ they are comparable. At the end: every tensor ours handed out reads what it read
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,7 @@ from oracles.tolerances import TORCH_BACKEND_NORM_RTOL
 
 from .contexts import GradsContext, ScaleContext
 from .entry_points import EntryPoint
+from .gpu_paths import gpu_paths
 from .policies import POLICY_NAMES, PolicyContext, TwinRule
 from .twins import FOLDING, KEPT_AFTER, OPTIMIZERS, OVERFLOWS, SPARSE_CAPABLE, STEPS, Model, Side, make_scaler
 
@@ -28,6 +31,12 @@ from .twins import FOLDING, KEPT_AFTER, OPTIMIZERS, OVERFLOWS, SPARSE_CAPABLE, S
 #: multiplications (~1 ulp per gradient): a few float32 ulps per step. bfloat16 parameters (the
 #: retyped context) round each step's result to 8 bits: test_grad_scaler_oracle's bf16 bound.
 PARAM_TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 2.0**-7, "atol": 1e-3}}
+#: The gpu_paths column's crossing (gpu_paths_apply): the rows under every gradient context and
+#: scale, those under accumulation, under every policy column, and under the spike rules.
+GPU_PATHS_EVERY_CONTEXT = ("clip_grad_norm_", "clip_grad_norm_fold_adamw", "update")
+GPU_PATHS_ACCUMULATED = ("two_optimizers", "update(new_scale)", "SkipAwareLR", "StepLog")
+GPU_PATHS_EVERY_POLICY = ("clip_grad_norm_fold_adamw", "two_optimizers", "update(new_scale)", "state_dict_round_trip")
+GPU_PATHS_SPIKE_ROWS = ("SkipAwareLR", "StepLog")
 #: Gradients after the clip: the same, plus the parameters' differences seen through the loss (the
 #: gradient of c * (p - x)**2 / 2 is c * (p - x): where p ~ x a 1e-7 change of p is a large relative one).
 GRAD_TOL = PARAM_TOL
@@ -50,7 +59,7 @@ class Cell:
         return f"{self.row.name}-{self.grads.name}-{self.scale.name}-{self.backend}{policy}"
 
     def scaler_backend(self) -> str:
-        return "triton" if self.backend.startswith("triton") else self.backend
+        return "triton" if self.backend.startswith("triton") or self.backend == "gpu_paths" else self.backend
 
 
 def applies(
@@ -61,10 +70,15 @@ def applies(
     launch costs ~25 ms in the interpreter: the whole product would be minutes); the stopwatch
     column runs the clip on plain and flat gradients. A policy other than the default runs every
     row it applies to on plain gradients (and the clip on the other layouts) at the ordinary scale
-    with the torch backend (the clip on Triton too), and the clip on a disabled scaler."""
+    with the torch backend (the clip on Triton too), and the clip on a disabled scaler. The
+    gpu_paths column runs its choice of the torch column's cells (``gpu_paths_apply``)."""
     policy = policy or POLICY_NAMES["default"]
     if not row.applies_to(policy):
         return False
+    if backend == "gpu_paths":
+        if not gpu_paths_apply(row, grads, scale, policy):
+            return False
+        backend = "torch"  # of its choice, the cells the torch column has
     if not policy.default and not policies_apply(row, grads, scale, backend, policy):
         return False
     if row.narrow and (grads.name not in ("plain", "flat", "accumulated") or scale.name in ("tiny", "near_max")):
@@ -99,6 +113,25 @@ def policies_apply(row: EntryPoint, grads: GradsContext, scale: ScaleContext, ba
     return grads.name == "plain" or (clip and grads.name in ("flat", "accumulated"))
 
 
+def gpu_paths_apply(row: EntryPoint, grads: GradsContext, scale: ScaleContext, policy: PolicyContext) -> bool:
+    """The cells of the gpu_paths column (gpu_paths.py), within those the torch column has. Each
+    costs ~0.7 s in the interpreter, so the column is a chosen crossing: every row on plain
+    gradients at the ordinary scale; the clips and ``update`` under every gradient context and
+    every scale; accumulation with the rows it meets; every policy column with the rows that
+    differ under a rule. ``CROSSINGS_GPU_PATHS=all`` runs every cell of the torch column instead."""
+    if os.environ.get("CROSSINGS_GPU_PATHS") == "all":
+        return True
+    central = grads.name == "plain" and scale.name == "ordinary"
+    if not policy.default:
+        return central and (row.name in GPU_PATHS_EVERY_POLICY or row.name.startswith("from_") or (
+            row.name in GPU_PATHS_SPIKE_ROWS and policy.spike is not None))  # fmt: skip
+    if row.name in GPU_PATHS_EVERY_CONTEXT:
+        return grads.name == "plain" or scale.name == "ordinary"
+    if grads.name == "accumulated":
+        return row.name in GPU_PATHS_ACCUMULATED and scale.name == "ordinary"
+    return central
+
+
 def build_side(cell: Cell, ours: bool) -> Side:
     model = Model(sparse=cell.grads.sparse)
     optimizer = OPTIMIZERS[cell.row.optimizer](model.parameters())
@@ -113,6 +146,11 @@ def build_side(cell: Cell, ours: bool) -> Side:
 
 def run_cell(cell: Cell) -> list:
     """Run the cell; returns what ours handed out, as (step, name, bits, value), for the stopwatch column."""
+    with gpu_paths() if cell.backend == "gpu_paths" else contextlib.nullcontext():
+        return run_steps(cell)
+
+
+def run_steps(cell: Cell) -> list:
     ours, twin = build_side(cell, True), build_side(cell, False)
     for step in range(STEPS):
         try:
@@ -132,9 +170,11 @@ def check_step(cell: Cell, ours: Side, twin: Side, seen: dict, expected: dict, s
     rtol = max(TORCH_BACKEND_NORM_RTOL[p.dtype] for p in ours.params())
     for name, value in expected.items():
         compare(name, seen.get(name, "<not handed out>"), value, rtol, not twin.scaler.is_enabled())
-    assert ours.scaler.get_scale() == twin.scaler.get_scale(), "scale differs from the twin's"
+    scales = ours.scaler.get_scale(), twin.scaler.get_scale()
+    assert scales[0] == scales[1], f"scale differs from the twin's: ours {scales[0]!r}, the twin's {scales[1]!r}"
     if twin.rule is None:  # torch's rule: its tracker and state_dict are the oracle's
-        assert ours.scaler._get_growth_tracker() == twin.scaler._get_growth_tracker(), "growth tracker differs"
+        trackers = ours.scaler._get_growth_tracker(), twin.scaler._get_growth_tracker()
+        assert trackers[0] == trackers[1], f"growth tracker differs: ours {trackers[0]}, torch's {trackers[1]}"
         compare_state_dicts(ours.scaler.state_dict(), twin.scaler.state_dict(), twin)
     else:  # another rule: its scale (above) and the skips the twin counted
         compare_state_dicts(ours.scaler.state_dict(), {"scale": twin.scaler.get_scale()}, twin)

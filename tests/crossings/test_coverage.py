@@ -9,6 +9,8 @@ crossing harness, found by enumerating the public surface, not by a list kept be
   cell exists.
 * Every knob of ``LossScalePolicy`` belongs to exactly one family, and every family is set away
   from its default by some policy column (as our scaler resolves the column's arguments).
+* Every row that clips, steps or updates, and every policy column, has a cell on the paths a GPU
+  takes (the ``gpu_paths`` column).
 * Every preset of ``tritonscale.presets`` is a policy column; every ``from_*`` importer has a row
   that imports the peer's own checkpoint; every integration module has its test module, which
   trains through the framework against the framework's run with torch's scaler.
@@ -37,6 +39,7 @@ from .policies import POLICIES, POLICY_NAMES
 from .rank_scenarios import SCENARIOS
 from .rows import ROWS
 from .state_rows import IMPORTERS
+from .test_cells import CELLS
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -55,6 +58,8 @@ ELSEWHERE = {
         "test_the_captured_step_warms_up_captures_replays_and_refuses_moved_grads",
     ),
 }
+#: The scaler's calls whose paths differ on a GPU: a row that makes one needs a gpu_paths cell.
+STEPPING = ("clip_grad_norm_", "unscale_", "step", "update")
 #: Types a row meets by isinstance or as an error, not by calling them.
 TYPES = {
     "OptState": "read-outs (optimizer_stage)",
@@ -179,6 +184,21 @@ def test_names_reached_elsewhere_name_a_cell_that_exists():
         else:
             source = (TESTS / where).read_text()
             assert f"def {cell}" in source and name in source, f"{name}: {where} has no {cell!r} using it"
+
+
+def test_every_row_that_clips_steps_or_updates_has_a_gpu_paths_cell(calls):
+    """The GPU paths (gpu_paths.py) differ from the CPU's wherever the scaler clips, steps or
+    updates: such a row needs its cell in that column, as a new one will."""
+    stepping = set().union(*(calls.get(name, set()) for name in STEPPING))
+    covered = {cell.row.name for cell in CELLS if cell.backend == "gpu_paths"}
+    missing = sorted(stepping - covered)
+    assert stepping and not missing, f"rows with no gpu_paths cell: {missing}; see harness.gpu_paths_apply"
+
+
+def test_every_policy_column_has_a_gpu_paths_cell():
+    covered = {cell.policy.name for cell in CELLS if cell.backend == "gpu_paths"}
+    missing = [policy.name for policy in POLICIES if policy.name not in covered]
+    assert not missing, f"policy columns with no gpu_paths cell: {missing}; see harness.gpu_paths_apply"
 
 
 def test_every_preset_is_a_policy_column():

@@ -170,10 +170,14 @@ def torch_clip(side: Side, max_norm: float, norm_type: float, optimizer: Any = N
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not any(p.grad.is_sparse for p in params):
         if side.rule is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            unfit_fold_overflows(side, optimizer, norm, max_norm)
+            return norm
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)  # torch's clip, in its two halves
+        limit = side.rule.clip_limit(float(norm), max_norm)  # once: ZClip's averages take the norm
+        unfit_fold_overflows(side, optimizer, norm, limit)
         if math.isfinite(float(norm)) or not side.rule.applies_overflow:
-            torch.nn.utils.clip_grads_with_norm_(params, side.rule.clip_limit(float(norm), max_norm), norm)
+            torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
         # else: a rule whose overflowed steps go ahead applies the unscaled gradients, unclipped
         # (docs/differences-from-torch.md: "An overflowed clip_grad_norm_ leaves ...")
         return norm
@@ -183,6 +187,21 @@ def torch_clip(side: Side, max_norm: float, norm_type: float, optimizer: Any = N
     norm = torch.nn.utils.get_total_norm(values, norm_type)
     torch._foreach_mul_(values, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
+
+
+def unfit_fold_overflows(side: Side, optimizer: Any, norm: torch.Tensor, max_norm: float) -> None:
+    """docs/differences-from-torch.md, "A fold past float32's max": on the GPU paths (the gpu_paths
+    column) a fused optimizer's divisor ``scale / clip_coef`` that overflows float32 makes the step
+    count as an overflow (skipped, the scale backed off), as nothing is read back; the CPU applies
+    the clip instead (torch's step). The twin's torch scaler is told of that overflow."""
+    fused = getattr(optimizer, "_step_supports_amp_scaling", False) or optimizer.defaults.get("fused")
+    if side.cell.backend != "gpu_paths" or not fused or not side.scaler.is_enabled() or not torch.isfinite(norm):
+        return
+    clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if torch.isfinite(side.scaler._scale / clip_coef).all():
+        return
+    for flag in side.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        flag.fill_(1.0)
 
 
 def torch_step_update(
