@@ -11,7 +11,9 @@ bits, and so are the combined found_inf and the host-check read-out.
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import random
 import struct
 
@@ -198,6 +200,18 @@ def test_a_knob_set_later_makes_a_new_rule():
     first = kernel_rule(policy)
     policy.growth_interval = 7
     assert kernel_rule(policy).GROWTH_INTERVAL == 7 and first.GROWTH_INTERVAL == 2000
+
+
+def test_a_loaded_policy_never_takes_a_rule_cached_for_another():
+    """The rule is cached under the policy's stamp; a pickled policy carries its stamp, which in
+    another process may be a live policy's with other knobs: loading takes a new one."""
+    other = LossScalePolicy(growth_interval=9)
+    assert kernel_rule(other).GROWTH_INTERVAL == 9
+    policy = LossScalePolicy(growth_interval=5)
+    object.__setattr__(policy, "stamp", other.stamp)  # as a stamp counted in another process may be
+    loaded = pickle.loads(pickle.dumps(policy))
+    assert kernel_rule(loaded).GROWTH_INTERVAL == 5
+    assert kernel_rule(copy.deepcopy(loaded)).GROWTH_INTERVAL == 5
 
 
 def test_the_kernel_restates_the_policys_slots():

@@ -139,3 +139,54 @@ def test_update_is_one_launch_whatever_the_policy_and_the_optimizers(forbid_host
         with counter.phase("update") if i == 2 else contextlib.nullcontext():
             scaler.update()
     assert counter.ops["update"] == ["triton.policy_update_kernel"]
+
+
+def count_unclipped_step(scaler, optimizer, params, *, unscale: bool, steps: int = 3) -> LaunchCounter:
+    """``steps`` scaled steps without a clip (``unscale_`` first with ``unscale``); the last one
+    counted per phase ("unscale", "step")."""
+    counter = LaunchCounter()
+    for i in range(steps):
+        phase = counter.phase if i == steps - 1 else (lambda name: contextlib.nullcontext())
+        for p in params:
+            p.grad = None
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        with phase("unscale"):
+            if unscale:
+                scaler.unscale_(optimizer)
+        with phase("step"):
+            scaler.step(optimizer)
+        scaler.update()
+    return counter
+
+
+@pytest.mark.parametrize("count", [1, 148])
+@pytest.mark.parametrize("policy", ["defaults", "rich"])
+@pytest.mark.parametrize("kind", ["fused", "sgd"])
+def test_a_step_without_a_clip_is_its_check_and_the_optimizers_own(forbid_host_reads, kind, policy, count):
+    """No clip: the step's own pass (a fused step's check + finalize, which decides the skip; a plain
+    step's unscale: the flag's fill + the pass) and then the optimizer's kernels, nothing else."""
+    params = _params(count)
+    scaler = GradScaler(
+        "cpu", init_scale=2.0**10, backend="triton", compile_policy=False, **(RICH if policy == "rich" else {})
+    )
+    own = _optimizers_own_ops(kind, count)
+    ops = count_unclipped_step(scaler, _optimizer(kind, params), params, unscale=False).ops["step"]
+    table = TABLE_REBUILD if count > 1 else []
+    assert ops[len(ops) - len(own) :] == own, ops
+    assert len(ops) - len(own) - len(table) <= 2, f"the step launched more than its pass and the optimizer: {ops}"
+
+
+@pytest.mark.parametrize("count", [1, 148])
+@pytest.mark.parametrize("policy", ["defaults", "rich"])
+@pytest.mark.parametrize("kind", ["fused", "sgd"])
+def test_a_step_after_unscale_is_the_optimizers_own(forbid_host_reads, kind, policy, count):
+    """unscale_ then step: the unscale is the flag's fill + its pass, and the step decides its skip
+    from that flag without a launch (an overflow skips it: skip_decision's found_inf > 0)."""
+    params = _params(count)
+    scaler = GradScaler(
+        "cpu", init_scale=2.0**10, backend="triton", compile_policy=False, **(RICH if policy == "rich" else {})
+    )
+    counter = count_unclipped_step(scaler, _optimizer(kind, params), params, unscale=True)
+    table = TABLE_REBUILD if count > 1 else []
+    assert counter.counts["unscale"] - len(table) <= 2, counter.ops["unscale"]
+    assert counter.ops["step"] == _optimizers_own_ops(kind, count)

@@ -336,8 +336,12 @@ class UpdateResult(NamedTuple):
     checks: torch.Tensor | None
 
 
-def _padded(flags: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [flags[min(i, len(flags) - 1)] for i in range(MAX_FLAGS)] if flags else [None] * MAX_FLAGS
+_ONE_PROGRAM = (1,)
+
+
+def _padded(flags: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``MAX_FLAGS`` pointers: the flags, the last one repeated (unread past NUM_FOUND / NUM_SKIPS)."""
+    return (*flags, *flags[-1:] * (MAX_FLAGS - len(flags)))
 
 
 def update_policy_state_(
@@ -358,17 +362,17 @@ def update_policy_state_(
         update_policy_state_(state, [found_inf], [skip], norm, rule_of(policy))
     """
     scale, tracker, counters, norm_stats, spike_stats = state
-    if not 1 <= len(found_infs) <= MAX_FLAGS or len(skips) > MAX_FLAGS:
+    num_found, num_skips = len(found_infs), len(skips)
+    if not 1 <= num_found <= MAX_FLAGS or num_skips > MAX_FLAGS:
         raise ValueError(f"1 to {MAX_FLAGS} found_inf flags and at most {MAX_FLAGS} skip flags: sum more first")
-    found_out = torch.empty((), dtype=torch.float32, device=scale.device) if len(found_infs) > 1 else found_infs[0]
-    check_out = torch.empty(4, dtype=torch.float64, device=scale.device) if checks else None
+    found_out = torch.empty((), dtype=torch.float32, device=scale.device) if num_found > 1 else found_infs[0]
+    check_out = torch.empty(4, dtype=torch.float64, device=scale.device) if checks else scale  # else unread
     spike = spike_stats if spike_stats.numel() else norm_stats  # a pointer the kernel never follows
-    skip_ptrs = _padded(skips) if skips else [found_infs[0]] * MAX_FLAGS
-    policy_update_kernel[(1,)](
+    policy_update_kernel[_ONE_PROGRAM](
         scale, tracker, counters, norm_stats, spike,
-        *_padded(found_infs), *skip_ptrs,
-        norm if norm is not None else scale, found_out, check_out if checks else scale, int(hold),
-        NUM_FOUND=len(found_infs), NUM_SKIPS=len(skips), HAS_NORM=norm is not None, COUNT_ONLY=count_only,
+        *_padded(found_infs), *_padded(skips if skips else found_infs[:1]),
+        norm if norm is not None else scale, found_out, check_out, int(hold),
+        NUM_FOUND=num_found, NUM_SKIPS=num_skips, HAS_NORM=norm is not None, COUNT_ONLY=count_only,
         CHECKS=checks, R=rule, num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
-    return UpdateResult(found_out, check_out)
+    return UpdateResult(found_out, check_out if checks else None)

@@ -28,7 +28,7 @@ from .backends.triton_backend import TritonBackend
 from .clip_args import ClipRequest
 from .rank_checks import Agreement
 from .rank_combine import combine_check, combine_rank_flags
-from .step_decision import finalize_step
+from .step_decision import StepDecision, finalize_step
 
 #: The backend each (name, device) resolved to (``resolve_backend``): the choice depends on nothing
 #: else (the device's type, and whether Triton runs interpreted, fixed at import), and the backends
@@ -114,28 +114,61 @@ def unscale_and_check_(
 
 def _unscale_each_device_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
     found_infs = {d: torch.zeros((), dtype=torch.float32, device=d) for d in grads.devices}
-    per_device_scale = PerDevice(scale)
-    for device, device_groups in grads.kernel.items():
-        _backend(backend, device).unscale_(device_groups, per_device_scale.get(device), found_infs[device])
+    for device, device_groups in grads.kernel.items():  # the passes only read the scale: no copy on its device
+        _backend(backend, device).unscale_(device_groups, moved_to(scale, device), found_infs[device])
     for device, tensors in grads.other.items():
-        torch_unscale_(tensors, found_infs[device], inverse_scale(per_device_scale.get(device)))
+        torch_unscale_(tensors, found_infs[device], inverse_scale(moved_to(scale, device)))
     return found_infs
 
 
 def check_grads(
-    grads: Grads, scale: torch.Tensor, backend: str, group: Any = None, agreement: Agreement | None = None
-) -> dict[torch.device, torch.Tensor]:
+    grads: Grads,
+    scale: torch.Tensor,
+    backend: str,
+    group: Any = None,
+    agreement: Agreement | None = None,
+    decision: StepDecision | None = None,
+) -> tuple[dict[torch.device, torch.Tensor], torch.Tensor | None]:
     """Read-only inf/NaN check of the still-scaled gradients (a fused optimizer divides them
-    itself); found_inf per device. No cross-device reduction is needed for found_inf. With a
-    process ``group``: the group's found_inf (one collective, its row carrying ``agreement``)."""
-    found_infs = {}
+    itself): found_inf per device, and the step's skip flag where the check's finalize decided it
+    by ``decision`` (else None: the step decides). No cross-device reduction is needed for
+    found_inf. With a process ``group``: the group's found_inf (one collective, its row carrying
+    ``agreement``)."""
+    found_infs, skip = {}, None
     for device in grads.devices:
-        found = torch.zeros((), dtype=torch.float32, device=device)
+        others = grads.other.get(device, [])
         if device in grads.kernel:
-            device_scale = scale.to(device, non_blocking=True)
-            found = _backend(backend, device).check(grads.kernel[device], device_scale, 2.0, None).found_inf
-        found_infs[device] = _other_found_inf(grads.other.get(device, []), found)
-    return combine_rank_flags(found_infs, group, agreement, scale.device) if group is not None else found_infs
+            runner = _backend(backend, device)
+            step, decides = _check_decides(runner, decision, device, others, group)
+            result = runner.check(grads.kernel[device], moved_to(scale, device), 2.0, None, *step)
+            found, skip = result.found_inf, (result.skip if decides else skip)
+        else:
+            found = torch.zeros((), dtype=torch.float32, device=device)
+        found_infs[device] = _other_found_inf(others, found)
+    if group is not None:
+        return combine_rank_flags(found_infs, group, agreement, scale.device), None
+    return found_infs, skip if len(found_infs) == 1 else None
+
+
+def _check_decides(
+    runner: Any, decision: StepDecision | None, device: torch.device, others: list, group: Any
+) -> tuple[tuple, bool]:
+    """(the check's extra arguments, whether its finalize decides the step's skip): where the clip's
+    finalize would (``_finalize_decides``: Triton, no process group, no torch-op gradients, eager,
+    nothing read on the host), the skip rule with no norm (``skip_decision``'s, without a clip)."""
+    if (
+        decision is None
+        or not isinstance(runner, TritonBackend)
+        or others
+        or group is not None
+        or host_reads.are_free(device)
+        or torch.compiler.is_compiling()
+    ):
+        return (), False
+    step, decides = finalize_step(
+        decision, device, fold=False, unfit_overflows=False, unscale_on_overflow=False, decide=True, with_norm=False
+    )
+    return (step,), decides
 
 
 def clip_grads(

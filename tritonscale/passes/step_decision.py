@@ -42,15 +42,18 @@ class StepDecision:
 
 def rule_constexprs(policy: Any, *, with_norm: bool = True) -> dict[str, Any]:
     """The skip rule's and ZClip's constexprs for ``policy`` (kernels/finalize.py ``STEP_OFF``'s
-    names); ``with_norm`` False: no norm to decide on (the norm rules off, as ``skip_decision`` with
-    norm None). Knobs that are off keep STEP_OFF's values, so they make no new compiled variant."""
+    names); ``with_norm`` False: no norm to decide on (the norm rules and ZClip off, as
+    ``skip_decision`` with norm None). Knobs that are off keep STEP_OFF's values, so they make no
+    new compiled variant."""
     knobs = {"DECIDE": True, "SKIP_ON_OVERFLOW": policy.skip_on_overflow}
-    if with_norm and policy.skip_norm_above is not None:
+    if not with_norm:  # no clip: no norm rule, and no max_norm for ZClip to adapt
+        return knobs
+    if policy.skip_norm_above is not None:
         knobs["NORM_ABOVE"] = rounded_to_float32(policy.skip_norm_above)
-    if with_norm and policy.skip_norm_factor is not None:
+    if policy.skip_norm_factor is not None:
         knobs["NORM_FACTOR"] = rounded_to_float32(policy.skip_norm_factor)
         knobs["NORM_WARMUP"] = policy.norm_warmup_steps
-    if with_norm and policy.skip_norm_sigma is not None:
+    if policy.skip_norm_sigma is not None:
         window = window_size(policy)
         knobs.update(
             SIGMA=policy.skip_norm_sigma,
@@ -78,16 +81,18 @@ def finalize_step(
     unfit_overflows: bool,
     unscale_on_overflow: bool,
     decide: bool,
+    with_norm: bool = True,
 ) -> tuple[FinalizeStep, bool]:
     """The ``FinalizeStep`` of a clip on ``device`` and whether it decides the skip: ``fold`` (the
     divisor), ``unfit_overflows`` (a divisor that is not finite counts as an overflow: where nothing
     is read on the host), ``unscale_on_overflow`` (the policy's overflowed steps go ahead), ``decide``
     (the skip and the earlier flag, where ``decision`` allows it on ``device``). ZClip's max_norm
-    is always the kernel's when ``decision``'s policy has it (the caller checked ``decision``)."""
+    is always the kernel's when ``decision``'s policy has it (the caller checked ``decision``).
+    ``with_norm`` False: a check without a clip, whose skip decides on found_inf alone."""
     constexprs = dict(STEP_OFF, FOLD=fold, UNFIT_OVERFLOWS=unfit_overflows, UNSCALE_ON_OVERFLOW=unscale_on_overflow)
     if decision is None:
         return FinalizeStep(constexprs), False
-    rule = rule_constexprs(decision.policy)
+    rule = rule_constexprs(decision.policy, with_norm=with_norm)
     decides, earlier = decision.earlier_on(device) if decide else (False, None)
     if not decides:  # the ZClip knobs only
         rule = {name: value for name, value in rule.items() if name.startswith("ZCLIP_")}

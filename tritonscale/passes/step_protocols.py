@@ -246,8 +246,9 @@ def grad_scale_for_step(
     """The ``grad_scale`` a fused optimizer's step gets: the loss scale when nothing was unscaled
     yet (times the optimizer's own ``grad_scale``, as torch does), the factor clip_grad_norm_
     folded in, or the optimizer's own (None: the gradients hold their true values already)."""
-    if still_scaled:
-        return scale * getattr(optimizer, "grad_scale", 1)
+    if still_scaled:  # scale * 1 is the scale: no launch for it
+        own = getattr(optimizer, "grad_scale", None)
+        return scale if own is None else scale * own
     if folded is not None:
         return folded
     return getattr(optimizer, "grad_scale", None)

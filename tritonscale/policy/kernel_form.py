@@ -30,8 +30,10 @@ from .forms import SCALE_FLOOR, as_float32
 from .loss_scale_policy import LossScalePolicy
 from .spike_rules import warmup_size, window_size
 
-# The knobs' values (a tuple of the policy's fields) -> its rule: a pure function of the key.
-_rules: dict[tuple, UpdateRule] = {}
+# A policy's stamp (loss_scale_policy.py: new whenever a knob is set) -> its rule.
+_rules: dict[int, UpdateRule] = {}
+# (device type, backend) -> whether the kernel launches there.
+_RUNS: dict[tuple[str, str], bool] = {}
 _MODES = {"zscore": ZCLIP_ZSCORE, "percentile": ZCLIP_PERCENTILE}
 _OPTIONS = {"adaptive_scaling": ZCLIP_ADAPTIVE, "mean": ZCLIP_MEAN}
 
@@ -39,24 +41,31 @@ _OPTIONS = {"adaptive_scaling": ZCLIP_ADAPTIVE, "mean": ZCLIP_MEAN}
 def kernel_runs(device: torch.device, backend: str) -> bool:
     """The policy kernel can launch on ``device`` for a scaler of ``backend`` ("auto", "triton",
     "torch"): on CUDA/ROCm with compiled Triton unless the backend is "torch"; on the CPU only under
-    the interpreter and with backend "triton" (the interpreter is slow: "auto" keeps the tensor ops)."""
+    the interpreter and with backend "triton" (the interpreter is slow: "auto" keeps the tensor ops).
+    A function of the device's type and the backend alone (the interpreter is chosen at import)."""
+    runs = _RUNS.get((device.type, backend))
+    if runs is None:
+        runs = _RUNS[(device.type, backend)] = _kernel_runs(device.type, backend)
+    return runs
+
+
+def _kernel_runs(device_type: str, backend: str) -> bool:
     if not TRITON_FOUND:
         return False
-    from ..kernels.jit_helpers import INTERPRETING  # triton's; imported once, then a dict lookup
+    from ..kernels.jit_helpers import INTERPRETING  # triton's
 
-    if device.type == "cpu":
+    if device_type == "cpu":
         return INTERPRETING and backend == "triton"
-    return device.type == "cuda" and not INTERPRETING and backend != "torch"
+    return device_type == "cuda" and not INTERPRETING and backend != "torch"
 
 
 def kernel_rule(policy: LossScalePolicy) -> UpdateRule:
-    """``policy``'s knobs as ``UpdateRule`` (made again whenever a knob changed)."""
-    key = tuple(policy.__dict__.values())
-    made = _rules.get(key)
+    """``policy``'s knobs as ``UpdateRule``, made again whenever a knob changed (its ``stamp``)."""
+    made = _rules.get(policy.stamp)
     if made is None:
         if len(_rules) > 64:  # knobs that keep changing: keep the cache small
             _rules.clear()
-        made = _rules[key] = _make_rule(policy)
+        made = _rules[policy.stamp] = _make_rule(policy)
     return made
 
 

@@ -42,6 +42,7 @@ peer's own argument names: ``peer_presets.py``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -74,6 +75,8 @@ ON_MIN_SCALE = ("clamp", "warn", "raise")
 #: (a running average, a window) in the scaler's state.
 NORM_RULE_KNOBS = ("skip_norm_above", "skip_norm_factor", "skip_norm_sigma", "clip_norm_z")
 NORM_HISTORY_KNOBS = ("skip_norm_factor", "skip_norm_sigma", "clip_norm_z")
+#: Each knob set anywhere (the constructor, a user's ``policy.hysteresis = 3``) takes the next stamp.
+_STAMPS = itertools.count()
 
 
 @dataclass
@@ -174,6 +177,19 @@ class LossScalePolicy:
         if self.max_scale is not None and scale > self.max_scale:
             raise ScalerConfigError(f"{name}={scale!r} is above max_scale={self.max_scale!r}")
         return scale
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # What is derived from the knobs (the update kernel's constexprs, the rule's fast forms) is
+        # cached under ``stamp``: a knob changed in place gets a new one, unique across every
+        # policy, so a cache keyed on it is proved valid by one lookup.
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "stamp", next(_STAMPS))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy or an unpickled policy (from another process too, where stamps count apart) gets
+        # a stamp of this process.
+        self.__dict__.update(state)
+        object.__setattr__(self, "stamp", next(_STAMPS))
 
     # ------------------------------------------------------------- presets
     @classmethod

@@ -132,8 +132,7 @@ class PolicyRunner:
         where one could fire, the kernel also writes the check bits and the values they name, and
         leaves the state untouched when a raising one fires; the one host read follows the launch."""
         device = state.scale.device
-        found_infs = _at_most(MAX_FLAGS, [moved_to(f, device) for f in outcome.found_infs])
-        skips = _at_most(MAX_FLAGS, [moved_to(f, device) for f in outcome.skips])
+        found_infs, skips = _kernel_flags(outcome.found_infs, device), _kernel_flags(outcome.skips, device)
         norm = _last_norm(outcome, device)
         checks = not count_only and policy.needs_host_check()
         reads = checks and not self._unread.skips_read(policy, state)
@@ -215,10 +214,12 @@ class PolicyRunner:
         self.__init__(state["compile_policy"], state.get("backend", "auto"))
 
 
-def _at_most(count: int, flags: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``flags`` as they are, or summed into one when there are more than the kernel reads by
-    pointer (more optimizers than ``MAX_FLAGS`` on one scaler: two launches more)."""
-    return flags if len(flags) <= count else [combine_flags(flags)]
+def _kernel_flags(flags: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``flags`` on ``device`` (``flags.moved_to``'s rule, inline: every update pays it), as they
+    are, or summed into one when there are more than the kernel reads by pointer (more optimizers
+    than ``MAX_FLAGS`` on one scaler: two launches more)."""
+    moved = [f if f.device == device else f.to(device, non_blocking=True) for f in flags]
+    return moved if len(moved) <= MAX_FLAGS else [combine_flags(moved)]
 
 
 def _last_norm(outcome: IterationOutcome, device: torch.device) -> torch.Tensor | None:

@@ -221,20 +221,27 @@ class GradScaler:
             return
         scale = self._state_for("update").scale
         self._refuse_host_work_in_capture(scale.device, found_inf)
-        records = list(self._per_optimizer_states.values())
+        records = self._per_optimizer_states.values()
         if found_inf is not None:
             record = OptimizerRecord.from_flag(found_inf, scale.device)
             record.skip_flag(self, scale.device)
-            records.append(record)
+            records = [*records, record]
         outcome = OptimizerRecord.outcome(records)
-        with NOTHING_TO_UNDO if self._ranks.pending is None else self._ranks.unchanged_if_mismatched(self._tensors):
-            if new_scale is not None:
-                set_scale_(scale, new_scale)
-                self._last_found_inf, self._last_norm = self._rules.count_only_(self._policy, self._tensors, outcome)
-            else:
-                self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, outcome)
+        if new_scale is None and self._ranks.pending is None:  # every step's case: no context to enter
+            self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, outcome)
+        else:
+            with NOTHING_TO_UNDO if self._ranks.pending is None else self._ranks.unchanged_if_mismatched(self._tensors):
+                self._last_found_inf, self._last_norm = self._apply_rule(new_scale, outcome)
         self._per_optimizer_states = defaultdict(OptimizerRecord)
         self._ranks.next_iteration(scale.device)
+
+    def _apply_rule(self, new_scale: float | torch.Tensor | None, outcome: Any) -> tuple:
+        """The policy's update of the device state, or with ``new_scale`` the scale set and the
+        iteration counted; the found_inf and norm used."""
+        if new_scale is None:
+            return self._rules.update_(self._policy, self._tensors, outcome)
+        set_scale_(self._tensors.scale, new_scale)
+        return self._rules.count_only_(self._policy, self._tensors, outcome)
 
     def _refuse_host_work_in_capture(self, device: torch.device, found_inf: bool | torch.Tensor | None) -> None:
         """update()'s parts that a CUDA graph would freeze at capture: refused before any change."""

@@ -31,7 +31,7 @@ optimizer adopts such a record into its kind, carrying its stage and flags.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -56,7 +56,7 @@ from ..passes.step_protocols import (
 )
 from ..policy.runner import IterationOutcome
 
-__all__ = ["OptState", "OptimizerRecord", "OptimizerStep", "step_kind", "weak"]
+__all__ = ["OptState", "OptimizerRecord", "OptimizerStep", "step_kind", "unscaled_skip", "weak"]
 
 
 @dataclass
@@ -97,13 +97,17 @@ class OptimizerRecord:
         return OptimizerStep(found_inf_per_device={device: flag})
 
     @staticmethod
-    def outcome(records: list[OptimizerRecord]) -> IterationOutcome:
-        """What ``records`` (the iteration's, in order) hand the policy's rule."""
-        return IterationOutcome(
-            [t for r in records for t in r.found_inf_per_device.values()],
-            [r.skip for r in records if r.skip is not None],
-            [r.norm for r in records if r.norm is not None],
-        )
+    def outcome(records: Iterable[OptimizerRecord]) -> IterationOutcome:
+        """What ``records`` (the iteration's, in order) hand the policy's rule (one walk: every
+        update() makes it)."""
+        found_infs, skips, norms = [], [], []
+        for r in records:
+            found_infs.extend(r.found_inf_per_device.values())
+            if r.skip is not None:
+                skips.append(r.skip)
+            if r.norm is not None:
+                norms.append(r.norm)
+        return IterationOutcome(found_infs, skips, norms)
 
     # ------------------------------------------------------------------ read-outs
     def found_inf(self) -> torch.Tensor | None:
@@ -218,12 +222,15 @@ class OptimizerStep(OptimizerRecord):
         grads = collect_grads(self.optimizer, allow_fp16=not unscale, allow_sparse=sparse_ok)
         group, backend = scaler._group(grads), scaler._backend_name
         agreement = None if group is None else scaler._agreement(self.optimizer)  # a single process: no rank code
+        policy = scaler._policy
         if unscale:
-            flags = unscale_and_check_(grads, scale, backend, group, agreement, scaler._policy.skip_on_overflow)
+            flags = unscale_and_check_(grads, scale, backend, group, agreement, policy.skip_on_overflow)
+            skip = unscaled_skip(policy, flags, scale.device) if group is None else None
             self.stage = OptState.UNSCALED
-        else:
-            flags = check_grads(grads, scale, backend, group, agreement)
-        self.found_inf_per_device, self.decided_skip = flags, None
+        else:  # the check's finalize decides the step's skip where it can (passes/step_decision.py)
+            decision = StepDecision(policy, scaler._tensors, {})
+            flags, skip = check_grads(grads, scale, backend, group, agreement, decision)
+        self.found_inf_per_device, self.decided_skip, self._decided_by = flags, skip, policy
 
     def clip(self, scaler: Any, max_norm: Any, norm_type: float, kernels: bool, process_group: Any) -> torch.Tensor:
         """``clip_grad_norm_``: unscale (what is still pending), check and clip in one fused pass;
@@ -384,6 +391,18 @@ def step_kind(optimizer: Any, inner: torch.optim.Optimizer, enabled: bool) -> ty
     """The kind of ``optimizer``'s iteration (``optimizer``: the object a call was given, a wrapper
     or the optimizer itself; ``inner``: the real optimizer): a disabled scaler's, or its protocol's."""
     return _KINDS[StepProtocol.of(optimizer, inner)] if enabled else DisabledStep
+
+
+def unscaled_skip(policy: Any, flags: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The skip of a step after ``unscale_`` (no norm): ``skip_decision``'s ``found_inf > 0`` as a
+    float32 flag is the one flag of the scale's ``device`` itself, which the unscale pass only ever
+    sets to 1.0 (kernels/apply_pass.py, torch's ``_amp_foreach_non_finite_check_and_unscale_``):
+    nothing to launch. None (the step decides) for a policy that lets overflows through, or flags
+    on another device or on several."""
+    flag = flags.get(device)
+    if not policy.skip_on_overflow or flag is None or len(flags) != 1:
+        return None
+    return flag
 
 
 def weak(optimizer: Any) -> Callable[[], Any]:
