@@ -55,6 +55,7 @@ import torch
 from timing import describe, format_ratio, machine, quantiles, ratio_spread, round_order
 
 import tritonscale
+from tritonscale.torch_compat import COMPILED_CLIP, has_torch
 
 VARIANTS = (
     "no-scaling",
@@ -66,6 +67,8 @@ VARIANTS = (
     "tritonscale-flat",
     "tritonscale-compiled",
 )
+#: What runs when --variants is not given: the compiled clip is refused before torch 2.12 (tritonscale.torch_compat).
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "tritonscale-compiled" or has_torch(COMPILED_CLIP)]
 COMPILE_WARMUP = 3  # warm-up steps the compiled variant needs: compile, recompile once, run warm
 PHASES = ("forward", "backward", "scaler", "step", "update", "zero_grad")
 PHASE_COLORS = {
@@ -113,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="parameter dtype")
     parser.add_argument("--autocast", choices=list(AUTOCAST), default="none", help="autocast dtype of the forward")
     parser.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto", help="tritonscale's")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=DEFAULT_VARIANTS)
     parser.add_argument("--max-norm", type=float, default=1.0)
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of tritonscale-compiled")
     parser.add_argument("--seed", type=int, default=0)
@@ -123,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     overrides = {k: getattr(args, k) for k in ("d_model", "layers", "batch", "steps", "warmup")}
     args.preset_name = name
     args.preset = Preset(**{**asdict(PRESETS[name]), **{k: v for k, v in overrides.items() if v is not None}})
+    if "tritonscale-compiled" in args.variants and not has_torch(COMPILED_CLIP):
+        parser.error(f"--variants tritonscale-compiled needs torch>=2.12 (this is torch {torch.__version__})")
     if "tritonscale-compiled" in args.variants and args.preset.warmup < COMPILE_WARMUP:
         args.preset = Preset(**{**asdict(args.preset), "warmup": COMPILE_WARMUP})
     return args

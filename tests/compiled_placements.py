@@ -15,7 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
+
+from tritonscale.torch_compat import COMPILED_CLIP, has_torch
+
+#: A test that compiles clip_grad_norm_: refused before torch 2.12 (tests/test_torch_compat.py checks that).
+needs_compiled_clip = pytest.mark.skipif(
+    not has_torch(COMPILED_CLIP), reason="a compiled clip_grad_norm_ needs torch>=2.12 (refused before it)"
+)
 
 PLACES = ("global", "attribute", "closure")
 

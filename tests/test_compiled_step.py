@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from compiled_placements import needs_compiled_clip
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler, LossScaleOptimizer, Updater, presets
@@ -114,6 +115,7 @@ def assert_same_run(compiled: dict, eager: dict, exact: bool = True) -> None:
     assert compiled["optimizer steps traced"] == [False] * STEPS
 
 
+@needs_compiled_clip
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])
 def test_compiled_step_equals_eager(request, backend, paths):
     if paths == "gpu":  # the paths a GPU takes: no host reads, the policy rule as device ops
@@ -121,10 +123,12 @@ def test_compiled_step_equals_eager(request, backend, paths):
     assert_same_run(training_run(backend, "aot_eager"), training_run(backend, None))
 
 
+@needs_compiled_clip
 def test_compiled_step_equals_eager_with_inductor(forbid_host_reads):
     assert_same_run(training_run("torch", "inductor"), training_run("torch", None), exact=False)
 
 
+@needs_compiled_clip
 @pytest.mark.parametrize(
     "preset",
     [

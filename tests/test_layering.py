@@ -6,7 +6,7 @@ combine across ranks, apply or fold) < ``scaler`` (the controller) < ``loop`` (t
 skip-aware schedules, logging) < ``framework_apis`` (other frameworks' APIs over the controller;
 ``shapes`` is its old name) and ``integrations``. Leaf
 modules at the package's top (``flags.py``, ``process_groups.py``, ``host_reads.py``,
-``errors.py``) import no stage, and every stage but the kernels may import them (the kernels know
+``errors.py``, ``torch_compat.py``) import no stage, and every stage but the kernels may import them (the kernels know
 nothing of the package around them). Every import counts: at module level, inside a function,
 and under ``if TYPE_CHECKING:`` (a reader follows those too). ``tritonscale/__init__.py`` gathers the public
 names from every stage and is the one exception.
@@ -24,7 +24,7 @@ import tritonscale
 PACKAGE = Path(tritonscale.__file__).parent
 ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4, "loop": 5}
 ORDER |= {"framework_apis": 6, "shapes": 6, "integrations": 6}
-LEAVES = {"flags", "process_groups", "host_reads", "errors"}
+LEAVES = {"flags", "process_groups", "host_reads", "errors", "torch_compat"}
 
 
 def imports(path: Path, package: list[str]) -> list[tuple[int, str]]:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tritonscale.torch_compat import COMPILED_CLIP, has_torch
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -51,9 +53,14 @@ def test_the_per_layer_logging_recipe_runs_for_a_plain_optimizer_too():
 
 @pytest.mark.parametrize("page", DOCS, ids=[page.name for page in DOCS])
 def test_docs_python_examples_run(page):
+    refused = 0  # blocks that compile the clip: refused before torch 2.12 (tests/test_torch_compat.py)
     for block in code_blocks("python", page.read_text()):
-        if not block.startswith(EXCERPTS):
+        if not has_torch(COMPILED_CLIP) and "torch.compile" in block and "clip_grad_norm_" in block:
+            refused += 1
+        elif not block.startswith(EXCERPTS):
             exec(compile(block, str(page.relative_to(ROOT)), "exec"), {})
+    if refused:
+        pytest.skip(f"the other blocks ran; {refused} compile clip_grad_norm_, which needs torch>=2.12")
 
 
 def test_excerpts_are_in_their_scripts():

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import tritonscale
+from tritonscale.torch_compat import COMPILED_CLIP, has_torch
 
 STEPS = 8
 WARM = 3  # calls before which a recompilation is allowed
@@ -157,6 +158,8 @@ def assert_rule_acted(run: dict, variant: Variant) -> None:
 
 @pytest.mark.parametrize("call, holder, mode, backend, variant", CELLS, ids=["-".join(cell) for cell in CELLS])
 def test_compiled_cell(call, holder, mode, backend, variant):
+    if call == "clip_grad_norm_" and not has_torch(COMPILED_CLIP):
+        pytest.skip("a compiled clip_grad_norm_ needs torch>=2.12 (refused before it: tests/test_torch_compat.py)")
     compiled = training_run(call, holder, backend, MODES[mode], VARIANTS[variant])
     eager = training_run(call, holder, backend, None, VARIANTS[variant])
     assert_rule_acted(eager, VARIANTS[variant])

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from compiled_placements import needs_compiled_clip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracles.grad_twins import ENTRIES, Twins
@@ -285,6 +286,7 @@ def test_nan_left_in_the_padding_reads_nothing_on_the_host(backend, forbid_host_
         twins.step(optimizer, entry=entry, write=zero_grad_then_backward)
 
 
+@needs_compiled_clip
 def test_a_compiled_clip_counts_only_the_gradients_of_a_flat_buffer(backend):
     # Traced, the Triton backend's custom ops lay the buffer out at run time (whole, as eager):
     # NaN and noise left in the padding must not count there either.

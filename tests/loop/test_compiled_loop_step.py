@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+from compiled_placements import needs_compiled_clip
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import tritonscale
@@ -76,6 +77,7 @@ def _run(compiled: bool) -> dict:
     }
 
 
+@needs_compiled_clip
 def test_the_compiled_step_recompiles_nothing_and_equals_eager(forbid_host_reads):
     eager, compiled = _run(False), _run(True)
     skipped = [step for step, values in eager["rows"] if values["skipped"]]

@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from compiled_placements import needs_compiled_clip
 from oracles.scaler_twins import COPIES as WHOLE_COPIES
 from oracles.scaler_twins import Snapshot, bits, same_bits, torch_clip
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -103,6 +104,7 @@ def test_direct_step_after_a_folded_clip_raises_changing_nothing(backend, name, 
     assert same_bits(runs[0], runs[1])
 
 
+@needs_compiled_clip
 def test_a_compiled_clip_guards_from_its_first_call_without_recompiling():
     """The clip traced whole (fullgraph=True) installs the guard too, while Dynamo traces it: the
     direct step raises from the first iteration on, changing nothing, and the clip compiles once

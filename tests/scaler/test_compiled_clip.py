@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from compiled_placements import placed
+from compiled_placements import needs_compiled_clip, placed
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler, flatten_grads_
@@ -105,6 +105,7 @@ def assert_same_run(compiled: dict, eager: dict, exact: bool = True) -> None:
         torch.testing.assert_close(ours, reference, **tolerance)
 
 
+@needs_compiled_clip
 @pytest.mark.parametrize("optimizer_name", ["SGD", "fused AdamW"])
 @pytest.mark.parametrize("paths", ["cpu", "gpu"])
 def test_clip_compiles_whole_without_recompiling(request, optimizer_name, paths):
@@ -117,6 +118,7 @@ def test_clip_compiles_whole_without_recompiling(request, optimizer_name, paths)
     assert 1 <= compiled["graphs"] <= 2
 
 
+@needs_compiled_clip
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_flat_buffers_moved_under_a_warm_compiled_clip(forbid_host_reads, backend_name):
     """Views of a flatten_grads_ buffer, then of a new one: a traced clip proves nothing by address
@@ -127,6 +129,7 @@ def test_flat_buffers_moved_under_a_warm_compiled_clip(forbid_host_reads, backen
     assert_same_run(compiled, training_run("SGD", backend_name, None, flat=True), exact=backend_name == "triton")
 
 
+@needs_compiled_clip
 def test_triton_kernels_enter_the_graph_as_custom_ops():
     """On the Triton backend the check and apply passes are single nodes of the graph
     (torch.ops.tritonscale.*); the interpreter runs them here, bit for bit as in eager mode."""
@@ -148,6 +151,7 @@ def test_triton_kernels_enter_the_graph_as_custom_ops():
     assert "tritonscale.check" in targets and "tritonscale.apply_factor_" in targets
 
 
+@needs_compiled_clip
 @pytest.mark.parametrize("optimizer_name", ["fused AdamW", "fused Adam", "fused SGD", "fused Adagrad"])
 def test_post_backward_step_is_at_most_three_graphs(forbid_host_reads, optimizer_name):
     """clip + step + update compiled as one function: the clip and the update are graphs, the
@@ -171,6 +175,7 @@ def test_post_backward_step_is_at_most_three_graphs(forbid_host_reads, optimizer
     assert explained.graph_count <= 3, [reason.reason for reason in explained.break_reasons]
 
 
+@needs_compiled_clip
 def test_gradients_sharing_memory_raise_at_run_time_and_change_nothing(forbid_host_reads):
     """A traced clip cannot read addresses, and torch.compile does not notice inputs that alias
     only at run time: the overlap check runs inside the graph (a custom op), before the passes."""
@@ -192,6 +197,7 @@ def test_gradients_sharing_memory_raise_at_run_time_and_change_nothing(forbid_ho
     assert scaler.optimizer_stage(optimizer) is None  # nothing recorded: the step may be retried
 
 
+@needs_compiled_clip
 def test_a_disabled_scalers_clip_compiles_whole():
     """A bf16 run (enabled=False): the plain clip with its inf/NaN check traces too, and the step
     after it skips on the check, as in eager mode."""
@@ -289,6 +295,7 @@ def torch_clip_graphs(dynamic: bool | None, tensor: bool, norm_types=()) -> list
     return graphs
 
 
+@needs_compiled_clip
 @pytest.mark.parametrize(
     "backend_name, where, dynamic, tensor, norm_types",
     [

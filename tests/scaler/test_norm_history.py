@@ -13,6 +13,7 @@ import pickle
 
 import pytest
 import torch
+from compiled_placements import needs_compiled_clip
 from oracles.spike_rules import OlmoSkip
 
 import tritonscale
@@ -157,6 +158,7 @@ def test_without_a_history_rule_two_clipped_optimizers_share_a_scaler():
         scaler.update()
 
 
+@needs_compiled_clip
 def test_a_compiled_clip_refuses_the_second_optimizer_with_the_message():
     """Traced (fullgraph): the owner check is a guard on the owner, once warm nothing recompiles for
     it; the second optimizer's clip fails with the message (in Dynamo's error), nothing changed."""

@@ -19,6 +19,7 @@ from tritonscale.policy.loss_scale_policy import LossScalePolicy
 from tritonscale.policy.state import HostState
 from tritonscale.scaler.checkpoint_codec import STATE_KEYS, from_state_dict, to_state_dict
 from tritonscale.scaler.optimizer_step import OptimizerRecord, OptState
+from tritonscale.torch_compat import FUSED_ADAGRAD_AMP_SCALING, has_torch
 
 
 def test_constructor_defaults_are_torchs():
@@ -194,7 +195,15 @@ def test_bools_and_non_numbers_are_still_refused_naming_the_knob(knob, bad):
         tritonscale.GradScaler("cpu", backend="torch", **{knob: bad})
 
 
-@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad])
+ADAGRAD_FOLDS = pytest.mark.skipif(
+    not has_torch(FUSED_ADAGRAD_AMP_SCALING),
+    reason="fused Adagrad declares amp scaling from torch 2.12; before, it is unscaled in place (test_torch_compat)",
+)
+FUSED_ADAGRAD = pytest.param(torch.optim.Adagrad, marks=ADAGRAD_FOLDS)
+FUSED_CLASSES = [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, FUSED_ADAGRAD]
+
+
+@pytest.mark.parametrize("cls", FUSED_CLASSES)
 def test_a_copied_torch_fused_optimizer_still_takes_amp_scaling(cls):
     # torch drops _step_supports_amp_scaling when it pickles an optimizer (only defaults, state and
     # param_groups travel), yet the copy steps fused: it must fold as the original does.

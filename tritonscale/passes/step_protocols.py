@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from ..torch_compat import FUSED_ADAGRAD_AMP_SCALING, has_torch
+
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The optimizer at the end of ``optimizer``'s ``.optimizer`` chain (itself if it has none).
@@ -118,8 +120,13 @@ def takes_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
     unpickled or ``torch.load``ed one has lost the flag but still steps fused (and reads
     ``grad_scale``/``found_inf``). It is recognised by its ``fused`` default, so that a copy
     continues exactly as the original (the fold's division is not the in-place unscale's, bit for bit).
+    Before torch 2.12 fused Adagrad declares nothing and torch's GradScaler unscales for it in place:
+    so does ours there (``torch_compat``).
     """
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) or is_torch_fused(optimizer)
+    if bool(getattr(optimizer, "_step_supports_amp_scaling", False)):
+        return True
+    adagrad_declares = has_torch(FUSED_ADAGRAD_AMP_SCALING) or not isinstance(optimizer, torch.optim.Adagrad)
+    return is_torch_fused(optimizer) and adagrad_declares
 
 
 def is_torch_fused(optimizer: torch.optim.Optimizer) -> bool:

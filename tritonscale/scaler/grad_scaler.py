@@ -12,7 +12,6 @@ torch.amp.GradScaler's own names.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,11 +33,12 @@ from ..policy.peer_presets import PeerPreset
 from ..policy.runner import PolicyRunner
 from ..policy.state import DeviceState, HostState
 from ..process_groups import check_process_group
+from ..torch_compat import COMPILED_CLIP, has_torch, refuse_compiled_clip
 from .checkpoint_codec import ScalerSnapshot, check_picklable, from_state_dict, to_state_dict
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
 from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats, one_launch
 from .norm_history import NormHistoryOwner
-from .optimizer_step import OptimizerRecord, OptimizerStep, OptState, step_kind
+from .optimizer_step import OptimizerRecord, OptimizerStep, OptState, new_records, step_kind
 from .scale_outputs import scale_outputs
 from .scaler_args import (
     TORCH_INIT_SCALE,
@@ -107,7 +107,7 @@ class GradScaler:
         self._host = HostState.initial(init_scale, self._policy)
         self._tensors: DeviceState | None = None
         # This iteration, per optimizer (keyed by id, as torch's), and what the last one left.
-        self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(OptimizerRecord)
+        self._per_optimizer_states: dict[int, OptimizerRecord] = new_records()
         self._last_found_inf: torch.Tensor | None = None
         self._last_norm: torch.Tensor | None = None
         self._disabled_skip: torch.Tensor | None = None  # a disabled scaler's last step() skip flag
@@ -195,6 +195,8 @@ class GradScaler:
         iteration = self._step_for(optimizer, inner)  # a fused step folds the clip; a disabled one clips plainly
         if clip_stays_eager(process_group or self._process_group, inner):
             return call_eagerly(self.clip_grad_norm_, optimizer, max_norm, norm_type, process_group=process_group)
+        if torch.compiler.is_compiling() and not has_torch(COMPILED_CLIP):
+            refuse_compiled_clip()  # raised while Dynamo traces: torch 2.11's cannot trace the clip
         # The norm history is the scaler's: a second optimizer's clip is refused before anything changes.
         self._norm_owner.check(self._policy, inner)
         return iteration.clip(self, max_norm, norm_type, kernels, process_group)
@@ -217,7 +219,7 @@ class GradScaler:
         if update_stays_eager(self._process_group, self._ranks, self._policy, new_scale):
             return call_eagerly(self.update, new_scale, found_inf=found_inf)
         if not self._enabled:
-            self._per_optimizer_states = defaultdict(OptimizerRecord)
+            self._per_optimizer_states = new_records()
             return
         scale = self._state_for("update").scale
         self._refuse_host_work_in_capture(scale.device, found_inf)
@@ -232,7 +234,7 @@ class GradScaler:
         else:
             with NOTHING_TO_UNDO if self._ranks.pending is None else self._ranks.unchanged_if_mismatched(self._tensors):
                 self._last_found_inf, self._last_norm = self._apply_rule(new_scale, outcome)
-        self._per_optimizer_states = defaultdict(OptimizerRecord)
+        self._per_optimizer_states = new_records()
         self._ranks.next_iteration(scale.device)
 
     def _apply_rule(self, new_scale: float | torch.Tensor | None, outcome: Any) -> tuple:
@@ -410,7 +412,7 @@ class GradScaler:
         ``snapshot``, also undo the update()s since it was taken. The gradients stay as they are.
         Example: ``scaler.abandon_iteration(optimizer, scaler.snapshot())``."""
         if optimizer is None:
-            self._per_optimizer_states = defaultdict(OptimizerRecord)
+            self._per_optimizer_states = new_records()
         else:
             self._per_optimizer_states.pop(id(unwrap_optimizer(optimizer)), None)
         if snapshot is not None:

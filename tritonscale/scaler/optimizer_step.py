@@ -31,6 +31,7 @@ optimizer adopts such a record into its kind, carrying its stage and flags.
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -149,6 +150,17 @@ class OptimizerRecord:
 
     def __contains__(self, key: object) -> bool:
         return key in self._TORCH_KEYS
+
+
+def bare_record() -> OptimizerRecord:
+    """What the table makes for an optimizer it has not met (the ``defaultdict``'s factory)."""
+    return OptimizerRecord()
+
+
+def new_records() -> defaultdict[int, OptimizerRecord]:
+    """An iteration's empty table, keyed by ``id(optimizer)``. Its factory is a function, not the class:
+    torch 2.11's Dynamo fails on ``defaultdict(OptimizerRecord)`` in a compiled ``update()``."""
+    return defaultdict(bare_record)
 
 
 @dataclass
