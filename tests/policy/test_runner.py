@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracles.scale_rules import Loop
 
+import tritonscale.policy.runner as runner_module
 from tritonscale import GradScaler, LossScalePolicy, host_reads, presets
 from tritonscale.kernels import policy_update
 from tritonscale.policy.runner import IterationOutcome, PolicyRunner
@@ -154,3 +155,18 @@ def test_the_kernels_checks_fire_where_the_host_checks_do(monkeypatch, policy, o
         assert device.state_dict() == host.state_dict(), f"op {i}"
         if expected[0] is not None:
             return
+
+
+@pytest.mark.parametrize(
+    ("compile_policy", "kernels_launch", "compiled"),
+    [(None, True, False), (None, False, True), (True, True, True), (False, False, False)],
+)
+def test_the_rule_is_compiled_on_cuda_only_where_the_kernels_do_not_launch(
+    monkeypatch, compile_policy, kernels_launch, compiled
+):
+    """compile_policy=None on CUDA: the tensor-op rule (a step's skip nothing else decided) is
+    compiled only where the kernels cannot launch (backend="torch"); with the kernels it stays
+    eager, so no Dynamo call runs per step and none compiles inside a CUDA-graph capture."""
+    monkeypatch.setattr(runner_module, "kernel_runs", lambda device, backend: kernels_launch)
+    assert PolicyRunner(compile_policy)._compiles(torch.device("cuda")) is compiled
+    assert PolicyRunner(compile_policy)._compiles(torch.device("cpu")) is bool(compile_policy)

@@ -59,7 +59,13 @@ class PolicyRunner:
         self._unread = UpdatesWithoutRead()  # the host check's reads the device may skip
 
     def _compiles(self, device: torch.device) -> bool:
-        return self.compile_policy if self.compile_policy is not None else device.type == "cuda"
+        """The tensor-op rule is compiled: on request, or (None) on CUDA where the kernels cannot
+        launch (``backend="torch"``): there each of the rule's ~10-40 tiny ops would be a launch.
+        Where the kernels launch, what the kernels do not decide (a step's skip with no clip or
+        check before it) stays eager: no Dynamo call, and no compile inside a CUDA-graph capture."""
+        if self.compile_policy is not None:
+            return self.compile_policy
+        return device.type == "cuda" and not kernel_runs(device, self.backend)
 
     def uses_kernel(self, device: torch.device) -> bool:
         """The update runs as the one policy kernel on ``device``: the device form, not asked to be
