@@ -238,3 +238,22 @@ def test_installed_wheel_imports_and_runs_the_quickstart_without_triton(wheel, t
     site = tmp_path / "site"
     zf.extractall(site)
     _assert_runs_without_triton(_python(WITHOUT_TRITON + NO_TRITON_CHECKS, tmp_path, pythonpath=site))
+
+
+def test_the_readme_main_job_installs_the_triton_its_stages_import():
+    """The README's main job (``python bench/run_all.py``) compiles the kernels (kernel_report) and
+    runs the Triton variants on the CPU's interpreter: the extras its command installs must bring
+    triton, which is no dependency of the package (a CPU install without it ran every stage but
+    kernel_report, which failed: ``No module named 'triton'``)."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(__file__).resolve().parents[1]
+    command = next(line for line in (root / "README.md").read_text().splitlines() if "bench/run_all.py" in line
+                   and line.startswith("python3 -m venv"))  # fmt: skip
+    extras = re.search(r'-e "\.\[([a-z,]+)\]"', command).group(1).split(",")
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    installed = project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]
+    assert any(re.match(r"triton\b", d) for d in installed), (extras, installed)
+    stages = [p for p in (root / "bench").glob("*.py") if "import triton" in p.read_text()]
+    assert stages, "no bench stage imports triton: this test would guard nothing"
