@@ -213,7 +213,7 @@ class PolicyRunner:
         """The iteration's combined found_inf and skip flag, from flags that are already the
         process group's (the passes combined them); at least one found_inf was recorded."""
         device = state.scale.device
-        found_inf = flags_on(device, outcome.found_infs)
+        found_inf = _flag_on(device, outcome.found_infs)
         if outcome.skips:
             return found_inf, combine_flags(outcome.skips)
         # No optimizer stepped (unscale_ only): what overflowed counts as skipped.
@@ -225,6 +225,14 @@ class PolicyRunner:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Rules (compiled ones too) are rebuilt on use; a copy reads its first host check.
         self.__init__(state["compile_policy"], state.get("backend", "auto"))
+
+
+def _flag_on(device: torch.device, flags: list[torch.Tensor]) -> torch.Tensor:
+    """``flags_on(device, flags)``, with the one 0-dim flag already on ``device`` (a single
+    optimizer's every update) handed back as it is, as ``flags_on`` would, without its list."""
+    if len(flags) == 1 and flags[0].dim() == 0 and flags[0].device == device:
+        return flags[0]
+    return flags_on(device, flags)
 
 
 def _kernel_flags(flags: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -129,7 +129,12 @@ class OptimizerRecord:
     def found_inf_on(self, device: torch.device, required: bool = True) -> torch.Tensor:
         """The flags as one 0-dim flag on ``device``. None recorded (no gradients): torch's error if
         ``required``, else 0."""
-        found_inf = flags_on(device, self.found_inf_per_device.values())
+        flags = self.found_inf_per_device
+        if len(flags) == 1:  # one device's 0-dim flag there already (nearly every step): as flags_on gives it
+            (flag,) = flags.values()
+            if flag.dim() == 0 and flag.device == device:
+                return flag
+        found_inf = flags_on(device, flags.values())
         if found_inf is None:
             if required:
                 raise AssertionError("No inf checks were recorded for this optimizer.")
