@@ -17,6 +17,8 @@ import tritonscale
 import tritonscale.scaler.grad_scaler as grad_scaler_module
 from tritonscale.passes.backends import torch_backend
 from tritonscale.passes.rank_checks import RankChecks
+from tritonscale.policy.runner import PolicyRunner
+from tritonscale.scaler import optimizer_step
 
 STEPS = 10
 
@@ -184,4 +186,45 @@ def test_a_single_process_update_makes_no_context_to_undo_it(monkeypatch):
     assert int(scaler._ranks.iteration) == STEPS
     torch.testing.assert_close(torch.stack(our_norms), torch.stack(torch_norms), rtol=1e-6, atol=0)
     for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_host_plain_step_decides_on_numbers_and_updates_without_a_rule_lookup(monkeypatch):
+    """Where reads are free (the CPU) a plain step after the clip decides its skip on Python
+    numbers and steps on that bool: no skip flag is read back (``read_flag``), and neither the
+    step nor update() looks a rule up (``PolicyRunner.rule``). The record still holds the skip
+    as a float32 0/1 tensor, and an overflow step skips and backs off as torch's does."""
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("a host step looked a rule up")
+
+    def no_read(flag):
+        raise AssertionError("a host step read its skip flag back")
+
+    monkeypatch.setattr(PolicyRunner, "rule", no_lookup)
+    monkeypatch.setattr(optimizer_step, "read_flag", no_read)
+    params, xs = _model_and_data()
+    xs[3] = (torch.full_like(xs[3][0], float("inf")), xs[3][1])  # one overflow: the step skips, the scale backs off
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = tritonscale.GradScaler("cpu", init_scale=2.0**8), torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt, torch_opt = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(twins, lr=0.1)
+    skips = []
+    for x in xs:
+        ours.scale(_loss(params, x)).backward()
+        theirs.scale(_loss(twins, x)).backward()
+        ours.clip_grad_norm_(opt, 1.0)
+        theirs.unscale_(torch_opt)
+        torch.nn.utils.clip_grad_norm_(twins, 1.0)
+        ours.step(opt)
+        theirs.step(torch_opt)
+        skips.append(ours._per_optimizer_states[id(opt)].skip)
+        ours.update()
+        theirs.update()
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        assert ours.get_scale() == theirs.get_scale()
+        assert int(ours._tensors.growth_tracker) == int(theirs._growth_tracker)
+    assert all(s.dtype == torch.float32 and s.dim() == 0 for s in skips)
+    assert [float(s) for s in skips] == [1.0 if k == 3 else 0.0 for k in range(STEPS)]
+    for a, b in zip(params, twins):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -251,6 +251,18 @@ class LossScalePolicy:
     ) -> torch.Tensor:
         """float32 0-dim: 1.0 where the optimizer step must be skipped. ``spike_stats``: the z-score
         skip's window (spike_rules.py), needed with ``skip_norm_sigma``."""
+        return form.flag(self.skips(found_inf, norm, norm_stats, form, spike_stats), found_inf.device)
+
+    def skips(
+        self,
+        found_inf: torch.Tensor,
+        norm: torch.Tensor | None,
+        norm_stats: torch.Tensor,
+        form: RuleForm = ON_DEVICE,
+        spike_stats: torch.Tensor | None = None,
+    ) -> Any:
+        """:meth:`skip_decision`'s condition before it becomes a flag: a bool 0-dim tensor
+        (ON_DEVICE), or a Python bool (ON_HOST), which a host step decides on without a tensor."""
         found = form.read(found_inf)
         skip = found > 0 if self.skip_on_overflow else form.false(found)
         if norm is not None and self.has_norm_skip():
@@ -266,7 +278,7 @@ class LossScalePolicy:
             if self.skip_norm_sigma is not None:  # tensor ops in both forms: the same bits
                 spike = spike | form.read(zscore_spike(self, spike_stats, norm.to(found_inf.device)))
             skip = skip | (spike & form.isfinite(value))
-        return form.flag(skip, found_inf.device)
+        return skip
 
     def backoff_floor(self) -> float:
         """The lowest scale a backoff leaves: ``min_scale``, never below ``SCALE_FLOOR`` (forms.py)."""

@@ -77,6 +77,11 @@ class PolicyRunner:
             and kernel_runs(device, self.backend)
         )
 
+    def on_host(self, device: torch.device) -> bool:
+        """The rule runs eagerly on the host on ``device`` (``form`` is ON_HOST), asked without
+        building a rule: where reads are free (the CPU, where ``_compiles`` is the request alone)."""
+        return self.compile_policy is not True and host_reads.are_free(device)
+
     def form(self, device: torch.device, compiled: bool | None = None) -> RuleForm:
         """The form the rule runs in on ``device``: on the host where reads are free, unless compiled."""
         compiled = self._compiles(device) if compiled is None else compiled
@@ -111,17 +116,19 @@ class PolicyRunner:
         device = state.scale.device
         if not outcome.found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
-        if self.uses_kernel(device):
+        on_host = self.on_host(device)  # the CPU's every step: no kernel to ask about, no rule to look up
+        if not on_host and self.uses_kernel(device):
             return self._kernel_update_(policy, state, outcome, count_only=False)
         found_inf, skipped = self._flags(policy, state, outcome)
         norm = _last_norm(outcome, device)
         checks = policy.needs_host_check()
         if checks:
             self._host_check(policy, state, found_inf, skipped)
-        self.rule(policy, "update_", device)(
-            state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm,
-            spike_stats=state.spike_stats,
-        )  # fmt: skip
+        tensors = (state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm)
+        if on_host:  # the call ``rule`` would make there: the bound method with form=ON_HOST
+            policy.update_(*tensors, form=ON_HOST, spike_stats=state.spike_stats)
+        else:
+            self.rule(policy, "update_", device)(*tensors, spike_stats=state.spike_stats)
         self._seen(policy, state, checks)
         return found_inf, norm
 
@@ -206,7 +213,7 @@ class PolicyRunner:
         """The iteration's combined found_inf and skip flag, from flags that are already the
         process group's (the passes combined them); at least one found_inf was recorded."""
         device = state.scale.device
-        found_inf = flags_on(device, outcome.found_infs)
+        found_inf = _flag_on(device, outcome.found_infs)
         if outcome.skips:
             return found_inf, combine_flags(outcome.skips)
         # No optimizer stepped (unscale_ only): what overflowed counts as skipped.
@@ -218,6 +225,14 @@ class PolicyRunner:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Rules (compiled ones too) are rebuilt on use; a copy reads its first host check.
         self.__init__(state["compile_policy"], state.get("backend", "auto"))
+
+
+def _flag_on(device: torch.device, flags: list[torch.Tensor]) -> torch.Tensor:
+    """``flags_on(device, flags)``, with the one 0-dim flag already on ``device`` (a single
+    optimizer's every update) handed back as it is, as ``flags_on`` would, without its list."""
+    if len(flags) == 1 and flags[0].dim() == 0 and flags[0].device == device:
+        return flags[0]
+    return flags_on(device, flags)
 
 
 def _kernel_flags(flags: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
