@@ -79,3 +79,22 @@ def test_the_gpu_path_steps_as_the_host_path(monkeypatch, kind, policy):
     for step, (want, got) in enumerate(zip(host, device)):
         for a, b in zip(want, got):
             assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), (step, a, b)
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["gpu_paths", "host"])
+def test_a_knob_set_between_the_clip_and_the_step_decides_again(monkeypatch, free):
+    """The clip's finalize decided the skip by the policy as it was; a knob set before the step
+    (here: overflowed steps go ahead) makes the step decide again, by the policy as it is now,
+    on the GPU paths as on the host."""
+    monkeypatch.setattr(host_reads, "are_free", lambda device: free)
+    param = torch.nn.Parameter(torch.ones(8))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    scaler = GradScaler("cpu", init_scale=4.0, backend="triton", compile_policy=False, dynamic=False)
+    scaler.scale((param * math.inf).sum()).backward()
+    scaler.clip_grad_norm_(optimizer, 1.0)
+    scaler._policy.skip_on_overflow = False  # set after the clip decided the skip
+    before = param.detach().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert not torch.equal(param.detach(), before), "the step was skipped by the policy as it had been"
+    assert scaler.stats()["skipped_steps"].item() == 0

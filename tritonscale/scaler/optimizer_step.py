@@ -176,7 +176,8 @@ class OptimizerStep(OptimizerRecord):
     carries only a caller's flag (``update(found_inf=...)``). Made by :meth:`adopt`."""
 
     #: The step's skip flag as the clip's finalize decided it (None: the step decides), and the
-    #: policy it decided by: a policy replaced since (load_state_dict) decides again.
+    #: stamp of the policy it decided by: a policy replaced since (load_state_dict), or a knob of it
+    #: set since (each set takes a new stamp, loss_scale_policy.py), decides again.
     decided_skip: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _decided_by: Any = field(default=None, repr=False, compare=False)
     #: The real optimizer, held weakly (as torch's table holds none): an optimizer dropped in the
@@ -250,7 +251,7 @@ class OptimizerStep(OptimizerRecord):
         else:  # the check's finalize decides the step's skip where it can (passes/step_decision.py)
             decision = StepDecision(policy, scaler._tensors, {})
             flags, skip = check_grads(grads, scale, backend, group, agreement, decision)
-        self.found_inf_per_device, self.decided_skip, self._decided_by = flags, skip, policy
+        self.found_inf_per_device, self.decided_skip, self._decided_by = flags, skip, policy.stamp
 
     def clip(self, scaler: Any, max_norm: Any, norm_type: float, kernels: bool, process_group: Any) -> torch.Tensor:
         """``clip_grad_norm_``: unscale (what is still pending), check and clip in one fused pass;
@@ -290,7 +291,7 @@ class OptimizerStep(OptimizerRecord):
             merged = result.skip is not None or device not in found  # a deciding finalize merged them
             found[device] = result.found_inf if merged else torch.maximum(found[device], result.found_inf)
         self.norm, self.stage = result.norm, OptState.UNSCALED
-        self.decided_skip, self._decided_by = result.skip, policy
+        self.decided_skip, self._decided_by = result.skip, policy.stamp
         scaler._norm_owner.claim(policy, inner)
         return result.norm
 
@@ -324,7 +325,7 @@ class OptimizerStep(OptimizerRecord):
         where it could (``decided_skip``): then nothing is launched. ``required``: no inf check
         recorded (no gradients) is torch's error; otherwise it reads 0."""
         skip, self._skipped_on_host = self.decided_skip, None
-        if skip is None or skip.device != device or self._decided_by is not scaler._policy:
+        if skip is None or skip.device != device or self._decided_by != scaler._policy.stamp:
             found_inf = self.found_inf_on(device, required)
             norm = moved_to(self.norm, device) if self.norm is not None else None
             policy, state = scaler._policy, scaler._tensors
