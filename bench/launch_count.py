@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: aten ops that allocate or describe memory without computing: no kernel on a GPU.
@@ -132,13 +134,39 @@ def no_op_launches() -> Iterator[Counter[str]]:
         InterpretedFunction.run = original
 
 
-def count_phases(step, phases: tuple[str, ...]) -> LaunchCounter:
-    """Run ``step(counter)``, which enters ``counter.phase(name)`` for each of ``phases``."""
+#: How a counted step clips (``count_scaled_step``'s ``clip``): ours (``clip_grad_norm_``), torch's
+#: (``unscale_`` + ``torch.nn.utils.clip_grad_norm_``), ``unscale_`` alone, or nothing.
+CLIPS = ("ours", "torch", "unscale", "none")
+
+
+def count_scaled_step(scaler: Any, optimizer: Any, params: list, clip: str = "ours", steps: int = 3) -> LaunchCounter:
+    """Run ``steps`` scaled steps over ``params`` (their gradients set to None first, as
+    ``zero_grad``'s default: they move every step) and count the last one per phase: "scale",
+    "clip" (what ``clip`` names, to a max_norm of 1.0; empty for "none"), "step", "update". The one
+    step both the launch-count tests and the docs' table (``launch_table.py``) count. Example:
+    ``count_scaled_step(scaler, opt, params).counts["update"] == 1``."""
+    if clip not in CLIPS:
+        raise ValueError(f"clip must be one of {CLIPS}, got {clip!r}")
     counter = LaunchCounter()
-    step(counter)
-    missing = [p for p in phases if p not in counter.counts]
-    if missing:
-        raise AssertionError(f"the step never entered {missing}")
+    for i in range(steps):
+        phase = counter.phase if i == steps - 1 else (lambda name: contextlib.nullcontext())
+        for p in params:
+            p.grad = None
+        loss = sum((p * p).sum() for p in params)
+        with phase("scale"):
+            scaled = scaler.scale(loss)
+        scaled.backward()
+        with phase("clip"):
+            if clip in ("torch", "unscale"):
+                scaler.unscale_(optimizer)
+            if clip == "torch":
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            elif clip == "ours":
+                scaler.clip_grad_norm_(optimizer, 1.0)
+        with phase("step"):
+            scaler.step(optimizer)
+        with phase("update"):
+            scaler.update()
     return counter
 
 
@@ -146,4 +174,4 @@ def total(counter: LaunchCounter) -> int:
     return sum(counter.counts.values())
 
 
-__all__ = ["LaunchCounter", "count_phases", "launches_nothing", "no_op_launches", "total"]
+__all__ = ["CLIPS", "LaunchCounter", "count_scaled_step", "launches_nothing", "no_op_launches", "total"]

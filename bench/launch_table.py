@@ -18,11 +18,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # backend="triton" on CPU tensors: set bef
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
-from launch_count import LaunchCounter  # noqa: E402
+from launch_count import LaunchCounter, count_scaled_step  # noqa: E402
 
 import tritonscale  # noqa: E402
 from tritonscale import host_reads  # noqa: E402
@@ -52,26 +51,7 @@ def count(scaler_name: str, tensors: int, optimizer: str, steps: int = 3) -> Lau
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     else:
         scaler = tritonscale.GradScaler("cpu", init_scale=2.0**10, backend="triton", compile_policy=False, **knobs)
-    counter = LaunchCounter()
-    for i in range(steps):
-        phase = counter.phase if i == steps - 1 else (lambda name: contextlib.nullcontext())
-        for p in params:
-            p.grad = None
-        loss = sum((p * p).sum() for p in params)
-        with phase("scale"):
-            scaled = scaler.scale(loss)
-        scaled.backward()
-        with phase("clip"):
-            if knobs is None:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-            else:
-                scaler.clip_grad_norm_(opt, 1.0)
-        with phase("step"):
-            scaler.step(opt)
-        with phase("update"):
-            scaler.update()
-    return counter
+    return count_scaled_step(scaler, opt, params, clip="torch" if knobs is None else "ours", steps=steps)
 
 
 def table(show_ops: bool = False) -> str:

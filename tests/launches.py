@@ -10,6 +10,6 @@ _BENCH = str(Path(__file__).resolve().parents[1] / "bench")
 if _BENCH not in sys.path:
     sys.path.append(_BENCH)
 
-from launch_count import LaunchCounter, count_phases, launches_nothing, no_op_launches, total  # noqa: E402
+from launch_count import CLIPS, LaunchCounter, count_scaled_step, launches_nothing, no_op_launches, total  # noqa: E402
 
-__all__ = ["LaunchCounter", "count_phases", "launches_nothing", "no_op_launches", "total"]
+__all__ = ["CLIPS", "LaunchCounter", "count_scaled_step", "launches_nothing", "no_op_launches", "total"]

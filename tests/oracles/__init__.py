@@ -14,7 +14,8 @@ folder of the top-level conftest.py), and ranks spawned by tests/multiprocess.py
   peer's arithmetic, built from the presets' arguments; ``follow`` drives our scaler beside one.
 * ``scale_rules``: the update rules behind the other API shapes and the checkpoint importers
   (Megatron-LM's, apex's, MindSpore's, TensorFlow's exponential update), the overflow patterns they
-  are run on and a one-parameter training ``Loop``.
+  are run on, a one-parameter training ``Loop`` and ``call_outcome`` (what a call raised and warned,
+  to compare two runs of a step).
 * ``spike_rules``: OLMo-core's z-score skip and ZClip's adaptive clip, transcribed at cited commits.
 * ``stats``: each step's ``scaler.stats()`` read at once (a sync per step), the oracle of what the
   loggers read later (``StepLog``, ``AppliedSteps``, ``ScaleHistory``).

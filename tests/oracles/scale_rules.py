@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 
 import torch
 
@@ -145,3 +146,17 @@ class Loop:
         self.scaler.step(self.opt)
         self.scaler.update()
         return norm
+
+
+def call_outcome(action) -> tuple:
+    """What a call did, to compare one form's run of a step with another's: the exception's type
+    and message (None if none), the warnings' messages in order. Example:
+    ``call_outcome(lambda: scaler.update()) == (None, [])``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            action()
+            error = None
+        except Exception as raised:  # noqa: BLE001 -- compared with the other run's
+            error = (type(raised), str(raised))
+    return error, [str(w.message) for w in caught]

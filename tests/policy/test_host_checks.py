@@ -9,12 +9,10 @@ device only when the scale or the skip count could have reached a limit.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracles.scale_rules import Loop
+from oracles.scale_rules import Loop, call_outcome
 
 from tritonscale import GradScaler, LossScalePolicy, host_reads, presets
 from tritonscale.policy.host_checks import UpdatesWithoutRead
@@ -54,18 +52,6 @@ OPS = st.lists(
 )
 
 
-def outcome(action) -> tuple:
-    """What a call did: the exception's type and message, the warnings' messages."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            action()
-            error = None
-        except Exception as raised:  # noqa: BLE001 -- compared with the other form's
-            error = (type(raised), str(raised))
-    return error, [str(w.message) for w in caught]
-
-
 def apply(scaler, loop, op) -> None:
     kind, value = op
     if kind == "step":
@@ -83,10 +69,10 @@ def test_the_device_check_fires_where_the_host_check_does(monkeypatch, policy, o
     host, device = (GradScaler("cpu", init_scale=init_scale, policy=policy, backend="torch") for _ in range(2))
     loops = Loop(host, "torch"), Loop(device, "torch")
     for i, op in enumerate(ops):
-        expected = outcome(lambda op=op: apply(host, loops[0], op))
+        expected = call_outcome(lambda op=op: apply(host, loops[0], op))
         with monkeypatch.context() as on_the_device:
             on_the_device.setattr(host_reads, "are_free", lambda device: False)
-            seen = outcome(lambda op=op: apply(device, loops[1], op))
+            seen = call_outcome(lambda op=op: apply(device, loops[1], op))
         assert seen == expected, f"op {i} {op}"
         assert device.state_dict() == host.state_dict(), f"op {i} {op}"
         if expected[0] is not None:

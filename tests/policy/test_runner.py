@@ -8,13 +8,12 @@ through the interpreter). The oracle is the same runner with reads free (the hos
 from __future__ import annotations
 
 import struct
-import warnings
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracles.scale_rules import Loop
+from oracles.scale_rules import Loop, call_outcome
 
 import tritonscale.policy.runner as runner_module
 from tritonscale import GradScaler, LossScalePolicy, host_reads, presets
@@ -123,17 +122,6 @@ POLICIES = st.sampled_from([
 ])  # fmt: skip
 
 
-def outcome(action) -> tuple:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            action()
-            error = None
-        except Exception as raised:  # noqa: BLE001 -- compared with the host form's
-            error = (type(raised), str(raised))
-    return error, [str(w.message) for w in caught]
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(policy=POLICIES, ops=OPS)
 def test_the_kernels_checks_fire_where_the_host_checks_do(monkeypatch, policy, ops):
@@ -147,9 +135,9 @@ def test_the_kernels_checks_fire_where_the_host_checks_do(monkeypatch, policy, o
             else:
                 act = lambda s=scaler, v=value: s.update(new_scale=v)  # noqa: E731
             if free:
-                expected = outcome(act)
+                expected = call_outcome(act)
             else:
-                seen = outcome(act)
+                seen = call_outcome(act)
         monkeypatch.setattr(host_reads, "are_free", lambda d: True)
         assert seen == expected, f"op {i} {kind} {value}"
         assert device.state_dict() == host.state_dict(), f"op {i}"

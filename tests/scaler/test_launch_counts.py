@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 import torch
-from launches import LaunchCounter
+from launches import LaunchCounter, count_scaled_step
 
 from tritonscale import GradScaler
 
@@ -40,31 +40,6 @@ def _optimizer(kind: str, params: list[torch.nn.Parameter]) -> torch.optim.Optim
     if kind == "fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     return torch.optim.SGD(params, lr=0.1, foreach=True)
-
-
-def count_step(scaler, optimizer, params, *, torch_clip: bool = False, steps: int = 3) -> LaunchCounter:
-    """Run ``steps`` scaled steps (scale, clip to 1.0, step, update); count the last one per phase."""
-    counter = LaunchCounter()
-    for i in range(steps):
-        last = i == steps - 1
-        phase = counter.phase if last else (lambda name: contextlib.nullcontext())
-        for p in params:
-            p.grad = None
-        loss = sum((p * p).sum() for p in params)
-        with phase("scale"):
-            scaled = scaler.scale(loss)
-        scaled.backward()
-        with phase("clip"):
-            if torch_clip:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-            else:
-                scaler.clip_grad_norm_(optimizer, 1.0)
-        with phase("step"):
-            scaler.step(optimizer)
-        with phase("update"):
-            scaler.update()
-    return counter
 
 
 #: Gradients at new addresses (``zero_grad(set_to_none=True)``) rebuild the pointer table of a
@@ -98,7 +73,7 @@ def test_launches_per_phase_on_the_gpu_paths(forbid_host_reads, kind, policy, co
     params = _params(count)
     knobs = {"defaults": {}, "rich": RICH, **SPIKY}[policy]
     scaler = GradScaler("cpu", init_scale=2.0**10, backend="triton", compile_policy=False, **knobs)
-    counter = count_step(scaler, _optimizer(kind, params), params)
+    counter = count_scaled_step(scaler, _optimizer(kind, params), params)
     table = TABLE_REBUILD if count > 1 else []
     over = {p: counter.ops[p] for p in PHASES if counter.counts[p] - (p == "clip") * len(table) > BOUNDS[kind][p]}
     assert not over, f"phases over their launch bound {BOUNDS[kind]}: {over}"
@@ -110,7 +85,7 @@ def test_the_counter_counts_torchs_scaler_as_its_kernels():
     """The reference: torch's update is its one ``_amp_update_scale_``, its scale one multiply,
     its fused AdamW step the optimizer's own kernels."""
     params = _params(1)
-    counter = count_step(torch.amp.GradScaler("cpu"), _optimizer("fused", params), params, torch_clip=True)
+    counter = count_scaled_step(torch.amp.GradScaler("cpu"), _optimizer("fused", params), params, clip="torch")
     assert counter.ops["update"] == ["aten._amp_update_scale_"]
     assert counter.ops["scale"] == ["aten.mul"]
     assert "aten._fused_adamw_" in counter.ops["step"]
@@ -141,24 +116,6 @@ def test_update_is_one_launch_whatever_the_policy_and_the_optimizers(forbid_host
     assert counter.ops["update"] == ["triton.policy_update_kernel"]
 
 
-def count_unclipped_step(scaler, optimizer, params, *, unscale: bool, steps: int = 3) -> LaunchCounter:
-    """``steps`` scaled steps without a clip (``unscale_`` first with ``unscale``); the last one
-    counted per phase ("unscale", "step")."""
-    counter = LaunchCounter()
-    for i in range(steps):
-        phase = counter.phase if i == steps - 1 else (lambda name: contextlib.nullcontext())
-        for p in params:
-            p.grad = None
-        scaler.scale(sum((p * p).sum() for p in params)).backward()
-        with phase("unscale"):
-            if unscale:
-                scaler.unscale_(optimizer)
-        with phase("step"):
-            scaler.step(optimizer)
-        scaler.update()
-    return counter
-
-
 @pytest.mark.parametrize("count", [1, 148])
 @pytest.mark.parametrize("policy", ["defaults", "rich"])
 @pytest.mark.parametrize("kind", ["fused", "sgd"])
@@ -170,7 +127,7 @@ def test_a_step_without_a_clip_is_its_check_and_the_optimizers_own(forbid_host_r
         "cpu", init_scale=2.0**10, backend="triton", compile_policy=False, **(RICH if policy == "rich" else {})
     )
     own = _optimizers_own_ops(kind, count)
-    ops = count_unclipped_step(scaler, _optimizer(kind, params), params, unscale=False).ops["step"]
+    ops = count_scaled_step(scaler, _optimizer(kind, params), params, clip="none").ops["step"]
     table = TABLE_REBUILD if count > 1 else []
     assert ops[len(ops) - len(own) :] == own, ops
     assert len(ops) - len(own) - len(table) <= 2, f"the step launched more than its pass and the optimizer: {ops}"
@@ -186,7 +143,7 @@ def test_a_step_after_unscale_is_the_optimizers_own(forbid_host_reads, kind, pol
     scaler = GradScaler(
         "cpu", init_scale=2.0**10, backend="triton", compile_policy=False, **(RICH if policy == "rich" else {})
     )
-    counter = count_unclipped_step(scaler, _optimizer(kind, params), params, unscale=True)
+    counter = count_scaled_step(scaler, _optimizer(kind, params), params, clip="unscale")
     table = TABLE_REBUILD if count > 1 else []
-    assert counter.counts["unscale"] - len(table) <= 2, counter.ops["unscale"]
+    assert counter.counts["clip"] - len(table) <= 2, counter.ops["clip"]
     assert counter.ops["step"] == _optimizers_own_ops(kind, count)
