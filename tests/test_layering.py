@@ -3,8 +3,8 @@
 The stages, in the order a step runs them: ``kernels`` (the Triton passes) < ``grads`` (which
 gradients, in which layout) < ``policy`` (the rule and its state) < ``passes`` (check, finalize,
 combine across ranks, apply or fold) < ``scaler`` (the controller) < ``loop`` (the loop around it:
-skip-aware schedules, logging) < ``framework_apis`` (other frameworks' APIs over the controller;
-``shapes`` is its old name) and ``integrations``. Leaf
+skip-aware schedules, logging) < ``framework_apis`` (other frameworks' APIs over the controller)
+and ``integrations``. Leaf
 modules at the package's top (``flags.py``, ``process_groups.py``, ``host_reads.py``,
 ``errors.py``, ``torch_compat.py``) import no stage, and every stage but the kernels may import them (the kernels know
 nothing of the package around them). Every import counts: at module level, inside a function,
@@ -23,7 +23,7 @@ import tritonscale
 
 PACKAGE = Path(tritonscale.__file__).parent
 ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4, "loop": 5}
-ORDER |= {"framework_apis": 6, "shapes": 6, "integrations": 6}
+ORDER |= {"framework_apis": 6, "integrations": 6}
 LEAVES = {"flags", "process_groups", "host_reads", "errors", "torch_compat"}
 
 
@@ -105,10 +105,6 @@ def test_a_leaf_imports_nothing_of_the_package(leaf):
     assert [m for _, m in imports(path, ["tritonscale"]) if m.startswith("tritonscale")] == []
 
 
-#: Old module paths kept as deprecation shims (the same module under the old name): exempt.
-OLD_PATHS = {"grads/grad_sharding.py"}
-
-
 @pytest.mark.parametrize("stage", ["grads", "policy"])
 def test_no_module_repeats_its_folder(stage):
     """``policy/runner.py``, not ``policy/policy_runner.py``: the folder already says it (issue 40)."""
@@ -116,6 +112,6 @@ def test_no_module_repeats_its_folder(stage):
     repeating = [
         f"{stage}/{path.name}"
         for path in sorted((PACKAGE / stage).glob("*.py"))
-        if path.stem.startswith(prefixes) and f"{stage}/{path.name}" not in OLD_PATHS
+        if path.stem.startswith(prefixes)
     ]
     assert repeating == []

@@ -1,4 +1,3 @@
 """Other frameworks' APIs for loss scaling, over the same controller: Keras' LossScaleOptimizer,
 nnabla's Updater, MindSpore's and TF1's scale managers, and checkpoint import from Megatron-LM,
-DeepSpeed and apex (``tritonscale.from_megatron``, ...). Called ``tritonscale.shapes`` before 0.3
-(that path still imports, with a DeprecationWarning)."""
+DeepSpeed and apex (``tritonscale.from_megatron``, ...)."""
