@@ -21,6 +21,21 @@ import tritonscale
 IN, HIDDEN, OUT = 32, 64, 8
 
 
+class ReduceFromParallelRegion(torch.autograd.Function):
+    """Megatron's row-parallel output: the partial products summed over the ranks going forward; the
+    gradient of a sum is the output's gradient itself, which every rank already holds."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total)  # collective: the row-parallel layer's sum
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class TensorParallelMLP(torch.nn.Module):
     """Megatron-style: the first layer split by output features, the second by input features;
     the second bias is replicated (every rank holds and updates all of it)."""
@@ -35,7 +50,7 @@ class TensorParallelMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.relu(x @ self.w1.T + self.b1)
-        return torch.distributed.nn.functional.all_reduce(hidden @ self.w2.T) + self.b2
+        return ReduceFromParallelRegion.apply(hidden @ self.w2.T) + self.b2
 
 
 def main() -> None:

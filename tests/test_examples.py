@@ -36,6 +36,10 @@ def run_example(layout: str) -> tuple[float, float]:
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The example is on current torch API: it warns of nothing deprecated (torch.distributed.nn's
+    # functional all_reduce did).
+    deprecated = [line for line in done.stderr.splitlines() if "deprecated" in line.lower()]
+    assert deprecated == [], deprecated
     found = re.search(rf"{layout}: 3 steps on 2 ranks, scale (\S+), grad norm (\S+)", done.stdout)
     assert found, done.stdout
     return float(found[1]), float(found[2])
