@@ -134,6 +134,16 @@ def test_bench_clip_cpu_writes_json(tmp_path):
     assert point["torch"]["median_ms"] > 0 and point["tritonscale"]["median_ms"] > 0
 
 
+def test_fold_numerics_writes_every_step(tmp_path):
+    """On torch's ops the unfolded run is torch's bit for bit (the claim the docs cite); the fold is
+    only reported."""
+    out = tmp_path / "fold.json"
+    assert load("fold_numerics").main(["--steps", "2", "--backend", "torch", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [s["step"] for s in data["per_step"]] == [0, 1] and data["clip_active_steps"] == 2
+    assert all(s["unfold"]["max_abs"] == 0 for s in data["per_step"])
+
+
 def test_bars_prints_every_ratio(tmp_path, capsys):
     out = tmp_path / "bars.json"
     assert load("bars").main(["--quick", "--backend", "torch", "--out", str(out)]) == 0
