@@ -37,3 +37,6 @@ def warn_float16_on_cpu(
         CPUFloat16Warning,
         stacklevel=2 + calls_to_user,
     )
+
+
+__all__ = ["CPUFloat16Warning", "warn_float16_on_cpu"]

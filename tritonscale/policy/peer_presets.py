@@ -367,3 +367,20 @@ def _release(version: str) -> tuple[int, ...]:
     if found is None:
         raise ScalerConfigError(f"version must be a DeepSpeed release such as '0.16.9', got {version!r}")
     return tuple(int(part or 0) for part in found.groups())
+
+
+#: What ``tritonscale.presets`` offers: the presets by their peer's name, the lookup by name, the record.
+__all__ = [
+    "PRESETS",
+    "PeerPreset",
+    "apex",
+    "apex_hysteresis",
+    "deepspeed",
+    "fairseq",
+    "keras",
+    "megatron",
+    "preset",
+    "tf1",
+    "tf_keras",
+    "torch",
+]
