@@ -51,6 +51,7 @@ ELSEWHERE = {
     "process_group": ("rank", "control"),
     "load_checkpoint": ("framework_apis/test_safe_checkpoint.py", "test_a_real_deepspeed_zero_checkpoint_imports"),
     "place_state": ("scaler/test_scaler_iteration_api.py", "test_place_state_makes_the_state_where_asked_once"),
+    "backend_for": ("scaler/test_grad_scaler_api.py", "test_backend_for_names_the_backend_that_runs"),
     # A CUDA graph's capture and replays need a GPU (tests/test_gpu.py); on the CPU its calls run with
     # torch.cuda's graph and streams stood in for: warm-ups, capture, replays, the moved-gradient refusal.
     "CapturedStep": (

@@ -77,9 +77,36 @@ def test_unknown_backend_is_refused():
 def test_cuda_default_without_cuda_disables_with_a_warning():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    with pytest.warns(UserWarning, match="CUDA is not available"):
+    with pytest.warns(UserWarning, match="CUDA is not available") as caught:
         scaler = GradScaler()
     assert not scaler.is_enabled()
+    assert 'GradScaler("cpu")' in str(caught[0].message)  # what works on this machine, named
+
+
+def test_backend_for_names_the_backend_that_runs(monkeypatch):
+    """"auto" is what was asked; ``backend_for`` is what runs: the backend object whose passes a step
+    on that device calls (its own record, not a second rule)."""
+    from tritonscale.passes import grad_passes
+
+    ran = []
+    for name in ("auto", "torch", "triton"):
+        scaler = GradScaler("cpu", backend=name)
+        assert scaler.backend == name
+        params = [torch.nn.Parameter(torch.ones(3))]
+        scaler.scale(params[0].sum()).backward()
+        opt = torch.optim.SGD(params, lr=0.1)
+        real = grad_passes._backend
+
+        def spy(*args, **kwargs):
+            backend = real(*args, **kwargs)
+            ran.append(backend.name)
+            return backend
+
+        monkeypatch.setattr(grad_passes, "_backend", spy)
+        scaler.unscale_(opt)
+        monkeypatch.setattr(grad_passes, "_backend", real)
+        assert scaler.backend_for() == scaler.backend_for("cpu") == ran[-1] in ("triton", "torch")
+    assert ran[1] == "torch" and ran[2] == "triton"
 
 
 def test_same_constructor_defaults_as_torch():

@@ -20,7 +20,7 @@ import torch
 from ..flags import read_found_inf
 from ..grads.groups import Grads, collect_grads
 from ..host_reads import refuse_in_capture
-from ..passes.backends import check_backend_name
+from ..passes.backends import check_backend_name, resolve_backend
 from ..passes.clip_args import check_clip_args, kernels_compute
 from ..passes.grad_passes import PerDevice, torch_unscale_
 from ..passes.rank_checks import NOTHING_TO_UNDO, Agreement, RankChecks
@@ -341,8 +341,22 @@ class GradScaler:
     # ------------------------------------------------------------- settings
     @property
     def backend(self) -> str:
-        """The requested backend: "auto", "triton" or "torch"."""
+        """The requested backend: "auto", "triton" or "torch" (:meth:`backend_for` names the one that runs)."""
         return self._backend_name
+
+    def backend_for(self, device: torch.device | str | None = None) -> str:
+        """The backend whose passes run for gradients on ``device``: what "auto" resolved to.
+
+        Args:
+            device: where the gradients live; ``None`` for the scaler's device.
+
+        Returns:
+            "triton" (the fused kernels) or "torch" (torch's foreach/amp ops). Example:
+            ``GradScaler("cpu").backend_for()`` is "torch" unless TRITON_INTERPRET=1 was set before import.
+
+        Raises what the first step would: ``backend="triton"`` on a device Triton cannot run on.
+        """
+        return resolve_backend(self._backend_name, torch.device(self._device if device is None else device)).name
 
     @property
     def fold_into_optimizer(self) -> bool:

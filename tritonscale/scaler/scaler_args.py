@@ -58,7 +58,11 @@ TORCH_KNOB_DEFAULTS = {
 def cuda_missing(device: str, enabled: bool) -> bool:
     """True, with torch's warning, when an enabled scaler asks for "cuda" and there is none."""
     if device == "cuda" and enabled and not torch.cuda.is_available():
-        warnings.warn("tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=3)
+        warnings.warn(
+            "tritonscale.GradScaler is enabled, but CUDA is not available.  Disabling. On a CPU, build "
+            'GradScaler("cpu"): it scales, checks and clips there with torch\'s ops',
+            stacklevel=3,
+        )
         return True
     return False
 
