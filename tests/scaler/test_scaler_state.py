@@ -212,3 +212,23 @@ def test_a_copied_torch_fused_optimizer_still_takes_amp_scaling(cls):
     for copied in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
         assert not hasattr(copied, "_step_supports_amp_scaling") and takes_amp_scaling(copied)
     assert takes_amp_scaling(fused) and not takes_amp_scaling(copy.deepcopy(plain))
+
+
+def test_torchs_checkpoint_over_a_peer_rule_says_which_knobs_it_replaces(recwarn):
+    """torch's checkpoint carries torch's three knobs and nothing else: loaded over Megatron's rule it
+    sets torch's growth_interval, as torch's own load would, and says so; the rule's hysteresis and
+    floor stay. Over torch's own rule, or from our checkpoint, nothing is said."""
+    theirs = torch.amp.GradScaler("cpu", growth_interval=2000)
+    ours = tritonscale.GradScaler("cpu", policy="megatron")
+    with pytest.warns(UserWarning, match=r"growth_interval=2000 \(was 1000\)") as caught:
+        ours.load_state_dict(theirs.state_dict())
+    assert caught[0].filename == __file__  # pointed at the caller's line
+    policy = ours.get_policy()
+    assert (policy.growth_interval, policy.hysteresis, policy.min_scale) == (2000, 2, 1.0)
+    recwarn.clear()
+    tritonscale.GradScaler("cpu").load_state_dict(theirs.state_dict())  # torch's rule: nothing replaced
+    tritonscale.GradScaler("cpu", policy="megatron").load_state_dict(ours.state_dict())  # ours: knobs travel
+    tritonscale.GradScaler("cpu", policy="megatron").load_state_dict(
+        torch.amp.GradScaler("cpu", growth_interval=1000).state_dict()  # the same knobs: nothing changes
+    )
+    assert [str(w.message) for w in recwarn] == []

@@ -9,6 +9,7 @@ its ``snapshot()`` and the checkpoint importers call them.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import abc
 from typing import Any, NamedTuple
 
@@ -100,6 +101,7 @@ def from_state_dict(state_dict: Any, current: LossScalePolicy) -> tuple[LossScal
     if missing:
         raise ScalerConfigError(f"state_dict is missing {missing}; expected keys {list(STATE_KEYS)}")
     policy = _policy_from(state_dict, current)
+    _warn_torch_knobs_over_a_peer_rule(state_dict, current, policy)
     scale = _as_number(state_dict["scale"], "scale")
     if scale == 0:  # torch's backoff can leave 0 (ours stops at the policy's floor): loads as ours would be
         scale = policy.backoff_floor()
@@ -139,6 +141,29 @@ def _policy_from(state_dict: abc.Mapping, current: LossScalePolicy) -> LossScale
         ).validate()
     except ScalerConfigError as error:
         raise ScalerConfigError(f"state_dict: {error}") from None
+
+
+def _warn_torch_knobs_over_a_peer_rule(state_dict: abc.Mapping, current: LossScalePolicy, loaded: LossScalePolicy) -> None:
+    """torch's checkpoint (no ``policy`` entry) loaded over a rule that is not torch's (a preset, a
+    knob of ours): torch's three knobs replace the configured ones, as torch's own load does, and the
+    rule's other knobs stay: say so, naming both, where a configured knob changes."""
+    torch_rule = LossScalePolicy()
+    others = [name for name in LossScalePolicy.knob_names() if name not in TORCH_KNOBS]
+    if "policy" in state_dict or all(getattr(current, name) == getattr(torch_rule, name) for name in others):
+        return
+    replaced = [
+        f"{name}={getattr(loaded, name)!r} (was {getattr(current, name)!r})"
+        for name in TORCH_KNOBS
+        if getattr(loaded, name) != getattr(current, name)
+    ]
+    if replaced:
+        warnings.warn(
+            "load_state_dict: a torch.amp.GradScaler checkpoint (no 'policy' entry) sets "
+            f"{', '.join(replaced)} over this scaler's configured rule, as torch's own load does; the rule's "
+            "other knobs (hysteresis, floors, skip rules) are kept. To keep the configured "
+            "growth_interval/growth_factor/backoff_factor, set them again after loading.",
+            stacklevel=5,  # the caller of GradScaler.load_state_dict (through its compile boundary)
+        )
 
 
 def _counters_from(state_dict: abc.Mapping, policy: LossScalePolicy, counters: list[int]) -> list[int]:
