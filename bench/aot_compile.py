@@ -12,14 +12,18 @@ Input (stdin): a JSON list of cases, each
      "num_warps": int, "options": {option: value} (optional, e.g. enable_fp_fusion)}
 
 A constexpr that is a NamedTuple (the policy kernel's rule) travels as
-``{"namedtuple": "module:Class", "fields": {name: value}}``.
+``{"namedtuple": "module:Class", "fields": {name: value}}``. A case may carry ``"mutate": [[old,
+new], ...]``: the kernel is then compiled from a copy of its module's source with each ``old``
+replaced by ``new`` (each must occur), which is how the tests build a deliberately broken variant
+(an int32-indexed kernel) to show that a check catches it.
 
 Output (stdout): a JSON object mapping each case id to what the compile produced: ``ok`` and
 ``error``, the global load/store instructions found in the assembly, and register/spill figures
 (cuobjdump resource usage and SASS spill instructions of the cubin for CUDA, the kernel
-descriptor for AMD). Only what the
-tests check is extracted, so the output stays small. No GPU is needed: Triton's bundled ptxas and
-LLVM AMDGPU backend do all the work.
+descriptor for AMD), the narrow-integer operations on large offsets that ``index_width`` finds
+in the PTX and the LLVM IR (``narrow_index``), and the size of the PTX's innermost loop
+(``inner_loop``). Only what the tests check is extracted, so the output stays small. No GPU is
+needed: Triton's bundled ptxas and LLVM AMDGPU backend do all the work.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import sys
 import tempfile
 import traceback
 from concurrent.futures import ProcessPoolExecutor
+
+import index_width  # bench/index_width.py: this script's folder is on sys.path when it runs
 
 # PTX global memory instructions, e.g. "ld.global.v4.b32", "st.global.b16".
 _PTX_MEMOPS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -54,10 +60,38 @@ _SASS_STL = re.compile(r"\sSTL(?:\.\w+)*\s")
 _SASS_LDL = re.compile(r"\sLDL(?:\.\w+)*\s")
 
 
-def _resolve(spec: str):
+def _mutant_module(module: str, replacements: list[list[str]]):
+    """A copy of ``module`` whose source has each (old, new) replaced, imported from a file (the
+    JIT reads a kernel's source from its file) under a sibling name, so its relative imports
+    resolve in the same package."""
+    import hashlib
+    import importlib.util
+
+    path = importlib.util.find_spec(module).origin
+    with open(path) as f:
+        source = f.read()
+    for old, new in replacements:
+        if old not in source:
+            raise ValueError(f"mutation {old!r} does not occur in {module}")
+        source = source.replace(old, new)
+    tag = hashlib.sha1(source.encode()).hexdigest()[:12]
+    name = f"{module}__mutant_{tag}"
+    folder = tempfile.mkdtemp(prefix="aot_mutant_")
+    file = os.path.join(folder, name.rsplit(".", 1)[1] + ".py")
+    with open(file, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _resolve(spec: str, mutate: list[list[str]] | None = None):
     """'module:attribute' -> the JITFunction (an Autotuner wraps it: the AOT path needs ``.fn``)."""
     module, attribute = spec.split(":")
-    fn = getattr(importlib.import_module(module), attribute)
+    source = _mutant_module(module, mutate) if mutate else importlib.import_module(module)
+    fn = getattr(source, attribute)
     from triton.runtime.autotuner import Autotuner
 
     return fn.fn if isinstance(fn, Autotuner) else fn
@@ -134,7 +168,7 @@ def compile_case(case: dict) -> tuple[str, dict]:
 
     result = {"ok": False, "error": None}
     try:
-        fn = _resolve(case["kernel"])
+        fn = _resolve(case["kernel"], case.get("mutate"))
         # A parameter left out of the signature fails deep in codegen with an opaque
         # "'NoneType' object has no attribute '_unflatten_ir'": name it instead.
         missing = [name for name in fn.arg_names if name not in case["signature"]]
@@ -152,9 +186,12 @@ def compile_case(case: dict) -> tuple[str, dict]:
     asm = compiled.asm
     result["ok"] = True
     result["asm_kinds"] = sorted(asm)
+    result["narrow_index"] = {"llir": index_width.llir_narrow_index_ops(asm.get("llir", ""))}
     if "ptx" in asm:
         ptx = asm["ptx"]
         ops = _PTX_MEMOPS.findall(ptx)
+        result["narrow_index"]["ptx"] = index_width.ptx_narrow_index_ops(ptx)
+        result["inner_loop"] = index_width.ptx_inner_loop(ptx)
         result["fused_multiply_adds"] = len(re.findall(r"\bfma\.", ptx))
         result["float64_ops"] = len(re.findall(r"\.f64\b", ptx))
         result["ptx_local"] = ".local" in ptx

@@ -59,7 +59,7 @@ FINALIZE = "tritonscale.kernels.finalize:finalize_kernel"
 POLICY = "tritonscale.kernels.policy_update:policy_update_kernel"
 
 # Runtime argument types. Python ints below 2**31 are passed as i32 by Triton's launcher, which
-# is what every realistic call sees; the i64 variant (buffers over 2**31 elements) is one case.
+# is what every realistic call sees; the i64 variants (buffers over 2**31 elements) are a few cases.
 _CHECK_ARGS = (
     "grad_ptr",
     "tensors_ptr",
@@ -189,19 +189,20 @@ def apply_case(
     check=True,
     invert=False,
     padded=True,
+    num_items="i32",
     block=DEFAULT_BLOCK,
     num_warps=DEFAULT_NUM_WARPS,
 ):
     layout = _layout(flat, aligned)
     mode = ("check" if check else "nocheck") + ("-invert" if invert else "")
-    suffix = "" if padded else "-unpadded"
+    suffix = ("" if padded else "-unpadded") + ("-i64" if num_items == "i64" else "")
     if (block, num_warps) != (DEFAULT_BLOCK, DEFAULT_NUM_WARPS):
         suffix += f"-B{block}w{num_warps}"
     return _case(
         f"apply-{target}-{dtype}-{layout}-{mode}{suffix}",
         APPLY,
         target,
-        _grad_signature(_APPLY_ARGS, dtype, "i32"),
+        _grad_signature(_APPLY_ARGS, dtype, num_items),
         {
             "INVERT": invert,
             "CHECK": check,
@@ -330,8 +331,11 @@ def _build_cases() -> list[dict]:
     for target in CUDA_TARGETS:
         cases.append(check_case(target, "fp16", True, padded=False))
         cases.append(apply_case(target, "fp16", True, padded=False))
-    # Buffers over 2**31 elements get an i64 num_items.
-    cases.append(check_case("sm90", "fp16", True, num_items="i64"))
+    # Buffers over 2**31 elements get an i64 num_items (and, on ROCm, no tt.pointer_range=32: the
+    # launcher only marks tensors of at most 2 GiB, and no case here marks any).
+    for target in TARGETS:
+        cases.append(check_case(target, "fp16", True, num_items="i64"))
+        cases.append(apply_case(target, "fp16", True, num_items="i64"))
     # Every autotune candidate of the FLAT apply pass (compiled on a real GPU at first use); fp32
     # holds the most bytes in registers per element, so it is where spills would show first. The
     # check pass is never autotuned (launch_config.check_config): the default cases above are it.
@@ -345,8 +349,42 @@ def _build_cases() -> list[dict]:
 
 
 CASES = _build_cases()
+
+# Deliberately int32-indexed variants of the streaming kernels (the kernel's source with the named
+# replacements; bench/aot_compile.py builds them): each is a way a 64-bit guarantee is lost, and
+# the 64-bit check must fail on every one. Not kernels anything launches: compiled for the check.
+_FLAT_LOOP = "range(pid * BLOCK, num_items, num_programs * BLOCK)"
+INT32_MUTATIONS = {
+    # STYLE point 5 forgotten: pid * BLOCK multiplied in 32 bits, then widened for the address.
+    "pid": [
+        ["tl.program_id(0).to(tl.int64)", "tl.program_id(0)"],
+        ["tl.num_programs(0).to(tl.int64)", "tl.num_programs(0)"],
+    ],
+    # The loop bound rounded up in the size's own type: n + BLOCK - 1 wraps for an i32 n near 2**31.
+    "size": [[_FLAT_LOOP, "range(pid * BLOCK, tl.cdiv(num_items, BLOCK) * BLOCK, num_programs * BLOCK)"]],
+    # A 32-bit counter stepped up to a 32-bit size: no operand is large, the counter wraps.
+    "counter": [[_FLAT_LOOP, "range(0, num_items, BLOCK)"]],
+}
+
+
+def _mutant(case: dict, mutation: str) -> dict:
+    return {**case, "id": f"{case['id']}-int32{mutation}", "mutate": INT32_MUTATIONS[mutation]}
+
+
+MUTANT_CASES = [
+    _mutant(make(target, "fp16", flat, num_items=size), mutation)
+    for target in ("sm90", "gfx942")
+    for make, flat, size, mutation in (
+        (check_case, True, "i64", "pid"),
+        (apply_case, True, "i64", "pid"),
+        (check_case, False, "i32", "pid"),  # the chunk-row counter of the TABLE path
+        (check_case, True, "i32", "size"),
+        (apply_case, True, "i32", "counter"),
+    )
+]
+MUTANT_IDS = [c["id"] for c in MUTANT_CASES]
 CASE_IDS = [c["id"] for c in CASES]
-assert len(set(CASE_IDS)) == len(CASE_IDS), "duplicate case ids"
+assert len(set(CASE_IDS + MUTANT_IDS)) == len(CASE_IDS) + len(MUTANT_IDS), "duplicate case ids"
 CUDA_IDS = [c["id"] for c in CASES if c["target"][0] == "cuda"]
 AMD_IDS = [c["id"] for c in CASES if c["target"][0] == "hip"]
 
@@ -362,7 +400,7 @@ def compiled(tmp_path_factory) -> dict[str, dict]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(HELPER)],
-        input=json.dumps(CASES),
+        input=json.dumps(CASES + MUTANT_CASES),
         capture_output=True,
         text=True,
         env=env,
@@ -518,3 +556,78 @@ def test_gfx942_no_vgpr_spills(compiled, case_id):
     # scratch (private segment) would be real spills to memory.
     assert usage.get("vgpr_spill_count") == 0, usage
     assert usage.get("private_segment_fixed_size") == 0, usage
+
+
+# --- 64-bit indexing --------------------------------------------------------------------------
+# bench/index_width.py follows every value derived from a program id, a program count, an integer
+# argument or a loaded 64-bit integer through the PTX (CUDA) and the LLVM IR (both targets; on
+# gfx942 the IR the AMDGPU backend lowers to AMDGCN) and reports each narrow add/sub/mul/mad/shl
+# or truncation it reaches, and each narrow counter compared with such a value. None may remain
+# where an offset can pass 2**31: docs/architecture.md, "64-bit indexing".
+
+STREAMING_IDS = [c["id"] for c in CASES if c["kernel"] in (CHECK, APPLY)]
+
+
+def _index_width():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("index_width", HELPER.parent / "index_width.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_PTX_HEAD = ".param .u32 k_param_3\n{\nmov.u32 %r1, %ctaid.x;\nld.param.b32 %r9, [k_param_3];\n"
+#: The same address, pid * 4096 elements of 2 bytes from %rd1, two ways: only the first is 64-bit.
+#: Both end in a wide multiply or shift into the address; what comes before it decides.
+PTX_WIDE = _PTX_HEAD + "mul.wide.u32 %rd2, %r1, 8192;\nadd.s64 %rd3, %rd1, %rd2;\n}"
+PTX_NARROW = _PTX_HEAD + "shl.b32 %r2, %r1, 12;\nmul.wide.s32 %rd2, %r2, 2;\nadd.s64 %rd3, %rd1, %rd2;\n}"
+PTX_SIZE = _PTX_HEAD + "add.s32 %r3, %r9, 4095;\nshr.s32 %r4, %r3, 12;\n}"  # cdiv(n, 4096) in 32 bits
+PTX_COUNTER = _PTX_HEAD + "$L__BB0_1:\nadd.s32 %r5, %r5, 4096;\nsetp.lt.s32 %p1, %r5, %r9;\n@%p1 bra $L__BB0_1;\n}"
+_LL_HEAD = "define void @k(ptr %0, i32 %1) {\n  %3 = tail call i32 @llvm.nvvm.read.ptx.sreg.ctaid.x()\n"
+LL_WIDE = _LL_HEAD + "  %4 = sext i32 %3 to i64\n  %5 = shl i64 %4, 12\n}"
+LL_NARROW = _LL_HEAD + "  %4 = shl i32 %3, 12\n  %5 = sext i32 %4 to i64\n}"
+LL_TRUNC = _LL_HEAD + "  %4 = sext i32 %1 to i64\n  %5 = shl i64 %4, 1\n  %6 = trunc i64 %5 to i32\n}"
+
+
+def test_index_width_check_on_known_patterns():
+    """The check's rules on hand-written code (no compile): the 64-bit form passes; a 32-bit
+    pid * BLOCK, a bound rounded up in an i32 size, a 32-bit counter stepped to an i32 size and a
+    truncated 64-bit offset are each reported."""
+    iw = _index_width()
+    assert iw.ptx_narrow_index_ops(PTX_WIDE) == []
+    assert iw.ptx_narrow_index_ops(PTX_NARROW) == ["shl.b32 %r2, %r1, 12"]
+    assert iw.ptx_narrow_index_ops(PTX_SIZE) == ["add.s32 %r3, %r9, 4095"]
+    assert iw.ptx_narrow_index_ops(PTX_COUNTER) == ["add.s32 %r5, %r5, 4096"]
+    assert iw.llir_narrow_index_ops(LL_WIDE) == []
+    assert iw.llir_narrow_index_ops(LL_NARROW) == ["%4 = shl i32 %3, 12"]
+    assert iw.llir_narrow_index_ops(LL_TRUNC) == ["%6 = trunc i64 %5 to i32"]
+
+
+@pytest.mark.parametrize("case_id", STREAMING_IDS)
+def test_streaming_offsets_are_computed_in_64_bits(compiled, case_id):
+    narrow = _result(compiled, case_id)["narrow_index"]
+    assert set(narrow) == ({"ptx", "llir"} if case_id in CUDA_IDS else {"llir"})
+    assert narrow == {form: [] for form in narrow}, f"32-bit arithmetic on a large offset: {narrow}"
+
+
+@pytest.mark.parametrize("case_id", MUTANT_IDS)
+def test_64_bit_check_fails_on_int32_variants(compiled, case_id):
+    """The check itself: each deliberately int32-indexed variant is reported, in every form."""
+    narrow = _result(compiled, case_id)["narrow_index"]
+    assert narrow["llir"], "the LLVM IR check missed an int32-indexed kernel"
+    if "ptx" in narrow:
+        assert narrow["ptx"], "the PTX check missed an int32-indexed kernel"
+
+
+@pytest.mark.parametrize("kernel", ["check", "apply"])
+@pytest.mark.parametrize("target", CUDA_TARGETS)
+def test_64_bit_sizes_cost_the_inner_loop_nothing(compiled, target, kernel):
+    """A size past 2**31 (an i64 num_items) compiles to the same inner loop as an i32 one, and the
+    loop's 64-bit integer work is the address math alone: a counter, a pointer and the bound
+    checks of its two 16-byte accesses per thread."""
+    make_case = check_case if kernel == "check" else apply_case
+    small = _result(compiled, make_case(target, "fp16", True)["id"])["inner_loop"]
+    large = _result(compiled, make_case(target, "fp16", True, num_items="i64")["id"])["inner_loop"]
+    assert small == large, (small, large)
+    assert large["int64_ops"] <= 8, large

@@ -365,3 +365,37 @@ def test_gpu_reduce_overhead_step_with_the_loop_equals_eager():
     assert torch.equal(compiled[4]["applied_steps"], eager[4]["applied_steps"])
     rows = [values for _, values in eager[3]]
     assert sum(r["skipped"] for r in rows) >= 3 and len({r["scale"] for r in rows}) >= 3  # it moved
+
+
+@pytest.mark.parametrize("layout", ["flat", "table"])
+def test_gpu_gradients_past_2_31_elements(monkeypatch, layout):
+    """A float16 gradient of 2**31 + 12388 elements (4 GiB): the elements past 2**31 are in the
+    norm, an inf in the last one is found, the unscale writes them; against torch on the same
+    values. The FLAT path's full grid, which the interpreter cannot afford (tests/kernels/test_past_2_31.py
+    covers the TABLE path there)."""
+    from tritonscale.kernels import apply_factor_, check_pass, describe_grads
+    from tritonscale.kernels.check_pass import PARTIAL_ROWS
+    from tritonscale.kernels.finalize import finalize
+
+    monkeypatch.setenv("TRITONSCALE_AUTOTUNE", "0")  # no timing reruns over 4 GiB
+    bound, numel = 2**31, 2**31 + 3 * 4096 + 100
+    big = torch.zeros(numel, dtype=torch.float16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tail = (torch.randn(numel - bound + 4096, device="cuda", generator=gen) * 64).half()
+    big[bound - 4096 :] = tail
+    other = torch.ones(7, dtype=torch.float16, device="cuda")  # a second tensor makes a table
+    grads = [big] if layout == "flat" else [big, other]
+    described = describe_grads(grads)
+    assert described.flat == (layout == "flat")
+    partials = torch.zeros(PARTIAL_ROWS, described.programs, device="cuda")
+    check_pass(described, partials)
+    found, norm = finalize(partials, described.programs, torch.ones(1, device="cuda"))[:2].tolist()
+    expected = math.sqrt(tail.double().square().sum().item() + (7.0 if layout == "table" else 0.0))
+    assert found == 0.0
+    assert norm == pytest.approx(expected, rel=1e-5)
+    big[-1] = math.inf
+    found_inf = torch.zeros(1, device="cuda")
+    apply_factor_(described, torch.tensor([2.0], device="cuda"), invert=True, found_inf=found_inf)
+    assert found_inf.item() == 1.0
+    assert torch.equal(big[bound - 4096 : -1], (tail[:-1].float() * 0.5).half())
+    assert big[-1].item() == math.inf

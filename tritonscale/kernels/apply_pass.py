@@ -51,8 +51,11 @@ def apply_kernel(
     CHUNK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may exceed 2**31 elements
-    num_programs = tl.num_programs(0)
+    # Offsets past 2**31 elements (docs/architecture.md, "64-bit indexing"): every offset that
+    # grows with the program, the block or the size is an int64 scalar folded into a pointer; the
+    # per-element offsets stay below BLOCK (FLAT) or CHUNK_SIZE (TABLE, within a chunk).
+    pid = tl.program_id(0).to(tl.int64)
+    num_programs = tl.num_programs(0).to(tl.int64)
     factor = tl.load(factor_ptr)
     if INVERT:
         factor = (1.0 / factor.to(tl.float64)).to(tl.float32)
@@ -61,14 +64,14 @@ def apply_kernel(
     b_bad = tl.zeros([BLOCK], dtype=tl.int1)
     if write or CHECK:
         if FLAT:
-            for block in range(pid, tl.cdiv(num_items, BLOCK), num_programs):
-                o_g = block * BLOCK + o_block  # [BLOCK]
-                b_bad = _scale_block(grad_ptr, o_g, o_g < num_items, factor, b_bad, write, CHECK)
+            for start in range(pid * BLOCK, num_items, num_programs * BLOCK):
+                m_g = o_block < num_items - start  # [BLOCK]
+                b_bad = _scale_block(grad_ptr + start, o_block, m_g, factor, b_bad, write, CHECK)
         else:
             for chunk in range(pid, num_items, num_programs):
                 p_chunk, length = chunk_span(tensors_ptr, chunks_ptr, chunk, grad_ptr, CHUNK_SIZE, ALIGNED)
                 for start in range(0, length, BLOCK):
-                    o_g = start + o_block  # [BLOCK]
+                    o_g = start + o_block  # [BLOCK], < CHUNK_SIZE: within the chunk
                     b_bad = _scale_block(p_chunk, o_g, o_g < length, factor, b_bad, write, CHECK)
     if CHECK:
         bad = tl.max(b_bad.to(tl.int32), axis=0) > 0

@@ -74,30 +74,32 @@ def check_pass_kernel(
     CHUNK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may exceed 2**31 elements
-    num_programs = tl.num_programs(0)
+    # Offsets past 2**31 elements (docs/architecture.md, "64-bit indexing"): every offset that
+    # grows with the program, the block or the size is an int64 scalar folded into a pointer; the
+    # per-element offsets stay below BLOCK (FLAT) or CHUNK_SIZE (TABLE, within a chunk).
+    pid = tl.program_id(0).to(tl.int64)
+    num_programs = tl.num_programs(0).to(tl.int64)
     o_block = tl.arange(0, BLOCK)
     b_acc = tl.zeros([BLOCK], dtype=tl.float32)
     b_bad = tl.zeros([BLOCK], dtype=tl.float32)
     run_max = tl.zeros([], dtype=tl.float32)
     if FLAT:
-        num_blocks = tl.cdiv(num_items, BLOCK)
-        for block in range(pid, num_blocks, num_programs):
-            o_g = block * BLOCK + o_block  # [BLOCK]
-            m_g = o_g < num_items
-            b_g = to_f32(tl.load(grad_ptr + o_g, mask=m_g, other=0.0))
+        for start in range(pid * BLOCK, num_items, num_programs * BLOCK):
+            m_g = o_block < num_items - start  # [BLOCK]
+            b_g = to_f32(tl.load(grad_ptr + start + o_block, mask=m_g, other=0.0))
             b_acc, run_max, b_bad = _fold_block(b_g, b_acc, run_max, b_bad, NORM)
     else:
         for chunk in range(pid, num_items, num_programs):
             p_chunk, length = chunk_span(tensors_ptr, chunks_ptr, chunk, grad_ptr, CHUNK_SIZE, ALIGNED)
             for start in range(0, length, BLOCK):
-                o_g = start + o_block  # [BLOCK]
+                o_g = start + o_block  # [BLOCK], < CHUNK_SIZE: within the chunk
                 m_g = o_g < length
                 b_g = to_f32(tl.load(p_chunk + o_g, mask=m_g, other=0.0))
                 b_acc, run_max, b_bad = _fold_block(b_g, b_acc, run_max, b_bad, NORM)
-    tl.store(partials_ptr + pid, run_max)
-    tl.store(partials_ptr + partials_stride + pid, tl.sum(b_acc, axis=0))
-    tl.store(partials_ptr + 2 * partials_stride + pid, tl.sum(b_bad, axis=0))
+    p_partial = partials_ptr + pid  # rows a stride apart: pointer steps, never a 32-bit 2 * stride
+    tl.store(p_partial, run_max)
+    tl.store(p_partial + partials_stride, tl.sum(b_acc, axis=0))
+    tl.store(p_partial + partials_stride + partials_stride, tl.sum(b_bad, axis=0))
 
 
 def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> None:
