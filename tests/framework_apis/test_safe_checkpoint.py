@@ -248,7 +248,8 @@ def _crafted_cases():
     return {
         "a loss scaler called with arguments": (Crafted(DynamicLossScaler, (1024.0, 2)), r"loss scaler .* arguments"),
         "a loss scaler's state not a dict": (
-            Crafted(copyreg.__newobj__, (DynamicLossScaler,), ["cur_scale", 1.0]), r"loss scaler .* the state \[.cur_scale"),
+            Crafted(copyreg.__newobj__, (DynamicLossScaler,), ["cur_scale", 1.0]),
+            r"loss scaler .* the state \[.cur_scale"),
         "a fragment_address built with arguments": (
             Crafted(copyreg.__newobj__, (fragment_address, 12, 0)), r"fragment_address with arguments"),
         "a stage that does not exist": (Crafted(ZeroStageEnum, (7,)), r"ZeroStageEnum\(7\), which is no ZeRO stage"),
