@@ -240,6 +240,36 @@ def test_installed_wheel_imports_and_runs_the_quickstart_without_triton(wheel, t
     _assert_runs_without_triton(_python(WITHOUT_TRITON + NO_TRITON_CHECKS, tmp_path, pythonpath=site))
 
 
+#: Installed tritons that fail to import, as a broken install does: (the package's __init__, the error).
+BROKEN_TRITONS = {
+    "extension missing": ("from ._C.libtriton import ir\n", "No module named 'triton._C'"),
+    "extension for another ABI": (
+        "raise ImportError('libtriton.so: undefined symbol: _ZN4llvm5errsEv')\n", "undefined symbol"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_TRITONS))
+def test_a_triton_that_fails_to_import_counts_as_no_triton_as_torch_counts_it(checkout, tmp_path, broken):
+    # A triton package found on the path whose import raises: torch counts it as absent
+    # (torch.utils._triton.has_triton_package), and so must we: the package imports, the quickstart
+    # runs on torch's ops, and backend='triton' is refused naming triton's own error.
+    init, error = BROKEN_TRITONS[broken]
+    fake = tmp_path / "site"
+    (fake / "triton").mkdir(parents=True)
+    (fake / "triton" / "__init__.py").write_text(init)
+    code = (
+        "import importlib.util, torch.utils._triton\n"
+        "assert importlib.util.find_spec('triton') is not None  # installed, as far as the path says\n"
+        "assert not torch.utils._triton.has_triton_package()  # torch's verdict: no triton\n"
+        + NO_TRITON_CHECKS.replace("except ModuleNotFoundError", "except ImportError")
+    )
+    proc = _python(code, tmp_path, pythonpath=f"{fake}{os.pathsep}{checkout}")
+    assert proc.returncode == 0, proc.stderr
+    message = proc.stdout.strip()
+    assert "GradScaler(backend='triton'): triton is installed but fails to import" in message, message
+    assert error in message and "backend='torch'" in message, message
+
+
 def test_the_readme_main_job_installs_the_triton_its_stages_import():
     """The README's main job (``python bench/run_all.py``) compiles the kernels (kernel_report) and
     runs the Triton variants on the CPU's interpreter: the extras its command installs must bring

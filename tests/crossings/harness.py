@@ -35,7 +35,13 @@ PARAM_TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol
 #: scale, those under accumulation, under every policy column, and under the spike rules.
 GPU_PATHS_EVERY_CONTEXT = ("clip_grad_norm_", "clip_grad_norm_fold_adamw", "update")
 GPU_PATHS_ACCUMULATED = ("two_optimizers", "update(new_scale)", "SkipAwareLR", "StepLog")
-GPU_PATHS_EVERY_POLICY = ("clip_grad_norm_fold_adamw", "two_optimizers", "update(new_scale)", "state_dict_round_trip")
+GPU_PATHS_EVERY_POLICY = (
+    "clip_grad_norm_fold_adamw",
+    "two_optimizers",
+    "update(new_scale)",
+    "state_dict_round_trip",
+    "load_checkpoint",
+)
 GPU_PATHS_SPIKE_ROWS = ("SkipAwareLR", "StepLog")
 #: Gradients after the clip: the same, plus the parameters' differences seen through the loss (the
 #: gradient of c * (p - x)**2 / 2 is c * (p - x): where p ~ x a 1e-7 change of p is a large relative one).

@@ -2,6 +2,8 @@
 clip row, against the same torch scheduler on the twin stepped only where the twin's step was
 applied (Megatron-LM's rule). A tensor lr (fused AdamW: set on the device) and a float lr (SGD).
 Handed out: each group's rate (kept, so a view of the group's lr would be caught) and the count.
+``SkipAwareLR_stepped_by_hand``: the wrapped scheduler stepped by hand once (the newcomer's loop),
+``step()`` refused changing nothing, then the fix the refusal names: the run goes on at the twin's rates.
 """
 
 from __future__ import annotations
@@ -52,6 +54,38 @@ def skip_aware_oracle(side: Side, step: int) -> Observations:
     return {**expected, "rates": rates, "applied_steps": step + 1 - side.skipped_steps}
 
 
+HAND_STEP = 3  # an overflow step of the default contexts: the hand step's rate differs from the twin's
+
+
+def hand_stepped_ours(side: Side, step: int) -> Observations:
+    """At HAND_STEP the wrapped scheduler is stepped by hand before SkipAwareLR.step(): refused, with
+    every rate and the state as the hand step left them; then step() again (the call removed)."""
+    if step != HAND_STEP:
+        return {**skip_aware_ours(side, step), "refused": False, "unchanged": True}
+    seen = clip_ours(side, step)
+    scheduler = side.objects["scheduler"]
+    scheduler.scheduler.step()  # the call left in the loop
+    before = ([lr.clone() if isinstance(lr, torch.Tensor) else lr for lr in scheduler.get_last_lr()],
+              str(scheduler.state_dict()))  # fmt: skip
+    try:
+        scheduler.step()
+        refused = False
+    except RuntimeError as error:
+        refused = "stepped by hand" in str(error)
+    after = scheduler.get_last_lr(), str(scheduler.state_dict())
+    unchanged = after[1] == before[1] and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(after[0], before[0], strict=True)
+    )
+    scheduler.step()  # the fix the refusal names
+    rates = {f"lr{i}": lr for i, lr in enumerate(scheduler.get_last_lr())}
+    counted = {"applied_steps": scheduler.applied_steps, "refused": refused, "unchanged": unchanged}
+    return {**seen, "rates": rates, **counted}
+
+
+def hand_stepped_oracle(side: Side, step: int) -> Observations:
+    return {**skip_aware_oracle(side, step), "refused": step == HAND_STEP, "unchanged": True}
+
+
 LOOP_ROWS = [
     EntryPoint("SkipAwareLR", "fused_adamw", skip_aware_ours, skip_aware_oracle, setup=skip_aware_setup(True)),
     EntryPoint(
@@ -61,6 +95,15 @@ LOOP_ROWS = [
         skip_aware_oracle,
         setup=skip_aware_setup(False),
         grads_after=True,
+    ),
+    EntryPoint(
+        "SkipAwareLR_stepped_by_hand",
+        "fused_adamw",
+        hand_stepped_ours,
+        hand_stepped_oracle,
+        setup=skip_aware_setup(True),
+        policies=lambda p: p.default,
+        narrow=True,
     ),
 ]
 

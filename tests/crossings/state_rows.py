@@ -1,13 +1,19 @@
 """Rows about the scaler's state between processes: a checkpoint loaded mid-run into a scaler
 built with defaults, one carried through torch's GradScaler (whose keys are torch's), and each
 peer's own checkpoint imported (``from_megatron``, ``from_deepspeed``, ``from_apex``,
-``from_fairseq``) from the twin's transcription of that peer's state at the same step.
+``from_fairseq``) from the twin's transcription of that peer's state at the same step; DeepSpeed's
+also as the file its ZeRO optimizer writes (its own classes pickled by torch.save) read back by
+``load_checkpoint``.
 
 The oracle is the twin run straight through: a checkpoint loaded mid-window (the scale, its
 trackers, hysteresis, the spike rules' windows) must continue exactly as if nothing happened.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import io
+from collections import OrderedDict
 
 import torch
 from oracles.peer_rules import RULES
@@ -98,6 +104,38 @@ def import_ours(side: Side, step: int) -> Observations:
     return clip_ours(side, step)
 
 
+#: DeepSpeed's classes write the ZeRO file; without DeepSpeed installed the row has no cell
+#: (load_checkpoint's own tests cover that install: tests/framework_apis/test_safe_checkpoint.py).
+DEEPSPEED_FOUND = importlib.util.find_spec("deepspeed") is not None
+
+
+def deepspeed_file(rule) -> dict:
+    """The twin's DeepSpeed state as a ZeRO stage-2 optimizer writes it (``optimizer_state_dict`` of
+    ``zero_pp_rank_0_mp_rank_00_optim_states.pt``: the DynamicLossScaler object, a ZeroStageEnum, the
+    slice mappings as fragment_address), built by DeepSpeed's classes, read by load_checkpoint."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    scaler = DynamicLossScaler.__new__(DynamicLossScaler)
+    scaler.__dict__.update(vars(rule))
+    state = {"loss_scaler": scaler, "dynamic_loss_scale": True, "overflow": False, "clip_grad": 0.0,
+             "zero_stage": ZeroStageEnum.gradients, "partition_count": [1], "ds_version": "0.19.8",
+             "param_slice_mappings": [OrderedDict(weight=fragment_address(numel=16, start=0))]}  # fmt: skip
+    written = io.BytesIO()
+    torch.save({"optimizer_state_dict": state}, written)
+    written.seek(0)
+    return tritonscale.load_checkpoint(written)["optimizer_state_dict"]
+
+
+def import_file_ours(side: Side, step: int) -> Observations:
+    """At ROUND_TRIP a scaler built with defaults loads DeepSpeed's ZeRO file of this moment."""
+    if step == ROUND_TRIP:
+        side.scaler = tritonscale.GradScaler("cpu", backend=side.cell.scaler_backend())
+        side.scaler.load_state_dict(tritonscale.from_deepspeed(deepspeed_file(side.cell.twin_rule.scale_rule)))
+    return clip_ours(side, step)
+
+
 def import_oracle(side: Side, step: int) -> Observations:
     """The peer runs on; fairseq keeps no counters in its checkpoint, so its run restarts them."""
     policy = side.cell.policy
@@ -133,6 +171,15 @@ STATE_ROWS = [
         narrow=True,
     ),
     *(importer_row(peer) for peer in IMPORTERS),
+    EntryPoint(
+        "load_checkpoint",
+        "fused_adamw",
+        import_file_ours,
+        import_oracle,
+        disabled=False,
+        policies=lambda p: p.preset == "deepspeed" and DEEPSPEED_FOUND,
+        narrow=True,
+    ),
 ]
 
 

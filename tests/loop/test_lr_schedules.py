@@ -371,19 +371,46 @@ def test_stepping_past_total_steps_raises_and_changes_nothing():
 
 
 @pytest.mark.parametrize("lr_kind", ["float", "tensor"])
-def test_the_wrapped_scheduler_stepped_by_hand_is_refused(lr_kind):
+def test_the_wrapped_scheduler_stepped_by_hand_is_refused_and_the_named_fix_works(lr_kind):
     """The newcomer's loop: SkipAwareLR added, the old ``scheduler.step()`` left in. torch's own step
     rewrites the rate by its chain ([0.002855, ...] against [0.002927, ...] in the report); the next
-    SkipAwareLR.step() refuses, naming the call to remove, and changes nothing of its own."""
+    SkipAwareLR.step() refuses, naming the call to remove, and changes nothing. Following the fix (the
+    call removed, step() called again for that iteration) training goes on at the rate of a torch
+    scheduler stepped only on the applied steps: the oracle, on a twin optimizer."""
     opt, scaler = _optimizer(lr_kind), FlagScaler()
     inner = S.StepLR(opt, 1, 0.5)
-    sched = tritonscale.SkipAwareLR(inner, scaler, total_steps=4)
-    sched.step()
-    inner.step()  # the call left in the loop
-    before_state, before_lrs = str(sched.state_dict()), _lrs(opt)
-    with pytest.raises(RuntimeError, match=r"StepLR was stepped by hand .*remove the `schedule.step\(\)` call"):
-        sched.step()
-    assert _same(_lrs(opt), before_lrs) and str(sched.state_dict()) == before_state
+    sched = tritonscale.SkipAwareLR(inner, scaler, total_steps=6)
+    twin = _optimizer(lr_kind)
+    oracle = S.StepLR(twin, 1, 0.5)
+    skips = [False, True, True, False, True, False]  # iteration 2 (skipped) has the hand step
+    for i, skipped in enumerate(skips):
+        scaler.flag.fill_(skipped)
+        if not skipped:
+            oracle.step()
+        if i == 2:
+            inner.step()  # the call left in the loop
+            before_state, before_lrs = str(sched.state_dict()), _lrs(opt)
+            with pytest.raises(RuntimeError, match=r"StepLR was stepped by hand .*remove the `StepLR.step\(\)` call"):
+                sched.step()
+            assert _same(_lrs(opt), before_lrs) and str(sched.state_dict()) == before_state  # changed nothing
+            assert not _same(_lrs(opt), _lrs(twin))  # the hand step's rate, until the fix
+        sched.step()  # the fix: the call removed, SkipAwareLR.step() called (again, at iteration 2)
+        assert _same(_lrs(opt), _lrs(twin)), (i, _lrs(opt), _lrs(twin))
+    assert int(sched.applied_steps) == skips.count(False) and sched.state_dict()["calls"] == len(skips)
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+def test_a_hand_step_left_in_the_loop_is_refused_at_every_iteration(lr_kind):
+    # The refusal lets the next step() go on only where the wrapped scheduler stayed where it saw it.
+    opt, scaler = _optimizer(lr_kind), FlagScaler()
+    inner = S.StepLR(opt, 1, 0.5)
+    sched = tritonscale.SkipAwareLR(inner, scaler, total_steps=6)
+    for _ in range(3):
+        inner.step()
+        before_state = str(sched.state_dict())
+        with pytest.raises(RuntimeError, match="stepped by hand"):
+            sched.step()
+        assert str(sched.state_dict()) == before_state
 
 
 def test_changed_param_groups_are_refused():

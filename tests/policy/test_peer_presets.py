@@ -200,10 +200,10 @@ def test_a_deepspeed_version_as_pip_reports_it_picks_the_rule(version, delayed):
         (lambda: presets.deepspeed(loss_scale_window=0), r"presets.deepspeed\(loss_scale_window=0\): .* an int >= 1"),
         (lambda: presets.deepspeed(version="latest"), "version must be a DeepSpeed release such as '0.16.9'"),
         (lambda: presets.deepspeed(optimizer="zero3"), "'zero' .* or 'fp16'"),
-        (lambda: presets.megatron(growth_factor=1.00000001), r"presets 'megatron': The growth factor must be > 1"),
+        (lambda: presets.megatron(growth_factor=1.00000001), r"presets 'megatron': growth_factor must be > 1"),
         (lambda: presets.tf_keras(dynamic=False), '"initial_scale" must be specified'),
         (lambda: presets.tf1(), "init_loss_scale and incr_every_n_steps"),
-        (lambda: presets.fairseq(fp16_scale_tolerance=0.5, min_loss_scale=-1.0), "presets 'fairseq': raise_at_scale"),
+        (lambda: presets.fairseq(fp16_scale_tolerance=0.5, min_loss_scale=-1.0), "presets 'fairseq': min_loss_scale"),
     ],
     ids=["window", "version", "optimizer", "megatron-float32-growth", "tf-keras-fixed", "tf1", "fairseq"],
 )
@@ -239,6 +239,64 @@ def test_a_string_where_a_number_goes_is_refused_naming_the_argument(name, arg):
     function = presets.PRESETS[name].__name__
     with pytest.raises(ScalerConfigError, match=rf"^presets\.{function}\({arg}=\.\.\.\) takes (a number|an int)"):
         presets.preset(name, **{arg: "1"})
+
+
+#: Per preset: each argument that sets a policy knob or the initial scale, given a value out of that
+#: knob's bounds (with what the preset needs beside it). The refusal must come from the preset and name
+#: the argument, not the knob it sets (Megatron's loss_scale_window is the policy's growth_interval).
+OUT_OF_BOUNDS = {
+    "torch": {"init_scale": {"init_scale": float("inf")}, "growth_factor": {"growth_factor": 1.0},
+              "backoff_factor": {"backoff_factor": 1.0}, "growth_interval": {"growth_interval": 0}},
+    "megatron": {"initial_scale": {"initial_scale": float("inf")}, "min_scale": {"min_scale": 0.0},
+                 "growth_factor": {"growth_factor": 1.0}, "backoff_factor": {"backoff_factor": 0.0},
+                 "growth_interval": {"growth_interval": 0}, "hysteresis": {"hysteresis": 0},
+                 "loss_scale": {"loss_scale": -1.0}, "initial_loss_scale": {"initial_loss_scale": float("inf")},
+                 "min_loss_scale": {"min_loss_scale": 0.0}, "loss_scale_window": {"loss_scale_window": 0}},
+    "deepspeed": {"initial_scale_power": {"initial_scale_power": 200}, "loss_scale_window": {"loss_scale_window": 0},
+                  "hysteresis": {"hysteresis": 0}, "min_loss_scale": {"min_loss_scale": 0.0},
+                  "loss_scale": {"loss_scale": float("inf")}},
+    "apex": {"loss_scale": {"loss_scale": -1.0}, "init_scale": {"init_scale": 0.0}, "scale_window": {"scale_window": 0},
+             "min_loss_scale": {"min_loss_scale": -1.0}, "max_loss_scale": {"max_loss_scale": 0.0}},
+    "apex-hysteresis": {"init_scale": {"init_scale": 0.0}, "growth_factor": {"growth_factor": 1.0},
+                        "backoff_factor": {"backoff_factor": 1.0}, "growth_interval": {"growth_interval": 0},
+                        "hysteresis": {"hysteresis": 0}},
+    "fairseq": {"fp16_init_scale": {"fp16_init_scale": float("inf")}, "fp16_scale_window": {"fp16_scale_window": 0},
+                "fp16_scale_tolerance": {"fp16_scale_tolerance": -0.5},
+                "threshold_loss_scale": {"threshold_loss_scale": 0.0},
+                "min_loss_scale": {"min_loss_scale": -1.0}, "distributed_world_size": {"distributed_world_size": 0},
+                "update_freq": {"update_freq": 0}},
+    "keras": {"initial_scale": {"initial_scale": 0.0}, "dynamic_growth_steps": {"dynamic_growth_steps": 0}},
+    "tf-keras": {"initial_scale": {"initial_scale": float("inf")}, "dynamic_growth_steps": {"dynamic_growth_steps": 0}},
+    "tf1": {"init_loss_scale": {"init_loss_scale": 0.0, "incr_every_n_steps": 2},
+            "incr_every_n_steps": {"init_loss_scale": 8.0, "incr_every_n_steps": 0},
+            "decr_every_n_nan_or_inf": {"init_loss_scale": 8.0, "incr_every_n_steps": 2, "decr_every_n_nan_or_inf": 0},
+            "incr_ratio": {"init_loss_scale": 8.0, "incr_every_n_steps": 2, "incr_ratio": 1.0},
+            "decr_ratio": {"init_loss_scale": 8.0, "incr_every_n_steps": 2, "decr_ratio": 0.0},
+            "loss_scale": {"loss_scale": 0.0}},
+}  # fmt: skip
+#: How the policy names its knobs and the scale in its own refusals: none may stand for a peer's argument.
+KNOB_WORDS = ("init_scale", "growth interval", "growth_interval", "growth factor", "growth_factor", "backoff factor",
+              "backoff_factor", "min_scale", "max_scale", "hysteresis", "overflow_tolerance",
+              "raise_at_scale")  # fmt: skip
+BOUNDED = [(name, arg) for name, args in OUT_OF_BOUNDS.items() for arg in args]
+
+
+def test_every_numeric_argument_of_every_preset_has_its_out_of_bounds_case():
+    numeric = {*NUMBER_ARGS, ("apex", "loss_scale")}  # apex's default is "dynamic"; it takes a number too
+    assert numeric == set(BOUNDED), sorted(numeric ^ set(BOUNDED))
+
+
+@pytest.mark.parametrize("name, arg", BOUNDED, ids=[f"{name}-{arg}" for name, arg in BOUNDED])
+def test_an_out_of_bounds_argument_is_refused_by_the_preset_naming_the_argument(name, arg):
+    with pytest.raises(ScalerConfigError) as refused:
+        presets.preset(name, **OUT_OF_BOUNDS[name][arg])
+    message = str(refused.value)
+    prefixes = (f"presets {name!r}: ", f"presets.{presets.PRESETS[name].__name__}(")
+    prefix = next((p for p in prefixes if message.startswith(p)), None)
+    assert prefix, message  # refused by the preset, naming it
+    assert arg in message, message
+    said = message.removeprefix(prefix).replace(arg, "")  # an argument may be spelled as its knob (torch's)
+    assert not [word for word in KNOB_WORDS if word in said.lower()], message
 
 
 # ------------------------------------------------ the edges where a peer and its preset part (docs/policies.md)

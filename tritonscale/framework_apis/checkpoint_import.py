@@ -189,10 +189,12 @@ def from_deepspeed(
 
     Example::
 
-        scaler.load_state_dict(from_deepspeed(tritonscale.load_checkpoint(path)["optimizer"]))
+        state = tritonscale.load_checkpoint("global_step100/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        scaler.load_state_dict(from_deepspeed(state["optimizer_state_dict"]))
 
     ``load_checkpoint`` reads the file with nothing in it run (its ZeRO ``loss_scaler`` as a plain record,
     no DeepSpeed needed); ``torch.load(path, weights_only=False)`` would run any code the file names.
+    An FP16_Optimizer without ZeRO saves its state in ``mp_rank_00_model_states.pt``, under ``"optimizer"``.
     """
     top = _saved(state, "from_deepspeed", "a DeepSpeed fp16 or ZeRO optimizer's state_dict()", ())
     optimizer = "fp16" if top.fields.get("loss_scaler") is None else "zero"

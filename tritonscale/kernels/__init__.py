@@ -17,14 +17,26 @@ in plain PyTorch. Which gradients form one run (flat buffers, buckets) is host-s
 in ``tritonscale/grads/``: the caller hands the run to ``describe_grads``.
 """
 
-import importlib.util
-
 from .supported import NORM_INF, norm_code
 
-#: Whether triton is installed. It is no dependency of a CPU install (the default backend there
-#: runs torch's ops; CUDA builds of torch bring their own triton), so without it this package still
+
+def _import_triton() -> ImportError | None:
+    """None where triton imports, else its ImportError. torch's rule (``has_triton_package`` in
+    torch/utils/_triton.py): a triton that is installed but fails to import counts as no triton, so
+    ``import tritonscale`` still works and the backend falls back as torch's own code does."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return error
+    return None
+
+
+#: Why triton cannot be used here (None: it imports): not installed, or installed and failing to import.
+TRITON_IMPORT_ERROR = _import_triton()
+#: Whether triton imports. It is no dependency of a CPU install (the default backend there runs
+#: torch's ops; CUDA builds of torch bring their own triton), so without it this package still
 #: imports, with its triton-free ``supported`` tables, and the launchers raise ``triton_missing()``.
-TRITON_FOUND = importlib.util.find_spec("triton") is not None
+TRITON_FOUND = TRITON_IMPORT_ERROR is None
 
 if TRITON_FOUND:
     from .apply_pass import apply_factor_
@@ -33,15 +45,28 @@ if TRITON_FOUND:
     from .tensor_table import GradLayout, describe_grads
 
 
-def triton_missing(what: str = "tritonscale's Triton kernels") -> ModuleNotFoundError:
-    """The error for a kernel asked for where triton is not installed: names the install."""
-    return ModuleNotFoundError(
-        f"{what}: triton is not installed. On a GPU machine install the CUDA (or ROCm) build of "
-        "torch, which brings the triton it was built with; for Triton's interpreter on a CPU, "
-        "`pip install 'triton>=3.8'` (the test extra: `pip install -e \".[test]\"`). Without triton, "
+def triton_missing(what: str = "tritonscale's Triton kernels") -> ImportError:
+    """The error for a kernel asked for where triton does not import: a ModuleNotFoundError naming
+    the install where it is not installed, an ImportError naming triton's own error (its cause)
+    where it is installed but fails to import."""
+    error = TRITON_IMPORT_ERROR
+    if error is None or (isinstance(error, ModuleNotFoundError) and error.name == "triton"):
+        return ModuleNotFoundError(
+            f"{what}: triton is not installed. On a GPU machine install the CUDA (or ROCm) build of "
+            "torch, which brings the triton it was built with; for Triton's interpreter on a CPU, "
+            "`pip install 'triton>=3.8'` (the test extra: `pip install -e \".[test]\"`). Without triton, "
+            "GradScaler(..., backend='torch') (the CPU default) runs every pass with torch's own ops",
+            name="triton",
+        )
+    broken = ImportError(
+        f"{what}: triton is installed but fails to import ({type(error).__name__}: {error}), so it counts "
+        "as absent, as torch counts it. Reinstall the triton your torch was built with (a CUDA or ROCm "
+        "build of torch brings it; on a CPU `pip install 'triton>=3.8'`); meanwhile "
         "GradScaler(..., backend='torch') (the CPU default) runs every pass with torch's own ops",
         name="triton",
     )
+    broken.__cause__ = error
+    return broken
 
 
 def __getattr__(name: str):

@@ -65,6 +65,9 @@ class SkipAwareLR:
         check_scaler(scaler, "SkipAwareLR", "last_skip_flag")
         self.total_steps = check_total_steps(scheduler, total_steps)
         self.scheduler, self.optimizer, self._scaler = scheduler, scheduler.optimizer, scaler
+        # The wrapped scheduler's last_epoch as step() last accepted it (0: never stepped); a hand
+        # step moves it, step() refuses once, and the epoch it reported becomes the accepted one.
+        self._scheduler_epoch = scheduler.last_epoch
         rows = record_lrs(scheduler, self.total_steps)
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         # Per group: a device table (tensor lr) or a host list of floats (float lr).
@@ -93,7 +96,14 @@ class SkipAwareLR:
         return self._count.clone()
 
     def step(self) -> None:
-        """After ``scaler.update()``: count the step if it was applied and set each group's rate."""
+        """After ``scaler.update()``: count the step if it was applied and set each group's rate.
+
+        Raises:
+            RuntimeError: past ``total_steps``; the optimizer's param groups changed; the wrapped
+                scheduler was stepped by hand since the last ``step()``. Nothing is counted or set.
+                After the hand-step refusal, remove that call and call ``step()`` again: it goes on
+                from the applied steps counted, and sets their rate over the one the hand step wrote.
+        """
         # Traced, the host count is not kept (a Python int Dynamo would guard on and recompile at
         # each call); as in a replayed capture, a call past total_steps keeps the last rate.
         traced = torch.compiler.is_compiling()
@@ -191,13 +201,21 @@ class SkipAwareLR:
     def _check_not_stepped_by_hand(self) -> None:
         # Each scheduler.step() rewrites the rate by its own chain: a call left in the loop after
         # wrapping would silently undo or double this object's rate (torch refuses what it can, too).
-        if self.scheduler.last_epoch != 0:
-            name = type(self.scheduler).__name__
-            raise RuntimeError(
-                f"SkipAwareLR: the wrapped {name} was stepped by hand (last_epoch={self.scheduler.last_epoch}) "
-                "after it was wrapped; remove the `schedule.step()` call from the loop: SkipAwareLR.step() "
-                "replaces it (it sets the rate of each applied step). Nothing was changed."
-            )
+        # The wrapped scheduler is read nowhere else (the rates come from the table), so once the
+        # call is gone its epoch stays where the refusal saw it: noting that epoch lets the next
+        # step() go on, and a call still in the loop moves it again, refused again.
+        epoch = self.scheduler.last_epoch
+        if epoch == self._scheduler_epoch:
+            return
+        self._scheduler_epoch = epoch  # the hand step is reported; no rate, count or state changes
+        name = type(self.scheduler).__name__
+        raise RuntimeError(
+            f"SkipAwareLR: the wrapped {name} was stepped by hand (last_epoch={epoch}) since the last "
+            f"SkipAwareLR.step(); remove the `{name}.step()` call from the loop (SkipAwareLR.step() replaces "
+            "it: it sets the rate of each applied step), then call SkipAwareLR.step() again for this "
+            "iteration: it sets the applied steps' rate over the one the hand step wrote. This call changed "
+            "nothing and counted nothing."
+        )
 
     def _check_groups(self) -> None:
         groups = self.optimizer.param_groups

@@ -89,23 +89,24 @@ def check_counter(name: str, value: int, limit: int = INT32_LIMIT, minimum: int 
     return int(value)
 
 
-def check_growth_factor(value: float) -> float:
-    """The policy's growth factor, in torch's wording."""
+def check_growth_factor(value: float, name: str = "The growth factor") -> float:
+    """The policy's growth factor, in torch's wording; ``name``: the caller's for it (a preset's argument)."""
     if not is_growth_factor(value):
-        raise ScalerConfigError(f"The growth factor must be > 1.0 (and finite), got {value!r}")
+        raise ScalerConfigError(f"{name} must be > 1.0 (and finite), got {value!r}")
     return float(value)
 
 
-def check_backoff_factor(value: float) -> float:
-    """The policy's backoff factor, in torch's wording."""
+def check_backoff_factor(value: float, name: str = "The backoff factor") -> float:
+    """The policy's backoff factor, in torch's wording; ``name``: the caller's for it (a preset's argument)."""
     if not is_backoff_factor(value):
-        raise ScalerConfigError(f"The backoff factor must be in (0, 1), got {value!r}")
+        raise ScalerConfigError(f"{name} must be in (0, 1), got {value!r}")
     return float(value)
 
 
-def check_growth_interval(value: int) -> int:
-    """The policy's growth interval: an int >= 1 (torch's counter is unbounded on the host)."""
-    return check_positive_int("The growth interval", value)
+def check_growth_interval(value: int, name: str = "The growth interval") -> int:
+    """The policy's growth interval: an int >= 1 (torch's counter is unbounded on the host);
+    ``name``: the caller's for it (a preset's argument)."""
+    return check_positive_int(name, value)
 
 
 def check_positive_int(name: str, value: int | None, allow_none: bool = False) -> int | None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -123,16 +124,32 @@ class LossScalePolicy:
     clip_norm_eps: float = 1e-6
     clip_norm_skip_update_on_spike: bool = False
 
-    def validate(self) -> LossScalePolicy:
-        """Raise ScalerConfigError naming the first bad knob; return self."""
-        self.growth_factor = check_growth_factor(self.growth_factor)
-        self.backoff_factor = check_backoff_factor(self.backoff_factor)
-        self.growth_interval = check_growth_interval(self.growth_interval)
-        self.hysteresis = check_positive_int("hysteresis", self.hysteresis)
-        self.min_scale = check_optional_scale("min_scale", self.min_scale)
-        self.max_scale = check_optional_scale("max_scale", self.max_scale)
+    def validate(self, names: Mapping[str, str] | None = None) -> LossScalePolicy:
+        """Raise ScalerConfigError naming the first bad knob; return self.
+
+        Args:
+            names: the caller's name for a knob it spells otherwise, used in the refusal in place of the
+                knob's: a preset passes its peer's argument (``{"growth_interval": "loss_scale_window"}``).
+
+        Returns:
+            This policy, its numeric knobs as plain Python numbers.
+        """
+        names = names or {}
+
+        def name(knob: str) -> dict[str, str]:  # the check's own wording where the caller has no name
+            return {"name": names[knob]} if knob in names else {}
+
+        self.growth_factor = check_growth_factor(self.growth_factor, **name("growth_factor"))
+        self.backoff_factor = check_backoff_factor(self.backoff_factor, **name("backoff_factor"))
+        self.growth_interval = check_growth_interval(self.growth_interval, **name("growth_interval"))
+        self.hysteresis = check_positive_int(names.get("hysteresis", "hysteresis"), self.hysteresis)
+        self.min_scale = check_optional_scale(names.get("min_scale", "min_scale"), self.min_scale)
+        self.max_scale = check_optional_scale(names.get("max_scale", "max_scale"), self.max_scale)
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
-            raise ScalerConfigError(f"min_scale {self.min_scale} is above max_scale {self.max_scale}")
+            raise ScalerConfigError(
+                f"{names.get('min_scale', 'min_scale')} {self.min_scale} is above "
+                f"{names.get('max_scale', 'max_scale')} {self.max_scale}"
+            )
         if self.on_min_scale not in ON_MIN_SCALE:
             raise ScalerConfigError(f"on_min_scale must be one of {ON_MIN_SCALE}, got {self.on_min_scale!r}")
         self.max_consecutive_skips = check_positive_int("max_consecutive_skips", self.max_consecutive_skips, True)
@@ -144,7 +161,7 @@ class LossScalePolicy:
         self.skip_norm_factor = None if self.skip_norm_factor is None else float(self.skip_norm_factor)
         self.norm_average_decay = float(self.norm_average_decay)
         self.norm_warmup_steps = check_positive_int("norm_warmup_steps", self.norm_warmup_steps)
-        self._validate_peer_knobs()
+        self._validate_peer_knobs(names)
         check_spike_knobs(self)
         flags = ("dynamic", "skip_on_overflow", "consecutive_hysteresis", "hysteresis_refill_on_backoff")
         for flag in (*flags, "clip_norm_skip_update_on_spike"):
@@ -152,13 +169,16 @@ class LossScalePolicy:
                 raise ScalerConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         return self
 
-    def _validate_peer_knobs(self) -> None:
+    def _validate_peer_knobs(self, names: Mapping[str, str]) -> None:
         """The knobs one peer each needs: DeepSpeed's growth delay, fairseq's tolerance and error scale."""
         if not is_count(self.growth_delay, 0, 2**30):
             raise ScalerConfigError(f"growth_delay must be an int >= 0, got {self.growth_delay!r}")
         self.growth_delay = int(self.growth_delay)
         if not (is_finite(self.overflow_tolerance) and self.overflow_tolerance >= 0):
-            raise ScalerConfigError(f"overflow_tolerance must be a finite number >= 0, got {self.overflow_tolerance!r}")
+            raise ScalerConfigError(
+                f"{names.get('overflow_tolerance', 'overflow_tolerance')} must be a finite number >= 0, "
+                f"got {self.overflow_tolerance!r}"
+            )
         self.overflow_tolerance = float(self.overflow_tolerance)
         if self.overflow_tolerance > 0 and self.hysteresis > 1:
             raise ScalerConfigError(
@@ -166,7 +186,8 @@ class LossScalePolicy:
                 "which overflows back the scale off: set one of them"
             )
         if self.raise_at_scale is not None and not (is_finite(self.raise_at_scale) and self.raise_at_scale >= 0):
-            raise ScalerConfigError(f"raise_at_scale must be a finite number >= 0 or None, got {self.raise_at_scale!r}")
+            named = names.get("raise_at_scale", "raise_at_scale")
+            raise ScalerConfigError(f"{named} must be a finite number >= 0 or None, got {self.raise_at_scale!r}")
         self.raise_at_scale = None if self.raise_at_scale is None else float(self.raise_at_scale)
 
     def check_scale_in_bounds(self, name: str, scale: float) -> float:

@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any
 
 from ..errors import ScalerConfigError
 from .forms import as_float32
-from .knob_checks import is_int, is_number
+from .knob_checks import check_positive_int, check_scale_value, is_int, is_number
 from .loss_scale_policy import LossScalePolicy
 
 
@@ -55,7 +54,9 @@ def torch(
     policy = LossScalePolicy(
         growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
     )
-    return _preset("torch", init_scale, policy, "pytorch/pytorch torch/amp/grad_scaler.py (torch 2.13)")
+    names = {"growth_factor": "growth_factor", "backoff_factor": "backoff_factor", "growth_interval": "growth_interval"}
+    source = "pytorch/pytorch torch/amp/grad_scaler.py (torch 2.13)"
+    return _preset("torch", init_scale, policy, source, "init_scale", names)
 
 
 def megatron(
@@ -79,16 +80,20 @@ def megatron(
     command line spell them) are taken too, in place of the scaler's; setting both names is refused."""
     _check_args("megatron", "a number or None", initial_loss_scale=initial_loss_scale, min_loss_scale=min_loss_scale)
     _check_args("megatron", "an int or None", loss_scale_window=loss_scale_window)
-    initial_scale = _one_of("initial_loss_scale", initial_loss_scale, "initial_scale", initial_scale, 2.0**32)
-    min_scale = _one_of("min_loss_scale", min_loss_scale, "min_scale", min_scale, 1.0)
-    growth_interval = _one_of("loss_scale_window", loss_scale_window, "growth_interval", growth_interval, 1000)
+    init_name, initial_scale = _one_of(
+        "initial_loss_scale", initial_loss_scale, "initial_scale", initial_scale, 2.0**32
+    )
+    floor_name, min_scale = _one_of("min_loss_scale", min_loss_scale, "min_scale", min_scale, 1.0)
+    window_name, growth_interval = _one_of(
+        "loss_scale_window", loss_scale_window, "growth_interval", growth_interval, 1000
+    )
     numbers = {"initial_scale": initial_scale, "min_scale": min_scale, "growth_factor": growth_factor}
     _check_args("megatron", "a number", **numbers, backoff_factor=backoff_factor)
     _check_args("megatron", "an int", growth_interval=growth_interval, hysteresis=hysteresis)
     _check_args("megatron", "a number or None", loss_scale=loss_scale)
     source = "NVIDIA/Megatron-LM megatron/core/optimizer/grad_scaler.py @ 00caa53a"
     if loss_scale:  # Megatron builds a ConstantGradScaler for a truthy loss_scale
-        return _preset("megatron", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source)
+        return _preset("megatron", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source, "loss_scale")
     policy = LossScalePolicy(
         growth_factor=as_float32(growth_factor),
         backoff_factor=as_float32(backoff_factor),
@@ -96,19 +101,24 @@ def megatron(
         hysteresis=hysteresis,
         min_scale=as_float32(min_scale),
     )
-    return _preset("megatron", initial_scale, policy, source)
+    names = {"growth_interval": window_name, "min_scale": floor_name, "growth_factor": "growth_factor",
+             "backoff_factor": "backoff_factor"}  # fmt: skip
+    return _preset("megatron", initial_scale, policy, source, init_name, names)
 
 
-def _one_of(config_name: str, config_value: Any, scaler_name: str, scaler_value: Any, default: Any) -> Any:
-    """Megatron's config name for a knob, or its DynamicGradScaler's: whichever was set, not both."""
+def _one_of(
+    config_name: str, config_value: Any, scaler_name: str, scaler_value: Any, default: Any
+) -> tuple[str, Any]:
+    """Megatron's config name for a knob, or its DynamicGradScaler's: whichever was set, not both;
+    returned with the name it was set by, for the refusals."""
     if config_value is None:
-        return scaler_value
+        return scaler_name, scaler_value
     if scaler_value != default:
         raise ScalerConfigError(
             f"presets 'megatron': {config_name}={config_value!r} and {scaler_name}={scaler_value!r} name the same "
             "knob (Megatron's config and its DynamicGradScaler); set one of them"
         )
-    return config_value
+    return config_name, config_value
 
 
 #: The DeepSpeed release whose ZeRO optimizers (DynamicLossScaler) first grew one step later after an
@@ -153,7 +163,7 @@ def deepspeed(
     )
     source = f"deepspeedai/DeepSpeed deepspeed/runtime/fp16/{rule} @ edaa7221"
     if loss_scale:
-        return _preset("deepspeed", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source)
+        return _preset("deepspeed", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source, "loss_scale")
     delayed = optimizer == "fp16" or version is None or _release(version) >= DEEPSPEED_STABLE_INTERVAL
     zero = optimizer == "zero"
     policy = LossScalePolicy(
@@ -164,7 +174,16 @@ def deepspeed(
         on_min_scale="raise" if zero else "clamp",
         growth_delay=1 if delayed else 0,
     )
-    return _preset("deepspeed", 2.0**initial_scale_power, policy, source)
+    names = {"growth_interval": "loss_scale_window", "min_scale": "min_loss_scale"}
+    return _preset("deepspeed", _power_of_two(initial_scale_power), policy, source, "2**initial_scale_power", names)
+
+
+def _power_of_two(power: int) -> float:
+    """``2.0**power``, inf past the float range (where ``2.0**power`` raises), for the scale check to refuse."""
+    try:
+        return 2.0**power
+    except OverflowError:
+        return float("inf")
 
 
 def apex(
@@ -185,9 +204,10 @@ def apex(
     _check_args("apex", "an int", scale_window=scale_window)
     source = "NVIDIA/apex apex/amp/scaler.py LossScaler.update_scale @ cb65b8ed~1"
     if loss_scale != "dynamic":
-        return _preset("apex", loss_scale, LossScalePolicy.fixed(skip_on_overflow=False), source)
+        return _preset("apex", loss_scale, LossScalePolicy.fixed(skip_on_overflow=False), source, "loss_scale")
     policy = LossScalePolicy(growth_interval=scale_window, min_scale=min_loss_scale or None, max_scale=max_loss_scale)
-    return _preset("apex", min(max_loss_scale, init_scale), policy, source)
+    names = {"growth_interval": "scale_window", "min_scale": "min_loss_scale", "max_scale": "max_loss_scale"}
+    return _preset("apex", min(max_loss_scale, init_scale), policy, source, "init_scale", names)
 
 
 def apex_hysteresis(
@@ -202,9 +222,16 @@ def apex_hysteresis(
     factors = {"growth_factor": growth_factor, "backoff_factor": backoff_factor}
     _check_args("apex_hysteresis", "a number", init_scale=init_scale, **factors)
     _check_args("apex_hysteresis", "an int", growth_interval=growth_interval, hysteresis=hysteresis)
-    rule = torch(init_scale, growth_factor, backoff_factor, growth_interval).policy
-    policy = dataclasses.replace(rule, hysteresis=hysteresis, consecutive_hysteresis=True)
-    return _preset("apex-hysteresis", init_scale, policy, "NVIDIA/apex csrc/update_scale_hysteresis.cu @ 16aaa783")
+    policy = LossScalePolicy(
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=True,
+    )
+    names = {"growth_factor": "growth_factor", "backoff_factor": "backoff_factor", "growth_interval": "growth_interval"}
+    source = "NVIDIA/apex csrc/update_scale_hysteresis.cu @ 16aaa783"
+    return _preset("apex-hysteresis", init_scale, policy, source, "init_scale", names)
 
 
 def fairseq(
@@ -226,6 +253,11 @@ def fairseq(
     _check_args("fairseq", "a number or None", threshold_loss_scale=threshold_loss_scale)
     _check_args("fairseq", "an int", distributed_world_size=distributed_world_size, update_freq=update_freq)
     _check_args("fairseq", "an int or None", fp16_scale_window=fp16_scale_window)
+    for arg, value in {"distributed_world_size": distributed_world_size, "update_freq": update_freq}.items():
+        check_positive_int(f"presets.fairseq({arg}=...)", value)
+    window_name = "fp16_scale_window"
+    if fp16_scale_window is None:
+        window_name = "fp16_scale_window's default 2**14 / distributed_world_size / update_freq"
     window = fp16_scale_window if fp16_scale_window is not None else int(2**14 / distributed_world_size / update_freq)
     policy = LossScalePolicy(
         growth_interval=window,
@@ -233,9 +265,10 @@ def fairseq(
         min_scale=threshold_loss_scale,
         raise_at_scale=min_loss_scale,
     )
-    return _preset(
-        "fairseq", fp16_init_scale, policy, "facebookresearch/fairseq fairseq/optim/dynamic_loss_scaler.py @ 0d77035e"
-    )
+    names = {"growth_interval": window_name, "overflow_tolerance": "fp16_scale_tolerance",
+             "min_scale": "threshold_loss_scale", "raise_at_scale": "min_loss_scale"}  # fmt: skip
+    source = "facebookresearch/fairseq fairseq/optim/dynamic_loss_scaler.py @ 0d77035e"
+    return _preset("fairseq", fp16_init_scale, policy, source, "fp16_init_scale", names)
 
 
 def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> PeerPreset:
@@ -244,9 +277,8 @@ def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> P
     _check_args("keras", "a number", initial_scale=initial_scale)
     _check_args("keras", "an int", dynamic_growth_steps=dynamic_growth_steps)
     policy = LossScalePolicy(growth_interval=dynamic_growth_steps)
-    return _preset(
-        "keras", initial_scale, policy, "keras-team/keras keras/src/optimizers/loss_scale_optimizer.py @ 054e2952"
-    )
+    source = "keras-team/keras keras/src/optimizers/loss_scale_optimizer.py @ 054e2952"
+    return _preset("keras", initial_scale, policy, source, "initial_scale", {"growth_interval": "dynamic_growth_steps"})
 
 
 def tf_keras(
@@ -264,10 +296,12 @@ def tf_keras(
             raise ScalerConfigError(
                 f'"dynamic_growth_steps" must be None if "dynamic" is False, got {dynamic_growth_steps}'
             )
-        return _preset("tf-keras", initial_scale, LossScalePolicy.fixed(skip_on_overflow=False), source)
+        fixed = LossScalePolicy.fixed(skip_on_overflow=False)
+        return _preset("tf-keras", initial_scale, fixed, source, "initial_scale")
     steps = 2000 if dynamic_growth_steps is None else dynamic_growth_steps
     policy = LossScalePolicy(growth_interval=steps, min_scale=1.0)
-    return _preset("tf-keras", 2.0**15 if initial_scale is None else initial_scale, policy, source)
+    init = 2.0**15 if initial_scale is None else initial_scale
+    return _preset("tf-keras", init, policy, source, "initial_scale", {"growth_interval": "dynamic_growth_steps"})
 
 
 def tf1(
@@ -287,14 +321,16 @@ def tf1(
     _check_args("tf1", "a number", incr_ratio=incr_ratio, decr_ratio=decr_ratio)
     source = "tensorflow/tensorflow tensorflow/contrib/mixed_precision/python/loss_scale_manager.py (TF 1.15)"
     if loss_scale is not None:
-        return _preset("tf1", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source)
+        return _preset("tf1", loss_scale, LossScalePolicy.fixed(skip_on_overflow=True), source, "loss_scale")
     if init_loss_scale is None or incr_every_n_steps is None:
         raise ScalerConfigError(
             "tf1: ExponentialUpdateLossScaleManager needs init_loss_scale and incr_every_n_steps "
             "(or pass loss_scale= for a FixedLossScaleManager)"
         )
     policy = LossScalePolicy.tensorflow_exponential(incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio)
-    return _preset("tf1", init_loss_scale, policy, source)
+    names = {"growth_interval": "incr_every_n_steps", "hysteresis": "decr_every_n_nan_or_inf",
+             "growth_factor": "incr_ratio", "backoff_factor": "decr_ratio"}  # fmt: skip
+    return _preset("tf1", init_loss_scale, policy, source, "init_loss_scale", names)
 
 
 PRESETS: dict[str, Callable[..., PeerPreset]] = {
@@ -319,12 +355,23 @@ def preset(name: str, **peer_args: Any) -> PeerPreset:
     return PRESETS[key](**peer_args)
 
 
-def _preset(name: str, init_scale: float, policy: LossScalePolicy, source: str) -> PeerPreset:
-    """The preset, its policy validated: a bad argument is named with the peer it was given for."""
+def _preset(
+    name: str,
+    init_scale: float,
+    policy: LossScalePolicy,
+    source: str,
+    init_name: str,
+    names: dict[str, str] | None = None,
+) -> PeerPreset:
+    """The preset, its policy and initial scale validated: a bad value is refused with the peer it was
+    given for and by the argument the user passed (``init_name`` for the initial scale, ``names``
+    from a policy knob to the peer's argument that set it), the bounds checked where they live."""
     try:
-        return PeerPreset(name, float(init_scale), policy.validate(), source)
+        policy.validate(names)
+        check_scale_value(init_name, init_scale)
     except ScalerConfigError as error:
         raise ScalerConfigError(f"presets {name!r}: {error}") from None
+    return PeerPreset(name, float(init_scale), policy, source)
 
 
 #: What a preset's argument takes, as ``_check_args`` says it, and the test of it.
