@@ -52,7 +52,8 @@ ELSEWHERE = {
     "load_checkpoint": ("framework_apis/test_safe_checkpoint.py", "test_a_real_deepspeed_zero_checkpoint_imports"),
     "place_state": ("scaler/test_scaler_iteration_api.py", "test_place_state_makes_the_state_where_asked_once"),
     # A CUDA graph's capture and replays need a GPU (tests/test_gpu.py); on the CPU its calls run with
-    # torch.cuda's graph and streams stood in for: warm-ups, capture, replays, the moved-gradient refusal.
+    # torch.cuda's graph and streams stood in for: warm-ups, capture, replays, the refusals at
+    # construction and after each way of moving what the graph reads (the same file's MOVES, KINDS).
     "CapturedStep": (
         "loop/test_captured_step.py",
         "test_the_captured_step_warms_up_captures_replays_and_refuses_moved_grads",
