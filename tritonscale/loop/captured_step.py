@@ -278,11 +278,17 @@ def capture_refusal(optimizer: Any, inner: torch.optim.Optimizer) -> str | None:
             "its step is a plain one, which the scaler skips on one host read of the overflow flag (a replay "
             "cannot read it again)"
         )
-    if "capturable" in inner.defaults or off:
-        fix = f"torch.optim.{name}(..., fused=True, capturable=True)" if plain else "capturable=True"
+    defaults = getattr(inner, "defaults", None) or {}
+    if not plain:
+        fix = "Make it with capturable=True"
+    elif "fused" in defaults:
+        fix = f"Make it with {name}(..., fused=True{', capturable=True' if 'capturable' in defaults else ''})"
     else:
-        fix = "fused=True (torch's SGD, Adagrad; Adam and AdamW with fused=True, capturable=True)"
-    return f"{name} cannot be captured: {'; and '.join(why)}. Make it with {fix}"
+        fix = (
+            "Use an optimizer with a fused step: torch's Adam or AdamW (fused=True, capturable=True), SGD or "
+            "Adagrad (fused=True)"
+        )
+    return f"{name} cannot be captured: {'; and '.join(why)}. {fix}"
 
 
 def _checked_step_fn(step_fn: Any) -> Callable[[], Any]:
