@@ -309,18 +309,56 @@ def test_gpu_post_backward_step_by_torchs_recipe_equals_eager():
     assert sum(r["skipped"] for r in rows) >= 3 and len({r["scale"] for r in rows}) >= 3  # it moved
 
 
-def test_gpu_captured_step_refuses_gradients_that_moved():
-    """zero_grad(set_to_none=True) after the capture: the next call refuses, naming the fix, and
-    recapture() captures the new gradients after one eager warm-up."""
+def _gpu_moves():
+    """(layout, move(model, opt), recapture after it): each way the tensors a captured step reads move."""
+
+    def extra_group(model, opt):
+        extra = torch.nn.Parameter(torch.zeros(3, device="cuda"))
+        extra.grad = torch.zeros_like(extra)
+        opt.add_param_group({"params": [extra]})
+
+    def first_grad(model):
+        return model.weight.grad
+
+    return [
+        pytest.param("plain", lambda m, o: o.zero_grad(set_to_none=True), True, id="plain-set_to_none"),
+        pytest.param("flat", lambda m, o: o.zero_grad(set_to_none=True), True, id="flat-set_to_none"),
+        pytest.param("flat", lambda m, o: _flatten(m), True, id="flat-flatten_grads_-again"),
+        pytest.param("plain", lambda m, o: setattr(first_grad(m), "data", torch.zeros_like(first_grad(m))), True,
+                     id="grad.data="),
+        pytest.param("flat", lambda m, o: first_grad(m).set_(torch.zeros_like(first_grad(m))), True, id="grad.set_"),
+        pytest.param("plain", lambda m, o: m.to(torch.float64), False, id="model.to(float64)"),
+        pytest.param("plain", lambda m, o: o.load_state_dict(o.state_dict()), True, id="load_state_dict"),
+        pytest.param("plain", extra_group, True, id="add_param_group"),
+    ]  # fmt: skip
+
+
+def _flatten(model):
+    import tritonscale
+
+    tritonscale.flatten_grads_(model.parameters())
+
+
+@pytest.mark.parametrize("layout, move, recapture", _gpu_moves())
+def test_gpu_captured_step_refuses_what_moved(layout, move, recapture):
+    """After the capture, a move of what the graph reads (gradients set to None, a flat buffer's
+    gradients, which the scaler's own cache keeps alive, ``.data =``, ``set_``, ``model.to``, a
+    loaded optimizer state, a new param group): the next call refuses, naming the fix, replaying
+    nothing; recapture() captures the new tensors after one eager warm-up. Zeroed in place, the
+    steps replay."""
     import tritonscale
     from tritonscale import CapturedStep
 
+    torch.manual_seed(0)
     model = torch.nn.Linear(16, 16).cuda()
+    if layout == "flat":
+        _flatten(model)
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True)
     scaler = tritonscale.GradScaler("cuda", backend="triton", compile_policy=False)
 
     def backward():
-        scaler.scale(model(torch.randn(4, 16, device="cuda")).square().mean()).backward()
+        x = torch.randn(4, 16, device="cuda", dtype=model.weight.dtype)
+        scaler.scale(model(x).square().mean()).backward()
 
     def post_backward():
         scaler.clip_grad_norm_(opt, 1.0)
@@ -332,10 +370,16 @@ def test_gpu_captured_step_refuses_gradients_that_moved():
         opt.zero_grad(set_to_none=False)
         backward()
         step()
-    opt.zero_grad(set_to_none=True)
+    move(model, opt)
     backward()
+    torch.cuda.synchronize()
+    before = [t.clone() for t in (*model.parameters(), scaler._scale, scaler._growth_tracker)]
     with pytest.raises(RuntimeError, match="moved since its capture.*recapture"):
         step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, (*model.parameters(), scaler._scale, scaler._growth_tracker)))
+    if not recapture:
+        return
     step.recapture()
     for _ in range(3):
         opt.zero_grad(set_to_none=False)

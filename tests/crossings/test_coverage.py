@@ -54,7 +54,8 @@ ELSEWHERE = {
     "place_state": ("scaler/test_scaler_iteration_api.py", "test_place_state_makes_the_state_where_asked_once"),
     "backend_for": ("scaler/test_grad_scaler_api.py", "test_backend_for_names_the_backend_that_runs"),
     # A CUDA graph's capture and replays need a GPU (tests/test_gpu.py); on the CPU its calls run with
-    # torch.cuda's graph and streams stood in for: warm-ups, capture, replays, the moved-gradient refusal.
+    # torch.cuda's graph and streams stood in for: warm-ups, capture, replays, the refusals at
+    # construction and after each way of moving what the graph reads (the same file's MOVES, KINDS).
     "CapturedStep": (
         "loop/test_captured_step.py",
         "test_the_captured_step_warms_up_captures_replays_and_refuses_moved_grads",
