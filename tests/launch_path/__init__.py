@@ -16,4 +16,19 @@ cubin, ``CompiledKernel``); the launcher records its call instead of launching::
 
 ``param_block.expected_params(launch.signature, launch.args)`` is the parameter block those
 arguments should give, computed without Triton's launcher.
+
+Level 2, ``stub``: Triton's own ``CudaDriver``, ``CudaUtils`` and C launcher (built by Triton with
+gcc) over a stub ``libcuda.so.1`` (``stub_libcuda.c``, built with gcc at first use, found through
+``TRITON_LIBCUDA_PATH``); only the device, stream and capability queries are fixed. The stub's
+``cuLaunchKernelEx`` copies the kernel parameter block, laid out by the cubin's own parameter
+table, instead of launching::
+
+    from launch_path import stub
+    driver = stub.activate()                 # first thing, before any launch
+    ...
+    stub.launches()                          # [stub.StubLaunch(name, grid, block, stream, params)]
+    driver.python_launches                   # the same launches as Python made them (Launch)
+    stub.reset()                             # forget both
+
+Both levels answer device 0, stream ``fake_driver.FAKE_STREAM``, sm_90 with 132 SMs.
 """
