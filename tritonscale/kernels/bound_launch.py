@@ -1,0 +1,377 @@
+"""Pre-bound launches: a per-step kernel bound once through Triton's JIT path, proved on every call.
+
+``kernel[grid](*args)`` runs Triton's JIT path on every call: it specializes each argument, builds
+the cache key (a string of the specialization and the options), finds the compiled kernel, checks
+every module-level global the kernel reads (by value: on 3.9 each ``tl.constexpr`` compared costs
+about as much as the rest of the launch), then calls the kernel's launcher. For the one-program
+kernels of a step most of the host time is there, not in the launch. A :class:`BoundLaunch` does
+the JIT path's work once per specialization and keeps its result:
+
+* **bind** (the first call, and any call the guard does not accept): the call goes through
+  ``kernel[grid](...)``, Triton's JIT path, which compiles if it must and launches. The compiled
+  kernel it ran is then looked up again in Triton's own cache under Triton's own key
+  (``compute_cache_key`` over the binder's specialization of the same arguments), and bound only if
+  that finds the very kernel that ran, Triton's bound arguments are this call's in order, and
+  :func:`specialization` agrees with Triton's for every runtime argument.
+* **guard** (every later call): what the JIT path reads to choose the compiled kernel, and nothing
+  else -- each runtime argument's specialization (:func:`specialization`), each constexpr's value
+  (compared with ``==``, as Triton's key cache compares it), the options of the call site, the
+  knobs the key reads (:func:`key_knobs`), the current device (Triton keeps one cache per device),
+  for an autotuned kernel the tuning key and the config the autotuner holds for it, and, checked
+  apart from the key, the kernel's globals (by identity: equal objects pass as Triton's ``!=``
+  does) and that no pre-run hook was added.
+* **hit**: the launch the JIT path makes, made directly: ``CompiledKernel.run(gx, gy, gz, stream,
+  function, packed_metadata, launch_metadata, enter_hook, exit_hook, *every argument, constexprs
+  included, in declaration order)``, with the current stream and the launch hooks read at the call.
+* **miss**: the call goes through ``kernel[grid]`` (so Triton decides, compiles and raises exactly
+  as it would), and its specialization is bound beside the others: one small dict per launcher,
+  keyed by the guard.
+
+Off (every call is ``kernel[grid]``): under the interpreter (``TRITON_INTERPRET=1``), on a Triton
+whose launch path this was not tested on (``TESTED_TRITON``: the rules below are those of 3.6 and
+3.9, checked there by the launch-path tests), and with ``TRITONSCALE_BOUND_LAUNCH=0`` in the
+environment when tritonscale is imported. A kernel whose signature Triton would specialize by rules
+not restated here (annotated runtime parameters, ``do_not_specialize``) is never bound.
+
+Where the rules live in Triton (3.6.0 / 3.9.0, ``triton/`` in the wheel):
+
+* the launch: ``runtime/jit.py`` ``JITFunction.run`` (3.6 L695-748, 3.9 L733-789);
+* the binder: ``runtime/jit.py`` ``create_function_from_signature`` (3.6 L378-446, 3.9 L397-465),
+  which calls ``native_specialize_impl`` (C++, ``python/src/specialize.cc``: ``specialize_arg``
+  dispatches on the argument's type to ``handle_long_type``, ``handle_tensor``, ...);
+* the key: ``runtime/jit.py`` ``compute_cache_key`` (3.6 L563, 3.9 L611);
+* the autotuner: ``runtime/autotuner.py`` ``Autotuner.run`` (3.6 L212-258, 3.9 L232-297).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any
+
+import torch
+import triton
+from triton import knobs
+from triton._utils import canonicalize_ptr_dtype
+from triton.compiler import CompiledKernel
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction, compute_cache_key
+
+from .jit_helpers import INTERPRETING
+
+#: Triton versions whose launch path the rules here restate (major, minor).
+TESTED_TRITON = ((3, 6), (3, 9))
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+#: Whether launches are bound at all (see the module docstring for when they are not).
+ENABLED = (
+    not INTERPRETING
+    and TRITON_VERSION in TESTED_TRITON
+    and os.environ.get("TRITONSCALE_BOUND_LAUNCH", "1") != "0"
+)
+
+
+class Unbindable(Exception):
+    """An argument of a kind :func:`specialization` does not restate: the call takes the JIT path."""
+
+
+# ------------------------------------------------------------------------------ specialization
+# specialize.cc, handle_long_type: an int equal to 1 becomes a constexpr; otherwise i32 or i64 by
+# range (u64 for the unsigned 64-bit values above), "D" when it is a multiple of 16.
+ONE = ("constexpr", 1)
+I32, I32_D = ("i32", ""), ("i32", "D")
+I64, I64_D = ("i64", ""), ("i64", "D")
+U64, U64_D = ("u64", ""), ("u64", "D")
+# handle_bool_type, handle_float_type: no value specialization; None: a constexpr.
+U1, FP32, NONE = ("u1", None), ("fp32", None), ("constexpr", None)
+
+
+class _PointerSpecs(dict):
+    """torch dtype -> (unaligned, aligned) specializations of a tensor argument: specialize.cc's
+    handle_tensor, "*<dtype>" by ``triton._utils.canonicalize_ptr_dtype`` and "D" when
+    ``data_ptr() % 16 == 0``. Filled at a dtype's first use; one tuple object per pair, so a guard
+    compares by identity."""
+
+    def __missing__(self, dtype: torch.dtype) -> tuple[tuple[str, str], tuple[str, str]]:
+        pointer = canonicalize_ptr_dtype(dtype, False)
+        self[dtype] = specs = ((pointer, ""), (pointer, "D"))
+        return specs
+
+
+_POINTERS = _PointerSpecs()
+_Tensor = torch.Tensor
+
+
+def specialization(value: Any) -> tuple:
+    """What Triton's binder makes of a runtime argument: ``(type, attribute)``, equal to
+    ``native_specialize_impl(backend, value, is_const=False, specialize=True, align=True)`` for
+    tensors, ints, bools, floats and None (the kinds this package passes). Other kinds raise
+    :class:`Unbindable`: the call takes the JIT path, which specializes them itself.
+
+    Example: ``specialization(16) == ("i32", "D")``; ``specialization(1) == ("constexpr", 1)``.
+    """
+    kind = type(value)
+    if kind is _Tensor or (kind is not int and isinstance(value, _Tensor)):
+        return _POINTERS[value.dtype][value.data_ptr() & 15 == 0]
+    if kind is int:
+        if value == 1:
+            return ONE
+        aligned = value & 15 == 0
+        if -(2**31) <= value < 2**31:
+            return I32_D if aligned else I32
+        if -(2**63) <= value < 2**63:
+            return I64_D if aligned else I64
+        if 0 <= value < 2**64:
+            return U64_D if aligned else U64
+        raise Unbindable("an int outside 64 bits (Triton raises OverflowError)")
+    if kind is bool:
+        return U1
+    if kind is float:
+        return FP32
+    if value is None:
+        return NONE
+    raise Unbindable(f"an argument of type {kind.__name__}")
+
+
+# ------------------------------------------------------------------------------ knobs in the key
+if TRITON_VERSION >= (3, 9):
+
+    def key_knobs(jit: JITFunction) -> tuple:
+        """The knobs ``JITFunction.run`` adds to the options of the key (3.9 L734-736), read now;
+        a stages-inspection hook adds a pipeline hash to the specialization (L751-753): not bound."""
+        if knobs.runtime.add_stages_inspection_hook is not None:
+            raise Unbindable("a stages-inspection hook is set")
+        return (
+            jit.debug or knobs.runtime.debug,
+            knobs.compilation.instrumentation_mode,
+            knobs.compilation.fpsan_homomorphic_casts,
+        )
+
+else:
+
+    def key_knobs(jit: JITFunction) -> tuple:
+        """The knobs ``JITFunction.run`` adds to the options of the key (3.6 L696-697), read now."""
+        return (jit.debug or knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+
+
+def _jit_knob_kwargs(jit: JITFunction, kwargs: dict) -> dict:
+    """``kwargs`` with the knobs ``JITFunction.run`` adds before it calls the binder."""
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    if TRITON_VERSION >= (3, 9):
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    return kwargs
+
+
+# ------------------------------------------------------------------------------ the launcher
+# The guard's key: (specializations, options, key_knobs, device, the autotuner's config or None).
+_SPECS, _OPTIONS, _KNOBS, _DEVICE, _CONFIG = range(5)
+
+
+def _splitter(names: list[str], runtime: set[str]):
+    """A function with the kernel's parameters (and ``**options``) that returns (every argument in
+    declaration order, the guard's specializations: :func:`specialization` of each runtime argument,
+    each constexpr's value, the options). Generated, as Triton generates its binder, so a call binds
+    its keywords in C."""
+    specs = ", ".join(f"spec({name})" if name in runtime else name for name in names)
+    source = f"def split({', '.join(names)}, **options):\n    return ({', '.join(names)},), ({specs},), options\n"
+    namespace = {"spec": specialization}
+    exec(source, namespace)
+    return namespace["split"]
+
+
+class _Bound:
+    """One bound specialization: the compiled kernel and what its launch needs besides the call."""
+
+    __slots__ = ("run", "kernel", "function", "metadata", "config", "tuned", "order")
+
+    def __init__(self, kernel, config=None, order=None):
+        self.run = kernel.run  # the launcher (CompiledKernel.run; its handles are loaded: it ran)
+        self.kernel = kernel
+        self.function = kernel.function
+        self.metadata = kernel.packed_metadata
+        # Autotuned: the config (held, so that the id in the key stays its own), its constexprs'
+        # values, and the order that places the call's arguments and those as the kernel declares them.
+        self.config = config
+        self.tuned = tuple(config.kwargs.values()) if config is not None else ()
+        self.order = order
+
+
+class BoundLaunch:
+    """``kernel[grid](*args, **kwargs)``, bound once per specialization (module docstring).
+
+    Args:
+        kernel: a ``@triton.jit`` function, or a ``triton.autotune`` over one.
+
+    Example::
+
+        _UPDATE = BoundLaunch(policy_update_kernel)
+        _UPDATE((1,), scale, tracker, ..., NUM_FOUND=1, ..., num_warps=1)   # as kernel[(1,)](...)
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.bound: dict[tuple, _Bound] = {}
+        #: Why this launcher never binds (None when it does); why the last bind was refused.
+        self.declined: str | None = None if ENABLED else "bound launches are off"
+        self.refused: str | None = None
+        if self.declined is None:
+            self._prepare()
+
+    def _prepare(self) -> None:
+        tuner = self.kernel if isinstance(self.kernel, Autotuner) else None
+        jit = tuner.fn if tuner is not None else self.kernel
+        if not isinstance(jit, JITFunction):
+            self.declined = f"{type(jit).__name__} is not a JITFunction"
+            return
+        unusual = [p.name for p in jit.params if p.do_not_specialize or p.do_not_specialize_on_alignment
+                   or (p.annotation and not p.is_constexpr) or p.has_default]  # fmt: skip
+        if unusual:
+            self.declined = f"parameters specialized by rules not restated here: {unusual}"
+            return
+        tuned = set().union(*(config.kwargs for config in tuner.configs)) if tuner is not None else set()
+        self._jit, self._tuner = jit, tuner
+        self._names = [p.name for p in jit.params if p.name not in tuned]
+        self._split = _splitter(self._names, {p.name for p in jit.params if not p.is_constexpr})
+        self._globals: list[tuple[dict, Any, tuple]] | None = None
+
+    def __call__(self, grid: tuple[int, ...], *args, **kwargs):
+        """Launch; returns the compiled kernel, as ``kernel[grid](...)`` does."""
+        if self.declined is not None or type(grid) is not tuple:  # a callable grid: Triton's to call
+            return self.kernel[grid](*args, **kwargs)
+        try:
+            key, values = self.guard(args, kwargs)
+        except Unbindable:
+            return self.kernel[grid](*args, **kwargs)
+        bound = self.bound.get(key)
+        if bound is None or not self._still_valid():
+            return self._bind(grid, args, kwargs)
+        if bound.order is not None:
+            values = bound.order(values + bound.tuned)
+        stream = driver.active.get_current_stream(key[_DEVICE])
+        kernel = bound.kernel
+        bound.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+            bound.function, bound.metadata, kernel.launch_metadata(grid, stream, *values),
+            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values,
+        )  # fmt: skip
+        return kernel
+
+    def guard(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+        """(the guard's key for a call with ``args`` and ``kwargs``, its arguments in declaration
+        order). Reads what the JIT path reads to choose a compiled kernel and nothing else; raises
+        :class:`Unbindable` for a call the rules here do not cover."""
+        values, specs, options = self._split(*args, **kwargs)
+        device = driver.active.get_current_device()
+        config = None
+        if self._tuner is not None:
+            config = self._tuned_config(values)
+            config = id(config) if config is not None else None
+        return (specs, tuple(options.items()), key_knobs(self._jit), device, config), values
+
+    def lookup(self, *args, **kwargs) -> Any:
+        """The compiled kernel a call with these arguments would launch without the JIT path, or
+        None where it would take it (a miss, a changed global, a hook, a kind not restated here)."""
+        if self.declined is not None:
+            return None
+        try:
+            key, _ = self.guard(args, kwargs)
+        except Unbindable:
+            return None
+        bound = self.bound.get(key)
+        return bound.kernel if bound is not None and self._still_valid() else None
+
+    # -------------------------------------------------------------------- what a hit also checks
+    def _still_valid(self) -> bool:
+        """The checks outside the key: no pre-run hook, and the globals unchanged (JITFunction.run:
+        "Check that used global values have not changed", 3.6 L724-729, 3.9 L772-777)."""
+        if self._jit.pre_run_hooks:
+            return False
+        for namespace, read, expected in self._globals:
+            try:
+                if read(namespace) != expected:  # identical objects compare equal without __eq__
+                    return False
+            except KeyError:
+                return False
+        return True
+
+    def _tuned_config(self, values: tuple):
+        """The config ``Autotuner.run`` launches these arguments with (3.6 L213-244, 3.9 L233-283),
+        or None where it would tune first: its cache's entry for the values of its key arguments
+        followed by str(dtype) of every argument that has one; with one config, that config."""
+        tuner = self._tuner
+        if len(tuner.configs) == 1:
+            return tuner.configs[0]
+        named = dict(zip(self._names, values))
+        key = [named[name] for name in tuner.keys if name in named]
+        key += [str(value.dtype) for value in values if hasattr(value, "dtype")]
+        return tuner.cache.get(tuple(key))
+
+    # -------------------------------------------------------------------- binding
+    def _bind(self, grid, args, kwargs):
+        """The JIT path for this call, then its compiled kernel bound under the guard's key when
+        Triton's own cache and key agree (``refused`` says why not, when they do not)."""
+        compiled = self.kernel[grid](*args, **kwargs)
+        try:
+            key, values = self.guard(args, kwargs)  # after the JIT path: an autotuner has its config now
+            self.bound[key] = self._checked(compiled, args, kwargs, values, key)
+            self.refused = None
+        except _Refused as why:
+            self.refused = str(why)
+        return compiled
+
+    def _checked(self, compiled, args, kwargs, values, key) -> _Bound:
+        """The bound entry for a call the JIT path just launched as ``compiled``, once Triton's own
+        binder, key and cache confirm that this guard's key and arguments are Triton's."""
+        jit, tuner = self._jit, self._tuner
+        if not isinstance(compiled, CompiledKernel):
+            raise _Refused(f"the JIT path returned {type(compiled).__name__}, not a CompiledKernel")
+        config, order, jit_kwargs = None, None, dict(kwargs)
+        if tuner is not None:
+            config = tuner.best_config
+            if config.pre_hook is not None:
+                raise _Refused("the autotuner's config has a pre_hook")
+            if key[_CONFIG] != id(config):
+                raise _Refused("the config found here is not the one the autotuner launched")
+            jit_kwargs.update(config.all_kwargs())
+            names = self._names + list(config.kwargs)
+            order = operator.itemgetter(*[names.index(p.name) for p in jit.params])
+            values = order(values + tuple(config.kwargs.values()))
+        # Triton's own binder and key for the same call (JITFunction.run's first half).
+        kernel_cache, kernel_key_cache, _, _, binder = jit.device_caches[key[_DEVICE]]
+        bound_args, triton_specs, options = binder(*args, **_jit_knob_kwargs(jit, jit_kwargs))
+        if kernel_cache.get(compute_cache_key(kernel_key_cache, triton_specs, options)) is not compiled:
+            raise _Refused("Triton's cache holds another kernel under Triton's key for this call")
+        triton_values = tuple(bound_args.values())
+        if len(triton_values) != len(values) or any(a is not b for a, b in zip(triton_values, values)):
+            raise _Refused("Triton bound the arguments in another order")
+        ours = dict(zip(self._names, key[_SPECS]))  # the tuned constexprs follow from the config
+        for param, triton_spec in zip(jit.params, triton_specs):
+            if param.name in ours:
+                spec = ("constexpr", ours[param.name]) if param.is_constexpr else ours[param.name]
+                if spec != triton_spec:
+                    raise _Refused(f"{param.name} specializes as {triton_spec} in Triton, as {spec} here")
+        if self._globals is None:
+            self._globals = _global_reads(jit)
+        return _Bound(compiled, config, order)
+
+
+class _Refused(Exception):
+    """A bind that the cross-check against Triton's own cache and key refused."""
+
+
+def _global_reads(jit: JITFunction) -> list[tuple[dict, Any, tuple]]:
+    """(namespace, reader, the objects there now) for the globals Triton checks on each launch
+    (``used_global_vals``: (name, id(namespace)) -> (value, namespace)), grouped by namespace.
+    Taken right after a JIT launch passed Triton's own check, so these objects equal its copies."""
+    names: dict[int, tuple[dict, list[str]]] = {}
+    for (name, _), (_, namespace) in jit.used_global_vals.items():
+        names.setdefault(id(namespace), (namespace, []))[1].append(name)
+    reads = []
+    for namespace, keys in names.values():
+        # (one name read twice: the reader returns a tuple for any count)
+        read = operator.itemgetter(*keys, *keys[:1]) if len(keys) == 1 else operator.itemgetter(*keys)
+        reads.append((namespace, read, read(namespace)))
+    return reads
