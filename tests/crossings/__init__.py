@@ -13,7 +13,8 @@ Single process (``test_cells.py``; ids ``test_cell[<row>-<grads>-<scale>-<backen
   ``step`` alone (plain and fused), what ``update()`` hands out, ``update(new_scale=...)``,
   ``stats()``, ``found_inf_for``/``overflowed``, a ``state_dict`` round trip mid-run, the API shapes
   (``LossScaleOptimizer`` with an LR scheduler and a deepcopy mid-run, ``Updater``,
-  ``DynamicLossScaleManager``), ``optimizer.step()`` called directly after the clip, and
+  ``DynamicLossScaleManager``), ``optimizer.step()`` called directly after the clip (folded: refused
+  at once; plain, with no ``update()``: refused at the next clip, as torch's ``unscale_``), and
   ``nonfinite_grads``; the loop around the scaler, ``loop_rows.LOOP_ROWS``: ``SkipAwareLR`` (a
   tensor and a float lr) against the same torch scheduler stepped on the twin's applied steps;
 * columns, ``contexts.py``: where the gradients live and what is done to them (``GRADS``: plain,

@@ -348,6 +348,66 @@ def direct_step_oracle(side: Side, step: int) -> Observations:
     return {"norm": norm}
 
 
+#: torch's unscale_ refusal, which ours' clip after a direct step without update() must begin with.
+UNSCALED_TWICE = "unscale_() has already been called on this optimizer since the last update()."
+
+
+def direct_steps_ours(side: Side, step: int) -> Observations:
+    """A loop that clips and calls ``optimizer.step()`` itself, with neither ``scaler.step`` nor
+    ``update()`` (the issue's new user): from its second iteration the clip must refuse as torch's
+    ``unscale_`` does, naming the fix, with nothing changed. The loop then takes the fix: update()
+    ends the stale iteration, and this one clips and steps through the scaler. Even iterations step
+    directly (but an overflow, which goes through scaler.step on both sides: torch's direct step
+    would apply the inf/NaN); odd ones after a direct step are refused first. Enabled scalers only
+    (a disabled one unscales nothing: torch's unscale_ refuses nothing there either)."""
+    backward(side, step)
+    if side.objects.pop("stale", False):
+        before = Snapshot.take(side.params(), [side.optimizer], side.scaler)
+        try:
+            side.scaler.clip_grad_norm_(side.optimizer, *step_args(step))
+        except RuntimeError as error:
+            message = str(error)
+            assert message.startswith(UNSCALED_TWICE), f"not torch's refusal: {message}"
+            assert "scaler.step(optimizer)" in message and "scaler.update()" in message, message
+        else:
+            raise AssertionError("a clip after a direct optimizer.step() with no update() went ahead")
+        Snapshot.take(side.params(), [side.optimizer], side.scaler).assert_same(before)
+        side.scaler.update()
+    norm = side.scaler.clip_grad_norm_(side.optimizer, *step_args(step))
+    if step % 2 == 0 and not (step in OVERFLOWS or side.scaler.overflowed(side.optimizer)):
+        side.optimizer.step()
+        side.objects["stale"] = True
+    else:
+        side.scaler.step(side.optimizer)
+        side.scaler.update()
+    return {"norm": norm}
+
+
+def direct_steps_oracle(side: Side, step: int) -> Observations:
+    """torch's run of the same loop, unscale_ + clip each iteration: its unscale_ after a direct
+    step raises; update() then ends the stale iteration."""
+    backward(side, step)
+    if side.objects.pop("stale", False):
+        try:
+            side.scaler.unscale_(side.optimizer)
+        except RuntimeError as error:
+            assert str(error) == UNSCALED_TWICE, str(error)
+        else:
+            raise AssertionError("torch's unscale_ after a direct step went ahead")
+        side.found = torch_found_inf(side.scaler, side.optimizer)  # the stale iteration's, applied anyway
+        side.count(False)
+        side.scaler.update()
+        side.scaler._scale.clamp_(min=FLOOR)
+    norm = torch_clip(side, *step_args(step))
+    # An overflow (injected, or the scaled backward's own near float32's max) goes through scaler.step.
+    if step % 2 == 0 and not (step in OVERFLOWS or torch_found_inf(side.scaler, side.optimizer)):
+        side.optimizer.step()
+        side.objects["stale"], side.found = True, False
+    else:
+        torch_step_update(side, norm)
+    return {"norm": norm}
+
+
 def nonfinite_names_of(model: torch.nn.Module) -> list[str]:
     """The twin's answer: parameters whose gradient (its stored values, if sparse) holds inf/NaN."""
     names = []
@@ -418,5 +478,14 @@ ENTRY_POINTS = [
         min_scale=1.0,
     ),
     EntryPoint("clip+optimizer.step()", "fused_sgd", direct_step_ours, direct_step_oracle),
+    EntryPoint(
+        "clip+optimizer.step()_without_update",
+        "sgd",
+        direct_steps_ours,
+        direct_steps_oracle,
+        grads_after=True,
+        disabled=False,
+        policies=lambda policy: policy.default,
+    ),
     EntryPoint("nonfinite_grads", "sgd", nonfinite_ours, nonfinite_oracle, grads_after=True),
 ]

@@ -37,7 +37,10 @@ COLUMN = {
     "tensor_lr_scheduled_on_one_rank": "the optimizer's tensor-valued settings",
     "skip_aware_lr_on_one_rank": "the optimizer's tensor-valued settings",
     "alike_optimizers_in_another_order": "an optimizer this scaler cannot tell apart",
+    "alike_optimizers_in_the_same_order": "an optimizer this scaler cannot tell apart",
 }
+#: Scenarios where every rank's row agrees but for a refused column: ambiguous, not a disagreement.
+AMBIGUOUS = ("alike_optimizers_in_another_order", "alike_optimizers_in_the_same_order")
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +133,16 @@ def test_one_rank_perturbed_raises_on_every_rank_and_changes_nothing(outcomes, n
             assert result["unchanged"], f"rank {rank}: the refused call changed something"
         if name in COLUMN:
             assert COLUMN[name] in message, f"rank {rank}: {message}"
+
+
+@pytest.mark.parametrize("name", AMBIGUOUS)
+def test_alike_optimizers_are_refused_as_ambiguous_not_as_ranks_that_disagree(outcomes, name):
+    """Two optimizers of one class and settings: every rank's row is the same, so the message says
+    the combine is ambiguous and what works (a distinguishing key), not that the ranks disagree."""
+    for rank, result in enumerate(outcome_of(outcomes, name)):
+        _, _, message = result["error"]
+        assert "do not disagree" in message and "disagree, so" not in message, f"rank {rank}: {message}"
+        assert "What works instead: give each optimizer's param groups a distinguishing key" in message, message
 
 
 @pytest.mark.parametrize("name", [name for name in SCENARIOS if name.startswith("rank0_reads")])

@@ -27,7 +27,9 @@ KEPT_AFTER = 10
 OVERFLOWS = {2: math.inf, 3: math.nan}  # two in a row: consecutive skips, then recovery
 OVERFLOW_AT = (1, 0)  # the parameter and element they are written to (dense in every context)
 GROWTH_INTERVAL = 2  # the scale grows and backs off within the run
-MAX_NORMS = (0.5, 1e3, 0.25, 2.0)  # per step: clips, measures, clips harder, clips lightly
+#: Per step: clips, measures, clips harder, clips lightly, zeroes the gradients (max_norm 0: torch's
+#: clip multiplies by 0 and the step goes ahead), clips. Six: every max_norm meets other norm types.
+MAX_NORMS = (0.5, 1e3, 0.25, 2.0, 0.0, 1.0)
 NORM_TYPES = (2.0, math.inf, 1.0, 2.0, 3.0)  # per step; 3.0 runs with torch ops
 #: tritonscale's documented backoff floor (docs/differences-from-torch.md: "the scale never backs
 #: off to 0"): torch's backoff goes below it, so the twin's scale is raised to it after update().
@@ -193,12 +195,13 @@ def unfit_fold_overflows(side: Side, optimizer: Any, norm: torch.Tensor, max_nor
     """docs/differences-from-torch.md, "A fold past float32's max": on the GPU paths (the gpu_paths
     column) a fused optimizer's divisor ``scale / clip_coef`` that overflows float32 makes the step
     count as an overflow (skipped, the scale backed off), as nothing is read back; the CPU applies
-    the clip instead (torch's step). The twin's torch scaler is told of that overflow."""
+    the clip instead (torch's step). The twin's torch scaler is told of that overflow. Not for
+    max_norm 0: its divisor scale / 0 = inf is the clip exactly (torch's step of zeros)."""
     fused = getattr(optimizer, "_step_supports_amp_scaling", False) or optimizer.defaults.get("fused")
     if side.cell.backend != "gpu_paths" or not fused or not side.scaler.is_enabled() or not torch.isfinite(norm):
         return
     clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if torch.isfinite(side.scaler._scale / clip_coef).all():
+    if clip_coef == 0 or torch.isfinite(side.scaler._scale / clip_coef).all():
         return
     for flag in side.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
         flag.fill_(1.0)

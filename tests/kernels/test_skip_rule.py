@@ -1,7 +1,7 @@
 """finalize's step results (kernels/finalize.py, kernels/skip_rule.py) against the torch-op path they
 replace, bit for bit: ZClip's max_norm (spike_rules.zclip_max_norm), the clip and factor after it
 (base.with_clip, base.unscaled_on_overflow), the fold's divisor with an unfit divisor counted as an
-overflow (grad_passes._fold_divisor's device rule), the earlier flag merged, and the policy's
+overflow unless max_norm 0 made it (grad_passes.unfit_divisor), the earlier flag merged, and the policy's
 skip_decision over all of it (the norm rules, the z-score window, the isfinite gate)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tritonscale.kernels import skip_rule
+from tritonscale.passes import grad_passes
 from tritonscale.passes.backends import TritonBackend, inverse_scale
 from tritonscale.passes.backends.base import unscaled_on_overflow, with_clip
 from tritonscale.passes.step_decision import StepDecision, finalize_step
@@ -80,7 +81,9 @@ def _torch_op_path(policy, state, grads, scale, max_norm, earlier):
     if not policy.skip_on_overflow:
         result = unscaled_on_overflow(result, scale)
     divisor = scale / result.clip_coef
-    found = torch.maximum(result.found_inf, (~torch.isfinite(divisor)).float())
+    # The documented rule: a divisor that is not finite is an overflow, unless max_norm 0 made it
+    # (clip_coef 0: dividing by inf is the clip's multiplication by 0, exactly).
+    found = torch.maximum(result.found_inf, (~torch.isfinite(divisor) & (result.clip_coef != 0)).float())
     if earlier is not None:
         found = torch.maximum(earlier, found)
     skip = policy.skip_decision(found, result.norm, state.norm_stats, spike_stats=state.spike_stats)
@@ -117,13 +120,45 @@ def test_finalize_decides_the_step_as_the_torch_ops_do(policy_id, bad, seed):
         assert _bits(got) == _bits(want), (norm, [float(v) for v in got], [float(v) for v in want])
 
 
-def test_a_divisor_past_float32_is_an_overflow_and_skips():
-    """clip_coef 0 (max_norm 0) makes scale / clip_coef inf: no step of zeros, the step is skipped."""
+def _decided_fold(scale: float, grads_norm: float, max_norm: float):
     policy = LossScalePolicy().validate()
-    state = _state(policy, 0, 8.0)
+    state = _state(policy, 0, scale)
     step, _ = finalize_step(
         StepDecision(policy, state, {}), CPU, fold=True, unfit_overflows=True, unscale_on_overflow=False, decide=True
     )
-    got = TritonBackend().check([_grads(1.0, 8.0, None, 0)], torch.tensor(8.0), 2.0, 0.0, step)
+    return TritonBackend().check([_grads(grads_norm, scale, None, 0)], torch.tensor(scale), 2.0, max_norm, step)
+
+
+def test_a_divisor_past_float32_is_an_overflow_and_skips():
+    """A tiny clip coefficient at a scale near float32's max: scale / clip_coef overflows, and the
+    optimizer dividing by it would apply zeros where the clip keeps tiny gradients: the step is
+    skipped instead."""
+    got = _decided_fold(2.0**126, 1.0, 1e-3)
+    assert 0.0 < float(got.clip_coef) < 1e-2
     assert (float(got.grad_scale), float(got.found_inf), float(got.skip)) == (math.inf, 1.0, 1.0)
+
+
+def test_max_norm_0s_infinite_divisor_is_handed_over_and_the_step_goes_ahead():
+    """clip_coef 0 (max_norm 0) makes scale / clip_coef inf, which is exactly the clip: a finite
+    gradient divided by inf is the signed zero torch's clip writes. No overflow, no skip."""
+    got = _decided_fold(8.0, 1.0, 0.0)
+    assert (float(got.clip_coef), float(got.grad_scale), float(got.found_inf), float(got.skip)) == (
+        0.0,
+        math.inf,
+        0.0,
+        0.0,
+    )
     assert float(got.factor) == float(inverse_scale(torch.tensor(8.0)) * 0.0)  # the clip's factor, not 1
+
+
+@pytest.mark.parametrize(
+    "scale, max_norm", [(8.0, 0.0), (8.0, -0.0), (2.0**126, 1e-3), (8.0, 0.5), (8.0, 1e9)], ids=str
+)
+def test_the_folds_tensor_op_rule_is_the_kernels_bit_for_bit(scale, max_norm, forbid_host_reads):
+    """grad_passes' divisor and its unfit flag as torch ops (where nothing is read on the host: the
+    torch backend, a tensor max_norm) against the finalize kernel's, bit for bit."""
+    got = _decided_fold(scale, 1.0, max_norm)
+    base = TritonBackend().check([_grads(1.0, scale, None, 0)], torch.tensor(scale), 2.0, None)
+    result = with_clip(base, torch.tensor(scale), torch.tensor(max_norm))
+    divisor = grad_passes._fold_divisor(result, torch.tensor(scale))
+    assert _bits([divisor, result.found_inf]) == _bits([got.grad_scale, got.found_inf])

@@ -1,10 +1,15 @@
-"""The guard on a fused optimizer whose clip was folded into its step (``passes/step_protocols.py``).
+"""The direct-step guard (``passes/step_protocols.py``): a fused optimizer whose clip was folded into its
+step, and any optimizer stepped directly after its unscale_ or clip with no update() between.
 
 After ``scaler.clip_grad_norm_(opt)`` with a fused optimizer the gradients still hold the loss
 scale: only ``scaler.step(opt)`` hands the optimizer ``scale / clip_coef`` to divide by. A direct
 ``opt.step()`` would apply them ``scale`` times too large, so it raises and changes nothing. Oracles:
 a twin run that never tried the direct step (bitwise), a deepcopy of model and optimizer that has no
 guard (bitwise), and torch's unscale_ + clip_grad_norm_ for the gradients the fold leaves.
+
+Any other optimizer's direct step goes ahead, as torch's does after unscale_; without an update()
+after it, the next iteration's clip (or unscale_) is refused as torch's second unscale_ is, naming
+the fix. Oracle: torch's GradScaler running the same loop.
 """
 
 from __future__ import annotations
@@ -228,3 +233,122 @@ def test_copies_of_a_guarded_optimizer_do_not_carry_the_scaler(how, keeps_hooks)
     gc.collect()
     assert scaler_ref() is None  # neither the guard nor a copy keeps the scaler alive
     optimizer.step()  # its scaler is gone: nothing pending
+
+
+# ------------------------------------------------- a direct step on any optimizer, then no update()
+class GradScalerArgumentSGD(torch.optim.SGD):
+    """An optimizer on the older protocol (apex, TransformerEngine): ``step(grad_scaler=...)``."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        return super().step(closure)
+
+
+DIRECT_KINDS = {  # (the optimizer, the scaler's arguments, whether the object stepped is a wrapper)
+    "plain": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {}, False),
+    "foreach": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True), {}, False),
+    "fused_unfolded": (FUSED["adamw"], {"fold_into_optimizer": False}, False),
+    "grad_scaler_argument": (lambda ps: GradScalerArgumentSGD(ps, lr=0.1), {}, False),
+    "wrapper": (lambda ps: torch.optim.SGD(ps, lr=0.1), {}, True),
+}
+#: torch's refusal word for word, which ours must begin with.
+UNSCALED_TWICE = "unscale_() has already been called on this optimizer since the last update()."
+
+
+def _direct_iteration(model, optimizer, steps, scaler, step, first, ours):
+    """One iteration of the issue's loop: backward, the unscale (ours: ``first``, clip_grad_norm_ or
+    unscale_ + clip; torch's: unscale_ + clip), a direct ``steps.step()`` (the optimizer or its
+    wrapper); no update()."""
+    optimizer.zero_grad()
+    scaler.scale(loss_of(model, step)).backward()
+    if not ours or first == "unscale_":
+        scaler.unscale_(steps)
+    if ours:
+        scaler.clip_grad_norm_(steps, 100.0)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+    steps.step()
+
+
+@pytest.mark.parametrize("first", ["clip_grad_norm_", "unscale_"])
+@pytest.mark.parametrize("kind", list(DIRECT_KINDS))
+def test_a_direct_step_without_update_is_refused_where_torch_refuses(backend, kind, first):
+    """The issue's loop (clip, then ``optimizer.step()`` directly, never scaler.step/update) on
+    every optimizer kind but a folded one (whose direct step is refused at once, above): the first
+    iteration steps as torch's does, bit for bit (max_norm 100 clips nothing); at the second,
+    torch's unscale_ raises, and so does ours (the clip, or unscale_), with torch's type and
+    message, naming scaler.step and scaler.update, changing nothing. The fix then works: update()
+    ends the stale iteration, and the next one through the scaler is torch's, bit for bit."""
+    factory, kwargs, wrapped = DIRECT_KINDS[kind]
+    sides = {}
+    for ours in (True, False):
+        model, optimizer = make(factory=factory)
+        steps = Wrapper(optimizer) if wrapped and ours else optimizer  # torch's scaler takes no wrapper
+        scaler = GradScaler("cpu", backend=backend, **kwargs) if ours else torch.amp.GradScaler("cpu")
+        _direct_iteration(model, optimizer, steps, scaler, 0, first, ours)
+        sides[ours] = (model, optimizer, steps, scaler)
+    assert same_bits(param_bits(sides[True][0]), param_bits(sides[False][0]))
+    for ours, (model, optimizer, _, scaler) in sides.items():
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model, 1)).backward()
+        if not ours:
+            with pytest.raises(RuntimeError) as torch_error:
+                scaler.unscale_(optimizer)
+            assert str(torch_error.value) == UNSCALED_TWICE
+            continue
+        before = Snapshot.take(list(model.parameters()), [optimizer], scaler)
+        with pytest.raises(RuntimeError) as ours_error:
+            scaler.clip_grad_norm_(optimizer, 100.0) if first == "clip_grad_norm_" else scaler.unscale_(optimizer)
+        Snapshot.take(list(model.parameters()), [optimizer], scaler).assert_same(before)
+        message = str(ours_error.value)
+        assert message.startswith(UNSCALED_TWICE), message
+        assert "scaler.step(optimizer)" in message and "scaler.update()" in message, message
+    for ours, (model, optimizer, steps, scaler) in sides.items():  # the fix
+        scaler.update()
+        if ours:
+            scaler.clip_grad_norm_(steps, 100.0)
+        else:
+            scaler.unscale_(steps)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+        scaler.step(steps)
+        scaler.update()
+    assert same_bits(param_bits(sides[True][0]), param_bits(sides[False][0]))
+    assert sides[True][3].get_scale() == sides[False][3].get_scale()
+
+
+@pytest.mark.parametrize("kind", list(DIRECT_KINDS))
+def test_a_direct_step_then_update_is_torchs_loop_and_nothing_is_refused(kind):
+    """clip, a direct ``optimizer.step()``, then ``scaler.update()`` (torch allows it) and a second
+    clip in one iteration are not refused: bit for bit torch's run."""
+    factory, kwargs, wrapped = DIRECT_KINDS[kind]
+    runs = []
+    for ours in (True, False):
+        model, optimizer = make(factory=factory)
+        steps = Wrapper(optimizer) if wrapped and ours else optimizer  # torch's scaler takes no wrapper
+        scaler = GradScaler("cpu", **kwargs) if ours else torch.amp.GradScaler("cpu")
+        for step in range(3):
+            _direct_iteration(model, optimizer, steps, scaler, step, "clip_grad_norm_", ours)
+            scaler.update()
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model, 3)).backward()
+        for _ in range(2):
+            scaler.clip_grad_norm_(optimizer, 100.0) if ours else torch_clip(scaler, optimizer, 100.0)
+        scaler.step(optimizer)
+        scaler.update()
+        runs.append((param_bits(model), scaler.get_scale()))
+    assert same_bits(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+
+
+def test_the_refusal_reads_nothing_on_the_gpu_paths(forbid_host_reads):
+    """The direct step is noted and the clip refused on the host's bookkeeping alone."""
+    model, optimizer = make(factory=DIRECT_KINDS["plain"][0])
+    scaler = GradScaler("cpu", backend="triton")
+    with forbid_host_reads.armed():
+        scaler.scale(loss_of(model, 0)).backward()
+        scaler.clip_grad_norm_(optimizer, 100.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        scaler.scale(loss_of(model, 1)).backward()
+        with pytest.raises(RuntimeError, match=r"^unscale_\(\) has already been called .* scaler\.update\(\)"):
+            scaler.clip_grad_norm_(optimizer, 100.0)

@@ -7,10 +7,13 @@ scale / clip_coef, so the optimizer divides by a rounded quotient: equal within 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
+
+from oracles.scaler_twins import bits, same_bits
 
 from tritonscale import GradScaler
 from tritonscale.torch_compat import FUSED_ADAGRAD_AMP_SCALING, has_torch
@@ -151,3 +154,63 @@ def test_a_fold_past_float32s_max_skips_on_the_gpu_paths_never_steps_zeros(backe
         scaler.update()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert scaler.get_scale() == 2.0**125
+
+
+#: Fused optimizers whose step moves the parameters with zero gradients too: weight decay, momentum.
+ZERO_CLIP_FUSED = {
+    **FUSED,
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, fused=True),
+}
+#: Per iteration: max_norm 0 (every gradient zeroed, the step applied), then no clipping at all
+#: (clip_coef 1: the fold divides by the scale itself, bit for bit torch's unscale); the overflow
+#: (model_and_data's step 4) falls on a max_norm 0 iteration.
+ZERO_CLIP_MAX_NORMS = (0.0, 1e9)
+
+
+def _state_bits(optimizer: torch.optim.Optimizer) -> dict:
+    return {k: {n: bits(v) for n, v in state.items()} for k, state in optimizer.state_dict()["state"].items()}
+
+
+@pytest.mark.parametrize("paths", ["cpu", "gpu_paths"])
+@pytest.mark.parametrize("tensor_max_norm", [False, True], ids=["float", "tensor"])
+@pytest.mark.parametrize("name", list(ZERO_CLIP_FUSED))
+def test_max_norm_0_folds_a_step_of_zeros_as_torch_bit_for_bit(backend, name, tensor_max_norm, paths, request):
+    """clip_grad_norm_(opt, 0) zeroes the gradients in torch (clip_coef 0 / (norm + 1e-6) = 0) and
+    the step goes ahead; the fold hands the fused optimizer scale / 0 = inf, and a finite gradient
+    divided by inf is the same signed zero (grad_passes.unfit_divisor). Against torch's
+    GradScaler + clip_grad_norm_ on a twin, bit for bit: parameters, optimizer state, the gradients
+    the step leaves, the scale and its tracker, on the CPU paths and on the GPU paths (nothing read
+    on the host inside the step)."""
+    if name == "adagrad" and not has_torch(FUSED_ADAGRAD_AMP_SCALING):
+        pytest.skip(ADAGRAD_BEFORE_2_12)
+    guard = request.getfixturevalue("forbid_host_reads") if paths == "gpu_paths" else None
+    ours_model, data = model_and_data()
+    ref_model, _ = model_and_data()
+    ours_opt, ref_opt = ZERO_CLIP_FUSED[name](ours_model.parameters()), ZERO_CLIP_FUSED[name](ref_model.parameters())
+    ours = GradScaler("cpu", init_scale=2.0**10, growth_interval=3, backend=backend)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    for step, (x, y) in enumerate(data):
+        max_norm = ZERO_CLIP_MAX_NORMS[step % 2]
+        max_norm = torch.tensor(max_norm) if tensor_max_norm else max_norm
+        for model, opt in ((ref_model, ref_opt), (ours_model, ours_opt)):
+            opt.zero_grad()
+        theirs.scale(torch.nn.functional.mse_loss(ref_model(x), y)).backward()
+        theirs.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
+        theirs.step(ref_opt)
+        theirs.update()
+        ours.scale(torch.nn.functional.mse_loss(ours_model(x), y)).backward()
+        with guard.armed() if guard is not None else contextlib.nullcontext():
+            ours.clip_grad_norm_(ours_opt, max_norm)
+            ours.step(ours_opt)
+            ours.update()
+        where = f"step {step}, max_norm {float(max_norm)}"
+        assert ours.get_scale() == theirs.get_scale(), where
+        assert ours._get_growth_tracker() == theirs._get_growth_tracker(), where
+        for p, q in zip(ours_model.parameters(), ref_model.parameters()):
+            assert same_bits(bits(p), bits(q)), f"{where}: parameters differ"
+            if step != 4:  # the overflow: ours leaves the scaled gradients as they came (documented)
+                assert same_bits(bits(p.grad), bits(q.grad)), f"{where}: gradients differ"
+        assert same_bits(_state_bits(ours_opt), _state_bits(ref_opt)), f"{where}: optimizer state differs"
+    assert ours.get_scale() == 2.0**11  # grown twice, backed off once: every max_norm 0 step counted as applied

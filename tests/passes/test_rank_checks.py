@@ -137,9 +137,27 @@ def _refused() -> torch.Tensor:
 
 
 def test_a_refused_column_raises_though_every_rank_agrees():
-    with pytest.raises(RankMismatchError, match="refused on every rank .set on rank 0, 1.; give each optimizer"):
+    """Every rank agrees, so the message says what is ambiguous and what works, not that the ranks
+    disagree."""
+    with pytest.raises(RankMismatchError) as error:
         RankChecks().judge(_refused(), AGREED)
+    message = str(error.value)
+    assert "refused on all 2 ranks" in message and "do not disagree" in message, message
+    assert "disagree, so" not in message and "differs between" not in message, message
+    assert "ambiguous: an optimizer this scaler cannot tell apart" in message, message
+    assert 'What works instead: give each optimizer\'s param groups a distinguishing key' in message, message
     assert RankChecks().judge(torch.zeros(2, len(AGREED), dtype=torch.float64), AGREED) is None
+
+
+def test_a_refused_column_beside_a_disagreement_names_both():
+    rows = _refused()
+    rows[1, AGREED.index("max_norm")] = 2.0
+    with pytest.raises(RankMismatchError) as error:
+        RankChecks().judge(rows, AGREED)
+    message = str(error.value)
+    assert "the 2 ranks of the process group disagree" in message, message
+    assert "max_norm differs between the ranks (rank 0: 0.0, rank 1: 2.0)" in message, message
+    assert "ambiguous: an optimizer this scaler cannot tell apart" in message, message
 
 
 def test_on_the_gpu_paths_a_refused_column_is_a_device_flag_raised_at_the_next_read(forbid_host_reads):

@@ -23,7 +23,9 @@ needs, so the step adds no launch (the rules: skip_rule.py):
 
     max_norm   ZClip's adaptive max_norm from the norm and spike_stats, when ZCLIP_Z is set
     found_inf  also raised by a flag recorded earlier in the iteration (HAS_EARLIER), and, with
-               UNFIT_OVERFLOWS, by a fold divisor that is not finite (an overflow, never a step of zeros)
+               UNFIT_OVERFLOWS, by a fold divisor that is not finite where clip_coef is not 0 (an
+               overflow, never a step of zeros where the clip keeps tiny gradients;
+               grad_passes.unfit_divisor)
     clip_coef  1 on overflow and factor 1 / scale there, when the policy lets overflowed steps go
                ahead (UNSCALE_ON_OVERFLOW: base.unscaled_on_overflow)
     grad_scale scale / clip_coef (FOLD): what a fused optimizer divides by; float64 division rounded
@@ -137,8 +139,9 @@ def finalize_kernel(
     flag = found_inf.to(tl.float32)
     if FOLD:
         grad_scale = (scale.to(tl.float64) / clip_coef.to(tl.float64)).to(tl.float32)
-        if UNFIT_OVERFLOWS:  # grad_passes._fold_divisor's rule where nothing is read on the host
-            flag = tl.maximum(flag, (grad_scale - grad_scale != 0).to(tl.float32))
+        if UNFIT_OVERFLOWS:  # grad_passes.unfit_divisor, where nothing is read on the host
+            unfit = (grad_scale - grad_scale != 0) & (clip_coef != 0)  # max_norm 0's inf stands for the clip
+            flag = tl.maximum(flag, unfit.to(tl.float32))
         tl.store(result_ptr + 4, grad_scale)
     if HAS_EARLIER:
         flag = tl.maximum(tl.load(earlier_ptr), flag)

@@ -20,6 +20,7 @@ import torch
 from .. import host_reads
 from ..flags import moved_to
 from ..grads.groups import Grads
+from ..policy.forms import ON_DEVICE, ON_HOST, RuleForm
 from .backends import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .backends.base import unscaled_on_overflow, with_clip
 from .backends.custom_ops import disjoint_at_run_time
@@ -263,7 +264,7 @@ def _clip_in_finalize(
     if not request.fold:
         result.grad_scale = None
         runner.apply_(result)
-    elif reads_free and not (math.isfinite(result.grad_scale.item()) or result.found_inf.item() > 0):
+    elif reads_free and not _fits_on_host(result, result.grad_scale):
         result.grad_scale = scale  # could not fold: the clip applied here, the optimizer divides by the scale
         runner.apply_(dataclasses.replace(result, factor=result.clip_coef))
     return result
@@ -288,20 +289,39 @@ def _clip_device(grads: Grads, scale: torch.Tensor | None, group: Any) -> torch.
 
 def _fold_divisor(result: CheckResult, scale: torch.Tensor) -> torch.Tensor:
     """What a fused optimizer divides the gradients by when the clip folds into its step:
-    ``scale / clip_coef``. That overflows float32 only near the top of its range (the scaled
-    gradients' norm above float32's max times max_norm), and an optimizer dividing by inf would
-    apply nothing. Where host reads are free that case is seen on the host: ``scale`` itself is
-    returned and the caller applies the clip to the gradients (one pass, that step only), so the
-    step is torch's. Elsewhere (a GPU, a compiled step) nothing is read and no pass is added: the
-    step counts as an overflow instead (``found_inf`` raised: skipped, the scale backed off),
-    never a silent step of zeros. Example: ``_fold_divisor(result, scale)``."""
-    divisor = scale / moved_to(result.clip_coef, scale.device)
+    ``scale / clip_coef``. Where it is unfit (``unfit_divisor``: it overflowed float32, which
+    happens only near the top of its range, the scaled gradients' norm above float32's max times
+    max_norm), an optimizer dividing by it would apply zeros where the clip keeps tiny gradients.
+    Where host reads are free that case is seen on the host: ``scale`` itself is returned and the
+    caller applies the clip to the gradients (one pass, that step only), so the step is torch's.
+    Elsewhere (a GPU, a compiled step) nothing is read and no pass is added: the step counts as an
+    overflow instead (``found_inf`` raised: skipped, the scale backed off), never a silent step of
+    zeros. Example: ``_fold_divisor(result, scale)``."""
+    clip_coef = moved_to(result.clip_coef, scale.device)
+    divisor = scale / clip_coef
     if host_reads.are_free(divisor.device):
-        fits = math.isfinite(divisor.item()) or result.found_inf.item() > 0
-        return divisor if fits else scale
-    unfit = (~torch.isfinite(divisor)).to(result.found_inf.dtype).reshape(())
+        return divisor if _fits_on_host(result, divisor) else scale
+    unfit = unfit_divisor(divisor, clip_coef).to(result.found_inf.dtype).reshape(())
     result.found_inf = torch.maximum(result.found_inf, unfit.to(result.found_inf.device, non_blocking=True))
     return divisor
+
+
+def unfit_divisor(divisor: Any, clip_coef: Any, form: RuleForm = ON_DEVICE) -> Any:
+    """The fold's rule: whether ``divisor`` (``scale / clip_coef``) cannot stand for the unscale
+    and the clip, i.e. it is not finite and ``clip_coef`` is not 0. A clip coefficient of 0
+    (``max_norm=0``: torch's clip multiplies the gradients by 0) gives scale / 0 = inf, which
+    stands for it exactly: a finite gradient divided by +inf is the signed zero that ``g * 0``
+    is, so that divisor is handed over and the step goes ahead, as torch's does. The one home of
+    the rule: ``form`` ON_DEVICE on 0-dim tensors, ON_HOST on Python floats (where reads are
+    free); the clip's finalize computes the same on the device (kernels/finalize.py, held to it
+    by tests/kernels/test_skip_rule.py). Example: ``unfit_divisor(math.inf, 0.0, ON_HOST) is False``."""
+    return form.not_(form.isfinite(divisor)) & (clip_coef != 0)
+
+
+def _fits_on_host(result: CheckResult, divisor: torch.Tensor) -> bool:
+    """The fold's divisor fits (``unfit_divisor``), read on the host; an overflowed step is skipped
+    anyway, whatever its divisor."""
+    return result.found_inf.item() > 0 or not unfit_divisor(divisor.item(), result.clip_coef.item(), ON_HOST)
 
 
 def holds_grads(grads: Grads) -> bool:

@@ -480,21 +480,30 @@ def on_device(values: list[float], device: torch.device, dtype: torch.dtype = to
 
 
 def describe(values: list[list[float]], names: tuple[str, ...]) -> str:
-    """The error message: each column the ranks disagree on (or that a rank set, for ``REFUSED``
-    ones), every rank's value, what to do."""
-    lines = []
+    """The error message: each column the ranks disagree on, every rank's value, what to do; and
+    each ``REFUSED`` column a rank set: what is ambiguous, and what works instead. Where the ranks
+    agree on every value but a refused column, the message says so: nothing differs between them."""
+    world, differing, refused, everywhere = len(values), [], [], True
     for column, name in enumerate(names):
         seen = [row[column] for row in values]
         label, advice = CHECKED[name]
         if name in REFUSED and any(seen):
-            ranks = ", ".join(str(r) for r, v in enumerate(seen) if v)
-            lines.append(f"{label}: refused on every rank (set on rank {ranks}); {advice}")
+            everywhere = everywhere and all(seen)
+            where = "" if all(seen) else " (seen on rank " + ", ".join(str(r) for r, v in enumerate(seen) if v) + ")"
+            refused.append(f"ambiguous{where}: {label}. What works instead: {advice}")
         elif any(v != seen[0] for v in seen):
             shown = ", ".join(f"rank {r}: {_shown(name, v)}" for r, v in enumerate(seen))
-            lines.append(f"{label} differs between the ranks ({shown}); {advice}")
+            differing.append(f"{label} differs between the ranks ({shown}); {advice}")
+    if not differing:
+        return (
+            f"tritonscale: the combined step is refused on all {world} ranks of the process group. The ranks do "
+            f"not disagree ({'every' if everywhere else 'every other'} value they compared is the same on each); "
+            "the combine is ambiguous, so every rank refuses it alike, and nothing of this step was applied. "
+            + ". ".join(refused)
+        )
     return (
-        f"tritonscale: the {len(values)} ranks of the process group disagree, so the combined step "
-        "would be wrong on some of them; nothing of this step was applied. " + ". ".join(lines)
+        f"tritonscale: the {world} ranks of the process group disagree, so the combined step "
+        "would be wrong on some of them; nothing of this step was applied. " + ". ".join(differing + refused)
     )
 
 

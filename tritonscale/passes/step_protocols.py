@@ -21,7 +21,10 @@ the clip rides along and the gradients are never written by the scaler.
 
 So after a folded clip the gradients still hold the loss scale until ``scaler.step(optimizer)``
 hands the optimizer its divisor; an ``optimizer.step()`` called directly would apply them about
-``scale`` times too large. :class:`DirectStepGuard` makes that a clear error.
+``scale`` times too large. :class:`DirectStepGuard` makes that a clear error. For every other
+optimizer it notes a direct step after unscale_ or the clip, so that the next iteration's clip
+refuses as torch's ``unscale_`` does (a loop that never calls ``scaler.step``/``update`` would
+otherwise clip still scaled gradients as if unscaled).
 """
 
 from __future__ import annotations
@@ -141,11 +144,16 @@ GUARD_KEY = "tritonscale.fold.DirectStepGuard"
 
 
 class DirectStepGuard:
-    """A step pre-hook on a fused optimizer: ``optimizer.step()`` raises, changing nothing, while a
-    clip of ``scaler`` folded into it is pending and the step is handed no divisor (``grad_scale``,
-    which ``scaler.step(optimizer)`` sets for its call; the scaler is not asked then). Once
-    ``scaler.step`` has handed it over, or after ``update()`` or ``abandon_iteration()``, nothing
-    is pending and the hook lets every step through.
+    """A step pre-hook on an optimizer ``scaler`` unscaled or clipped this iteration: it hands each
+    ``optimizer.step()`` to ``on_step(scaler, optimizer)``, the controller's function
+    (``scaler/optimizer_step.direct_step``), whose record of the iteration decides. While a clip
+    folded into a fused optimizer is pending and the step is handed no divisor (``grad_scale``,
+    which ``scaler.step(optimizer)`` sets for its call), the step raises, changing nothing: the
+    gradients still hold the loss scale. Any other step not made by ``scaler.step`` goes ahead, as
+    torch lets it, and is noted: the next ``unscale_``/``clip_grad_norm_`` of that optimizer before
+    ``update()`` raises torch's error for a second unscale_, naming the fix (the new backward's
+    gradients are still scaled, and a clip would take them as unscaled). After ``update()`` or
+    ``abandon_iteration()`` nothing is recorded and the hook lets every step through.
 
     The scaler is held weakly and a copy or a pickle of the hook is inert (``__reduce__``): an
     optimizer copied with its hooks does not drag the scaler along. Example::
@@ -154,10 +162,11 @@ class DirectStepGuard:
         optimizer.step()                         # RuntimeError naming scaler.step(optimizer)
     """
 
-    __slots__ = ("_scaler",)
+    __slots__ = ("_scaler", "_on_step")
 
-    def __init__(self, scaler: Any = None) -> None:
+    def __init__(self, scaler: Any = None, on_step: Callable[[Any, Any], None] | None = None) -> None:
         self._scaler = weakref.ref(scaler) if scaler is not None else None
+        self._on_step = on_step
 
     def scaler(self) -> Any:
         """The scaler this guard is for; None once it is gone (or in a copy)."""
@@ -165,25 +174,17 @@ class DirectStepGuard:
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         scaler = self.scaler()
-        if getattr(optimizer, "grad_scale", None) is not None or scaler is None:
-            return
-        if scaler.folded_grad_scale(optimizer) is not None:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() called directly after scaler.clip_grad_norm_() folded the "
-                "unscale and the clip into this fused optimizer's step: its gradients still hold the loss "
-                "scale and would be applied that many times too large. Step it with scaler.step(optimizer), "
-                "then scaler.update(); p.grad / scaler.folded_grad_scale(optimizer) reads the unscaled, "
-                "clipped gradients, and GradScaler(..., fold_into_optimizer=False) makes the clip write "
-                "them. Nothing was changed."
-            )
+        if scaler is not None and self._on_step is not None:
+            self._on_step(scaler, optimizer)
 
     def __reduce__(self) -> tuple[type, tuple]:
         return (DirectStepGuard, ())
 
 
-def guard_direct_step(optimizer: Any, scaler: Any) -> bool:
+def guard_direct_step(optimizer: Any, scaler: Any, on_step: Callable[[Any, Any], None]) -> bool:
     """Install ``scaler``'s :class:`DirectStepGuard` on ``optimizer`` (a torch.optim.Optimizer;
-    others have no step hooks): its key is the scaler's, so each clip sets the same entry.
+    others have no step hooks), handing each step to ``on_step``: its key is the scaler's, so each
+    unscale_ and clip sets the same entry.
 
     A compiled clip runs this once, while Dynamo traces it (``assume_constant_result``; the graph
     is specialised to this optimizer and scaler already): traced as a dict write instead, the hooks'
@@ -194,7 +195,7 @@ def guard_direct_step(optimizer: Any, scaler: Any) -> bool:
     key = (GUARD_KEY, id(scaler))
     guard = hooks.get(key)
     if guard is None or guard.scaler() is not scaler:  # none yet, or one of a scaler gone since
-        hooks[key] = DirectStepGuard(scaler)
+        hooks[key] = DirectStepGuard(scaler, on_step)
     return True
 
 

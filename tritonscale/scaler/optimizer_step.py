@@ -58,7 +58,10 @@ from ..passes.step_protocols import (
 from ..policy.forms import ON_HOST
 from ..policy.runner import IterationOutcome
 
-__all__ = ["OptState", "OptimizerRecord", "OptimizerStep", "step_kind", "unscaled_skip", "weak"]
+__all__ = ["OptState", "OptimizerRecord", "OptimizerStep", "direct_step", "step_kind", "unscaled_skip", "weak"]
+
+#: torch's error for a second unscale_ in an iteration, word for word.
+_UNSCALED_TWICE = "unscale_() has already been called on this optimizer since the last update()."
 
 
 @dataclass
@@ -187,6 +190,11 @@ class OptimizerStep(OptimizerRecord):
     _torch_fused: bool = field(default=False, repr=False, compare=False)
     #: ``skip`` as the host decided it where reads are free (None: read ``skip`` to know).
     _skipped_on_host: bool | None = field(default=None, repr=False, compare=False)
+    #: ``scaler.step`` is running this optimizer's step (a step its guard sees then is not direct).
+    _in_step: bool = field(default=False, repr=False, compare=False)
+    #: The optimizer stepped, not through ``scaler.step``, after this iteration's unscale_ or clip
+    #: (its guard saw it: ``direct_step``); the next unscale_/clip before update() is refused.
+    _stepped_directly: bool = field(default=False, repr=False, compare=False)
 
     #: The clip hands the fused step ``scale / clip_coef`` instead of writing the gradients.
     folds: ClassVar[bool] = False
@@ -199,6 +207,7 @@ class OptimizerStep(OptimizerRecord):
             record.stage, record.found_inf_per_device, record.skip, record.norm, record.grad_scale
         )  # fmt: skip
         made._optimizer, made._torch_fused = weak(optimizer), is_torch_fused(optimizer)
+        made._stepped_directly = getattr(record, "_stepped_directly", False)
         return made
 
     @property
@@ -217,18 +226,49 @@ class OptimizerStep(OptimizerRecord):
         scaler._per_optimizer_states[id(self.optimizer)] = self
 
     def not_stepped(self, funcname: str) -> None:
-        """torch's error for an unscale_/clip_grad_norm_ after this iteration's step()."""
+        """torch's errors for an unscale_/clip_grad_norm_ after this iteration's step(), and for a
+        second unscale_ (``unscale_``; a clip after one only clips), which a clip after a direct
+        ``optimizer.step()`` is too: its gradients are a new backward's, still scaled."""
         if self.stage is OptState.STEPPED:
             raise RuntimeError(f"{funcname}() is being called after step().")
+        if self.stage is OptState.UNSCALED and (funcname == "unscale_" or self._stepped_directly):
+            raise RuntimeError(_UNSCALED_TWICE + (self._direct_step_fix() if self._stepped_directly else ""))
+
+    def _direct_step_fix(self) -> str:
+        name = type(self.optimizer).__name__
+        return (
+            f" {name}.step() was called directly after this iteration's unscale_()/clip_grad_norm_(), and no "
+            "scaler.update() ended the iteration, so the gradients of the new backward still hold the loss "
+            "scale. Step through the scaler every iteration: scaler.step(optimizer) (it skips a step whose "
+            "gradients overflowed), then scaler.update(). Nothing was changed."
+        )
+
+    def direct_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step of this optimizer, seen by its guard (``step_protocols.DirectStepGuard``) after this
+        iteration's unscale_ or clip: one that ``scaler.step`` is not running is direct. Refused,
+        changing nothing, where a folded clip is pending and no divisor is handed over (the gradients
+        still hold the loss scale); otherwise it goes ahead, as torch lets it, and is noted for
+        :meth:`not_stepped`."""
+        if self._in_step or self.stage is not OptState.UNSCALED:
+            return
+        if self.folded_grad_scale() is not None and getattr(optimizer, "grad_scale", None) is None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() called directly after scaler.clip_grad_norm_() folded the "
+                "unscale and the clip into this fused optimizer's step: its gradients still hold the loss "
+                "scale and would be applied that many times too large. Step it with scaler.step(optimizer), "
+                "then scaler.update(); p.grad / scaler.folded_grad_scale(optimizer) reads the unscaled, "
+                "clipped gradients, and GradScaler(..., fold_into_optimizer=False) makes the clip write "
+                "them. Nothing was changed."
+            )
+        self._stepped_directly = True
 
     def unscale(self, scaler: Any) -> None:
         """``unscale_``: divide the gradients by the scale in place, with the inf/NaN check."""
         scale = scaler._state_for("unscale_").scale
         self._open(scaler)
         self.not_stepped("unscale_")
-        if self.stage is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         self._flags_pass(scaler, scale, unscale=True)
+        guard_direct_step(self.optimizer, scaler, direct_step)  # a direct optimizer.step() after it is noted
 
     def check(self, scaler: Any, scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
         """A fused step's read-only inf/NaN check of the still scaled gradients, recorded."""
@@ -282,10 +322,11 @@ class OptimizerStep(OptimizerRecord):
             group=group,
             agreement=None if group is None else scaler._agreement(inner, "clip", max_norm, norm_type),
         )
-        if folds:  # the gradients stay scaled until scaler.step: a direct optimizer.step() is guarded
-            guard_direct_step(inner, scaler)
-            if result.grad_scale is not None:
-                self.grad_scale = result.grad_scale
+        # Folded, the gradients stay scaled until scaler.step: a direct optimizer.step() is refused;
+        # otherwise it is noted (not_stepped).
+        guard_direct_step(inner, scaler, direct_step)
+        if folds and result.grad_scale is not None:
+            self.grad_scale = result.grad_scale
         if checked:
             found = self.found_inf_per_device
             merged = result.skip is not None or device not in found  # a deciding finalize merged them
@@ -312,7 +353,11 @@ class OptimizerStep(OptimizerRecord):
         self._open(scaler)
         if self.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        retval = self._take_step(scaler, optimizer, scale, args, kwargs)
+        self._in_step = True
+        try:
+            retval = self._take_step(scaler, optimizer, scale, args, kwargs)
+        finally:
+            self._in_step = False
         self.stage = OptState.STEPPED
         return retval
 
@@ -432,6 +477,16 @@ def unscaled_skip(policy: Any, flags: dict[torch.device, torch.Tensor], device: 
     if not policy.skip_on_overflow or flag is None or len(flags) != 1:
         return None
     return flag
+
+
+def direct_step(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` is about to run: its guard's call (``step_protocols.DirectStepGuard``),
+    which this iteration's record of it decides (``OptimizerStep.direct_step``: refused after a
+    folded clip, else noted). Nothing recorded for it (a copy sharing its hooks, after update()):
+    nothing to decide."""
+    record = scaler._per_optimizer_states.get(id(optimizer))
+    if isinstance(record, OptimizerStep) and record.optimizer is optimizer:
+        record.direct_step(optimizer)
 
 
 def weak(optimizer: Any) -> Callable[[], Any]:
