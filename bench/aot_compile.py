@@ -16,6 +16,8 @@ A constexpr that is a NamedTuple (the policy kernel's rule) travels as
 new], ...]``: the kernel is then compiled from a copy of its module's source with each ``old``
 replaced by ``new`` (each must occur), which is how the tests build a deliberately broken variant
 (an int32-indexed kernel) to show that a check catches it.
+A constexpr parameter with a default that a case leaves out (the kernels' constants, ``K``) gets
+its default, as at a launch.
 
 Output (stdout): a JSON object mapping each case id to what the compile produced: ``ok`` and
 ``error``, the global load/store instructions found in the assembly, and register/spill figures
@@ -161,6 +163,20 @@ def _amd_resources(amdgcn: str) -> dict[str, int]:
     return fields
 
 
+def _with_defaults(fn, case: dict) -> dict:
+    """``case`` with each constexpr parameter it leaves out that has a default (the kernels'
+    ``K: tl.constexpr = KERNEL_CONSTANTS``) bound to that default, as a launch's binder binds it."""
+    import inspect
+
+    signature, constexprs = dict(case["signature"]), dict(case["constexprs"])
+    for name, parameter in inspect.signature(fn.fn).parameters.items():
+        if name not in signature and parameter.default is not inspect.Parameter.empty:
+            signature[name] = "constexpr"
+            constexprs[name] = parameter.default
+    ordered = {name: signature[name] for name in fn.arg_names if name in signature}  # declaration order
+    return {**case, "signature": {**ordered, **signature}, "constexprs": constexprs}
+
+
 def compile_case(case: dict) -> tuple[str, dict]:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -169,6 +185,7 @@ def compile_case(case: dict) -> tuple[str, dict]:
     result = {"ok": False, "error": None}
     try:
         fn = _resolve(case["kernel"], case.get("mutate"))
+        case = _with_defaults(fn, case)
         # A parameter left out of the signature fails deep in codegen with an opaque
         # "'NoneType' object has no attribute '_unflatten_ir'": name it instead.
         missing = [name for name in fn.arg_names if name not in case["signature"]]
