@@ -170,12 +170,15 @@ def _jit_knob_kwargs(jit: JITFunction, kwargs: dict) -> dict:
 _SPECS, _OPTIONS, _KNOBS, _DEVICE, _CONFIG = range(5)
 
 
-def _splitter(names: list[str], runtime: set[str]):
+def _splitter(names: list[str], runtime: set[str], defaults: dict[str, Any]):
     """A function with the kernel's parameters (and ``**options``) that returns (every argument in
     declaration order, the guard's specializations: :func:`specialization` of each runtime argument,
     each constexpr's value, the options). Generated, as Triton generates its binder, so a call binds
-    its keywords in C. A runtime argument that is the same object as the one before it (the padded
-    flags of the policy update) takes that one's specialization: the same object, the same answer."""
+    its keywords in C. A constexpr left out takes its declared default (``defaults``: trailing
+    parameters, as in the kernel's own signature), the very object Triton's binder takes
+    (``KernelParam.default``). A runtime argument that is the same object as the one before it (the
+    padded flags of the policy update) takes that one's specialization: the same object, the same
+    answer."""
     lines, specs, previous = [], [], None
     for name in names:
         if name not in runtime:
@@ -186,11 +189,12 @@ def _splitter(names: list[str], runtime: set[str]):
         lines.append(f"    s_{name} = {same}spec({name})")
         specs.append(f"s_{name}")
         previous = name
+    params = ", ".join(f"{name}=_defaults[{name!r}]" if name in defaults else name for name in names)
     source = "\n".join(
-        [f"def split({', '.join(names)}, **options):", *lines,
+        [f"def split({params}, **options):", *lines,
          f"    return ({', '.join(names)},), ({', '.join(specs)},), options", ""]
     )  # fmt: skip
-    namespace = {"spec": specialization}
+    namespace = {"spec": specialization, "_defaults": defaults}
     exec(source, namespace)
     return namespace["split"]
 
@@ -241,14 +245,21 @@ class BoundLaunch:
             self.declined = f"{type(jit).__name__} is not a JITFunction"
             return
         unusual = [p.name for p in jit.params if p.do_not_specialize or p.do_not_specialize_on_alignment
-                   or (p.annotation and not p.is_constexpr) or p.has_default]  # fmt: skip
+                   or (p.annotation and not p.is_constexpr) or (p.has_default and not p.is_constexpr)]  # fmt: skip
+        defaulted = [p.has_default for p in jit.params]
+        if any(defaulted) and not all(defaulted[defaulted.index(True):]):
+            unusual.append("a parameter without a default after one with a default")
         if unusual:
             self.declined = f"parameters specialized by rules not restated here: {unusual}"
             return
         tuned = set().union(*(config.kwargs for config in tuner.configs)) if tuner is not None else set()
         self._jit, self._tuner = jit, tuner
         self._names = [p.name for p in jit.params if p.name not in tuned]
-        self._split = _splitter(self._names, {p.name for p in jit.params if not p.is_constexpr})
+        self._split = _splitter(
+            self._names,
+            {p.name for p in jit.params if not p.is_constexpr},
+            {p.name: p.default for p in jit.params if p.has_default and p.name in self._names},
+        )
         self._globals: list[tuple[dict, Any, tuple]] = []
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs):
