@@ -39,6 +39,8 @@ else:
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction, compute_cache_key  # noqa: E402
@@ -538,25 +540,37 @@ def test_the_guard_accepts_exactly_where_triton_picks_a_bound_kernel(base_calls,
 
 
 # -------------------------------------------------------------------------- what a hit also checks
-def test_a_changed_global_takes_the_jit_path(twins, base_calls):
+#: A module global a kernel reads: the package's kernels read none (their constants arrive as the
+#: defaulted constexpr ``K``), so the check Triton makes on such globals is held to this one.
+SHIFT = tl.constexpr(3)
+
+
+@triton.jit
+def _reads_a_global(out_ptr):
+    tl.store(out_ptr, SHIFT)
+
+
+def test_a_changed_global_takes_the_jit_path():
     """A global the kernel reads (one Triton checks on every launch, 3.6 and 3.9 alike) rebound: to
     an equal object, still a hit (Triton compares by value); to another value, the call takes the
     JIT path, which raises Triton's error."""
-    grid, args, kwargs = base_calls["policy_update"]
-    launcher = LAUNCHERS["policy_update"]
-    launcher(grid, *args, **kwargs)
-    assert ("CONSECUTIVE_SKIPS", id(vars(policy_update))) in launcher._jit.used_global_vals
-    original = policy_update.CONSECUTIVE_SKIPS
+    global SHIFT
+    launcher = BoundLaunch(_reads_a_global)
+    out = torch.zeros(4, dtype=torch.int32)
+    launcher((1,), out)
+    assert ("SHIFT", id(globals())) in launcher._jit.used_global_vals
+    assert launcher.lookup(out) is not None
+    original = SHIFT
     try:
-        policy_update.CONSECUTIVE_SKIPS = type(original)(original.value)
-        assert launcher.lookup(*args, **kwargs) is not None
-        policy_update.CONSECUTIVE_SKIPS = type(original)(original.value + 1)
-        assert launcher.lookup(*args, **kwargs) is None
-        with pytest.raises(RuntimeError, match="Global variable CONSECUTIVE_SKIPS has changed"):
-            launcher(grid, *args, **kwargs)
+        SHIFT = tl.constexpr(original.value)
+        assert launcher.lookup(out) is not None
+        SHIFT = tl.constexpr(original.value + 1)
+        assert launcher.lookup(out) is None
+        with pytest.raises(RuntimeError, match="Global variable SHIFT has changed"):
+            launcher((1,), out)
     finally:
-        policy_update.CONSECUTIVE_SKIPS = original
-    assert launcher.lookup(*args, **kwargs) is not None
+        SHIFT = original
+    assert launcher.lookup(out) is not None
 
 
 def test_a_pre_run_hook_or_a_knob_change_takes_the_jit_path(twins, base_calls):
