@@ -90,6 +90,32 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, cpus() // workers))
+    if os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup"):
+        config.pluginmanager.register(WorkerOrder(), "tritonscale-worker-order")
+
+
+class WorkerOrder:
+    """On an xdist worker, what the scheduler reads from the collection: the groups, and the
+    process-starting tests first (the longest, scheduled before the short ones fill the tail)."""
+
+    @pytest.hookimpl(trylast=True)  # after deselection (-k, -m, --deselect) and fixture reordering
+    def pytest_collection_modifyitems(self, config, items):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files stay in order
+        for item in items:
+            groups = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group")})
+            if groups and not item.nodeid.endswith("@" + "_".join(groups)):
+                join_group(item, "_".join(groups))
+
+
+def join_group(item, group: str) -> None:
+    """Tell xdist's loadgroup scheduler the test's group: the suffix ``@group`` on its nodeid.
+    pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9.2 no longer reads (it keeps a
+    structured ``item._id``; pytest-xdist issue #1386): the groups were silently ignored."""
+    nodeid = f"{item.nodeid}@{group}"
+    if isinstance(getattr(item, "_id", None), str) or not hasattr(item, "_id"):
+        item._nodeid = nodeid  # pytest before 9.2
+    else:
+        item._id = type(item._id).parse(nodeid)
 
 
 def shared_fixture_group(item) -> str | None:

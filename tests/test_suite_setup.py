@@ -7,6 +7,7 @@ slow"`` leaves it out), and tests sharing a fixture wider than a function land o
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -83,12 +84,17 @@ def test_tests_sharing_a_wider_fixture_form_one_group():
 
 
 def test_this_session_marks_and_groups_the_process_tiers(request):
-    """The rules applied to the tests collected with this one: what they found is on the items."""
+    """The rules applied to the tests collected with this one: what they found is on the items, and
+    on an xdist worker the scheduler reads each group from the nodeid (pytest-xdist issue #1386:
+    with pytest 9.2 it silently lost them)."""
+    on_a_worker = os.environ.get("PYTEST_XDIST_WORKER") and request.config.getvalue("loadgroup")
     for item in request.session.items:
         assert (item.get_closest_marker("slow") is not None) >= conftest.starts_processes(item), item.nodeid
         group = conftest.shared_fixture_group(item)
-        marks = [mark.args[0] for mark in item.iter_markers("xdist_group")]
+        marks = sorted(str(mark.args[0]) for mark in item.iter_markers("xdist_group"))
         assert group is None or group in marks, item.nodeid
+        if on_a_worker and marks:
+            assert item.nodeid.endswith("@" + "_".join(marks)), item.nodeid
 
 
 def test_auto_workers_are_the_cpus_this_process_may_use(monkeypatch):
