@@ -59,7 +59,7 @@ def test_bound_launches_equal_the_jit_paths(level, triton_cache):
         pytest.skip("level 2 needs gcc (the stub libcuda and Triton's launcher)")
     env = _env(TRITONSCALE_LAUNCH_LEVEL=str(level), TRITONSCALE_AUTOTUNE="0", TRITON_CACHE_DIR=str(triton_cache))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "-o", "addopts=",
          str(TESTS / "launch_path" / "bound_tier.py"), *LEVELS[level]],
         env=env, cwd=PACKAGE_ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
