@@ -67,6 +67,7 @@ class Launch:
     signature: dict
     constants: dict
     metadata: Any
+    src: Any = None  # the compiled kernel's ASTSource (src.fn the JITFunction, src.attrs)
 
 
 class RecordingLauncher:
@@ -92,6 +93,7 @@ class RecordingLauncher:
                 signature=dict(self.src.signature),
                 constants=dict(getattr(self.src, "constants", {})),
                 metadata=self.metadata,
+                src=self.src,
             )
         )
 
@@ -151,13 +153,21 @@ class FakeCudaDriver(CudaDriver):
         return torch.device("cpu")
 
     def get_benchmarker(self):
-        def bench(fn, quantiles=None, **_):
-            fn()
-            self.benchmarked += 1
-            ms = float(self.benchmarked)
-            return [ms, ms, ms] if quantiles else ms
+        return counting_benchmarker(self)
 
-        return bench
+
+def counting_benchmarker(driver):
+    """The autotuner's benchmarker for a driver with no device to time: each call runs the
+    candidate once (a launch like any other) and reports the n-th candidate as n ms, so the first
+    config wins; ``driver.benchmarked`` counts the calls."""
+
+    def bench(fn, quantiles=None, **_):
+        fn()
+        driver.benchmarked += 1
+        ms = float(driver.benchmarked)
+        return [ms, ms, ms] if quantiles else ms
+
+    return bench
 
 
 def activate() -> FakeCudaDriver:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from triton.backends.nvidia.driver import CudaDriver
 
-from .fake_driver import CAPABILITY, DEVICE, FAKE_STREAM, Launch
+from .fake_driver import CAPABILITY, DEVICE, FAKE_STREAM, Launch, counting_benchmarker
 
 SOURCE = Path(__file__).with_name("stub_libcuda.c")
 MAX_PARAMS, MAX_BYTES = 128, 4096
@@ -161,6 +161,7 @@ class StubbedCudaDriver(CudaDriver):
         self.get_current_stream = lambda device=None: FAKE_STREAM
         self.get_device_capability = lambda device=None: CAPABILITY
         self.python_launches: list[Launch] = []
+        self.benchmarked = 0
         self.triton_launcher_cls = self.launcher_cls  # Triton's CudaLauncher
         if record_python:
             self.launcher_cls = self._recording_launcher
@@ -171,7 +172,7 @@ class StubbedCudaDriver(CudaDriver):
         def recorded(gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_, *args):
             self.python_launches.append(
                 Launch(metadata.name, (gx, gy, gz), stream, function, packed, launch_metadata, enter, exit_,
-                       args, dict(src.signature), dict(getattr(src, "constants", {})), metadata)
+                       args, dict(src.signature), dict(getattr(src, "constants", {})), metadata, src)
             )
             return run(gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_, *args)
 
@@ -181,6 +182,11 @@ class StubbedCudaDriver(CudaDriver):
         import torch
 
         return torch.device("cpu")
+
+    def get_benchmarker(self):
+        """Triton's do_bench times with torch.cuda events: fake_driver.counting_benchmarker instead
+        (each candidate launched once through the real launcher)."""
+        return counting_benchmarker(self)
 
 
 def activate(directory: str | os.PathLike | None = None, *, record_python: bool = True) -> StubbedCudaDriver:
