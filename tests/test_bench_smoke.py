@@ -283,7 +283,7 @@ def test_progress_bar_prints_on_a_time_interval_in_a_log():
 
 
 BENCH_SCRIPTS = ("bars", "bench_clip_cpu", "collectives", "cpu_norms", "experiments", "gpu_check", "gpu_phases",
-                 "host_time", "kernel_report", "launch_table", "run_all", "sweep", "train_step")  # fmt: skip
+                 "host_time", "kernel_report", "launch_cost", "launch_table", "run_all", "sweep", "train_step")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", BENCH_SCRIPTS)
