@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bound_launch import BoundLaunch
 from .jit_helpers import chunk_span, from_f32, to_f32
 from .launch_config import CHUNK, DEFAULT_BLOCK, DEFAULT_NUM_WARPS, PRUNE, size_class, streaming_configs
 from .tensor_table import GradLayout
@@ -86,6 +87,8 @@ apply_kernel_flat_autotuned = triton.autotune(
     prune_configs_by=PRUNE,
     restore_value=["grad_ptr"],
 )(apply_kernel)
+_APPLY_TABLE = BoundLaunch(apply_kernel)
+_APPLY_FLAT = BoundLaunch(apply_kernel_flat_autotuned)
 
 
 def apply_factor_(
@@ -116,9 +119,10 @@ def apply_factor_(
     )
     grid = (layout.programs,)
     if layout.flat:
-        apply_kernel_flat_autotuned[grid](*args, INVERT=invert, CHECK=check, FLAT=True, ALIGNED=False, CHUNK_SIZE=CHUNK)
+        _APPLY_FLAT(grid, *args, INVERT=invert, CHECK=check, FLAT=True, ALIGNED=False, CHUNK_SIZE=CHUNK)
     else:
-        apply_kernel[grid](
+        _APPLY_TABLE(
+            grid,
             *args,
             INVERT=invert,
             CHECK=check,

@@ -166,12 +166,17 @@ def _jit_knob_kwargs(jit: JITFunction, kwargs: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ the launcher
+# The guard's key: (specializations, options, key_knobs, device, the autotuner's config or None).
+_SPECS, _OPTIONS, _KNOBS, _DEVICE, _CONFIG = range(5)
+
+
 def _splitter(names: list[str], runtime: set[str]):
-    """A function with the kernel's parameters that returns (every argument in declaration order,
-    the guard's specializations: :func:`specialization` of each runtime argument, each constexpr's
-    value). Generated, as Triton generates its binder, so a call binds its keywords in C."""
+    """A function with the kernel's parameters (and ``**options``) that returns (every argument in
+    declaration order, the guard's specializations: :func:`specialization` of each runtime argument,
+    each constexpr's value, the options). Generated, as Triton generates its binder, so a call binds
+    its keywords in C."""
     specs = ", ".join(f"spec({name})" if name in runtime else name for name in names)
-    source = f"def split({', '.join(names)}):\n    return ({', '.join(names)},), ({specs},)\n"
+    source = f"def split({', '.join(names)}, **options):\n    return ({', '.join(names)},), ({specs},), options\n"
     namespace = {"spec": specialization}
     exec(source, namespace)
     return namespace["split"]
@@ -180,40 +185,36 @@ def _splitter(names: list[str], runtime: set[str]):
 class _Bound:
     """One bound specialization: the compiled kernel and what its launch needs besides the call."""
 
-    __slots__ = ("run", "kernel", "function", "metadata", "config", "tune_key", "tuned", "order")
+    __slots__ = ("run", "kernel", "function", "metadata", "config", "tuned", "order")
 
-    def __init__(self, kernel, config=None, tune_key=None, order=None):
+    def __init__(self, kernel, config=None, order=None):
         self.run = kernel.run  # the launcher (CompiledKernel.run; its handles are loaded: it ran)
         self.kernel = kernel
         self.function = kernel.function
         self.metadata = kernel.packed_metadata
-        # Autotuned: the config the autotuner chose for tune_key, its constexprs' values, and the
-        # order that places the call's arguments and those values as the kernel declares them.
+        # Autotuned: the config (held, so that the id in the key stays its own), its constexprs'
+        # values, and the order that places the call's arguments and those as the kernel declares them.
         self.config = config
-        self.tune_key = tune_key
         self.tuned = tuple(config.kwargs.values()) if config is not None else ()
         self.order = order
 
 
 class BoundLaunch:
-    """``kernel[grid](*args, **kwargs, **options)``, bound once per specialization (module docstring).
+    """``kernel[grid](*args, **kwargs)``, bound once per specialization (module docstring).
 
     Args:
         kernel: a ``@triton.jit`` function, or a ``triton.autotune`` over one.
-        **options: the launch options of the call site (``num_warps``, ``enable_fp_fusion``): fixed,
-            so the guard need not read them.
 
     Example::
 
-        _LAUNCH = BoundLaunch(policy_update_kernel, num_warps=1, enable_fp_fusion=False)
-        _LAUNCH((1,), scale, tracker, ..., NUM_FOUND=1, ...)   # same arguments as kernel[grid]
+        _UPDATE = BoundLaunch(policy_update_kernel)
+        _UPDATE((1,), scale, tracker, ..., NUM_FOUND=1, ..., num_warps=1)   # as kernel[(1,)](...)
     """
 
-    def __init__(self, kernel, **options):
+    def __init__(self, kernel):
         self.kernel = kernel
-        self.options = options
         self.bound: dict[tuple, _Bound] = {}
-        #: Why this launcher never binds (None when it does); the last refused bind, for tests.
+        #: Why this launcher never binds (None when it does); why the last bind was refused.
         self.declined: str | None = None if ENABLED else "bound launches are off"
         self.refused: str | None = None
         if self.declined is None:
@@ -238,22 +239,18 @@ class BoundLaunch:
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs):
         """Launch; returns the compiled kernel, as ``kernel[grid](...)`` does."""
-        if self.declined is not None:
-            return self.kernel[grid](*args, **kwargs, **self.options)
-        active = driver.active
-        device = active.get_current_device()
+        if self.declined is not None or type(grid) is not tuple:  # a callable grid: Triton's to call
+            return self.kernel[grid](*args, **kwargs)
         try:
-            values, specs = self._split(*args, **kwargs)
-            tune_key = self._tune_key(values) if self._tuner is not None else None
-            key = (specs, key_knobs(self._jit), device, tune_key)
+            key, values = self.guard(args, kwargs)
         except Unbindable:
-            return self.kernel[grid](*args, **kwargs, **self.options)
+            return self.kernel[grid](*args, **kwargs)
         bound = self.bound.get(key)
-        if bound is None or not self._still_valid(bound):
-            return self._bind(grid, args, kwargs, values, key)
-        stream = active.get_current_stream(device)
+        if bound is None or not self._still_valid():
+            return self._bind(grid, args, kwargs)
         if bound.order is not None:
             values = bound.order(values + bound.tuned)
+        stream = driver.active.get_current_stream(key[_DEVICE])
         kernel = bound.kernel
         bound.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
@@ -262,11 +259,34 @@ class BoundLaunch:
         )  # fmt: skip
         return kernel
 
+    def guard(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+        """(the guard's key for a call with ``args`` and ``kwargs``, its arguments in declaration
+        order). Reads what the JIT path reads to choose a compiled kernel and nothing else; raises
+        :class:`Unbindable` for a call the rules here do not cover."""
+        values, specs, options = self._split(*args, **kwargs)
+        device = driver.active.get_current_device()
+        config = None
+        if self._tuner is not None:
+            config = self._tuned_config(values)
+            config = id(config) if config is not None else None
+        return (specs, tuple(options.items()), key_knobs(self._jit), device, config), values
+
+    def lookup(self, *args, **kwargs) -> Any:
+        """The compiled kernel a call with these arguments would launch without the JIT path, or
+        None where it would take it (a miss, a changed global, a hook, a kind not restated here)."""
+        if self.declined is not None:
+            return None
+        try:
+            key, _ = self.guard(args, kwargs)
+        except Unbindable:
+            return None
+        bound = self.bound.get(key)
+        return bound.kernel if bound is not None and self._still_valid() else None
+
     # -------------------------------------------------------------------- what a hit also checks
-    def _still_valid(self, bound: _Bound) -> bool:
-        """The checks outside the key: no pre-run hook, the globals unchanged (JITFunction.run:
-        "Check that used global values have not changed", 3.6 L724-729, 3.9 L772-777), and for an
-        autotuned kernel the autotuner still holding the bound config for the tuning key."""
+    def _still_valid(self) -> bool:
+        """The checks outside the key: no pre-run hook, and the globals unchanged (JITFunction.run:
+        "Check that used global values have not changed", 3.6 L724-729, 3.9 L772-777)."""
         if self._jit.pre_run_hooks:
             return False
         for namespace, read, expected in self._globals:
@@ -275,27 +295,27 @@ class BoundLaunch:
                     return False
             except KeyError:
                 return False
-        if self._tuner is not None:
-            tuner = self._tuner
-            held = tuner.cache.get(bound.tune_key) if len(tuner.configs) > 1 else tuner.configs[0]
-            if held is not bound.config:
-                return False
         return True
 
-    def _tune_key(self, values: tuple) -> tuple:
-        """The autotuner's cache key for these arguments (Autotuner.run, 3.6 L216-222, 3.9 L236-242):
-        the values of its key arguments, then str(dtype) of every argument that has one."""
+    def _tuned_config(self, values: tuple):
+        """The config ``Autotuner.run`` launches these arguments with (3.6 L213-244, 3.9 L233-283),
+        or None where it would tune first: its cache's entry for the values of its key arguments
+        followed by str(dtype) of every argument that has one; with one config, that config."""
+        tuner = self._tuner
+        if len(tuner.configs) == 1:
+            return tuner.configs[0]
         named = dict(zip(self._names, values))
-        key = [named[name] for name in self._tuner.keys if name in named]
+        key = [named[name] for name in tuner.keys if name in named]
         key += [str(value.dtype) for value in values if hasattr(value, "dtype")]
-        return tuple(key)
+        return tuner.cache.get(tuple(key))
 
     # -------------------------------------------------------------------- binding
-    def _bind(self, grid, args, kwargs, values, key):
-        """The JIT path for this call, then its compiled kernel bound under ``key`` when Triton's own
-        cache and key agree (``refused`` says why not, when they do not)."""
-        compiled = self.kernel[grid](*args, **kwargs, **self.options)
+    def _bind(self, grid, args, kwargs):
+        """The JIT path for this call, then its compiled kernel bound under the guard's key when
+        Triton's own cache and key agree (``refused`` says why not, when they do not)."""
+        compiled = self.kernel[grid](*args, **kwargs)
         try:
+            key, values = self.guard(args, kwargs)  # after the JIT path: an autotuner has its config now
             self.bound[key] = self._checked(compiled, args, kwargs, values, key)
             self.refused = None
         except _Refused as why:
@@ -303,33 +323,31 @@ class BoundLaunch:
         return compiled
 
     def _checked(self, compiled, args, kwargs, values, key) -> _Bound:
+        """The bound entry for a call the JIT path just launched as ``compiled``, once Triton's own
+        binder, key and cache confirm that this guard's key and arguments are Triton's."""
         jit, tuner = self._jit, self._tuner
         if not isinstance(compiled, CompiledKernel):
             raise _Refused(f"the JIT path returned {type(compiled).__name__}, not a CompiledKernel")
-        config, order, jit_kwargs = None, None, {**kwargs, **self.options}
+        config, order, jit_kwargs = None, None, dict(kwargs)
         if tuner is not None:
             config = tuner.best_config
             if config.pre_hook is not None:
                 raise _Refused("the autotuner's config has a pre_hook")
-            held = tuner.cache.get(key[3]) if len(tuner.configs) > 1 else tuner.configs[0]
-            if held is not config:
-                raise _Refused("the tuning key computed here is not the autotuner's")
+            if key[_CONFIG] != id(config):
+                raise _Refused("the config found here is not the one the autotuner launched")
             jit_kwargs.update(config.all_kwargs())
-        # Triton's own binder and key for the same call (JITFunction.run's first half).
-        device = driver.active.get_current_device()
-        kernel_cache, kernel_key_cache, _, _, binder = jit.device_caches[device]
-        bound_args, triton_specs, options = binder(*args, **_jit_knob_kwargs(jit, jit_kwargs))
-        triton_key = compute_cache_key(kernel_key_cache, triton_specs, options)
-        if kernel_cache.get(triton_key) is not compiled:
-            raise _Refused("Triton's cache holds another kernel under Triton's key for this call")
-        if tuner is not None:
             names = self._names + list(config.kwargs)
             order = operator.itemgetter(*[names.index(p.name) for p in jit.params])
             values = order(values + tuple(config.kwargs.values()))
+        # Triton's own binder and key for the same call (JITFunction.run's first half).
+        kernel_cache, kernel_key_cache, _, _, binder = jit.device_caches[key[_DEVICE]]
+        bound_args, triton_specs, options = binder(*args, **_jit_knob_kwargs(jit, jit_kwargs))
+        if kernel_cache.get(compute_cache_key(kernel_key_cache, triton_specs, options)) is not compiled:
+            raise _Refused("Triton's cache holds another kernel under Triton's key for this call")
         triton_values = tuple(bound_args.values())
         if len(triton_values) != len(values) or any(a is not b for a, b in zip(triton_values, values)):
             raise _Refused("Triton bound the arguments in another order")
-        ours = dict(zip(self._names, key[0]))  # the tuned constexprs follow from the tuning key
+        ours = dict(zip(self._names, key[_SPECS]))  # the tuned constexprs follow from the config
         for param, triton_spec in zip(jit.params, triton_specs):
             if param.name in ours:
                 spec = ("constexpr", ours[param.name]) if param.is_constexpr else ours[param.name]
@@ -337,7 +355,7 @@ class BoundLaunch:
                     raise _Refused(f"{param.name} specializes as {triton_spec} in Triton, as {spec} here")
         if self._globals is None:
             self._globals = _global_reads(jit)
-        return _Bound(compiled, config, key[3], order)
+        return _Bound(compiled, config, order)
 
 
 class _Refused(Exception):

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bound_launch import BoundLaunch
 from .jit_helpers import chunk_span, pow2_inverse, to_f32
 from .launch_config import CHUNK, check_config
 from .supported import NORM_CODES
@@ -100,6 +101,9 @@ def check_pass_kernel(
     tl.store(partials_ptr + 2 * partials_stride + pid, tl.sum(b_bad, axis=0))
 
 
+_CHECK_PASS = BoundLaunch(check_pass_kernel)
+
+
 def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> None:
     """Fold ``layout``'s gradients into ``partials[:, :layout.programs]`` (fp32 [3, >=programs]).
 
@@ -117,7 +121,8 @@ def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> Non
             f"norm code must be one of {sorted(NORM_CODES.values())} (see supported.norm_code), got {norm}"
         )
     config = check_config(layout.device, layout.numel)
-    check_pass_kernel[(layout.programs,)](
+    _CHECK_PASS(
+        (layout.programs,),
         layout.first,
         layout.tensors,
         layout.chunks,

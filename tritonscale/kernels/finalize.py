@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bound_launch import BoundLaunch
 from .check_pass import PARTIAL_ROWS
 from .interfaces import RESULT_FIELDS, STEP_FIELDS, FinalizeStep
 from .jit_helpers import pow2_inverse
@@ -153,6 +154,9 @@ def finalize_kernel(
     tl.store(result_ptr + 3, factor)
 
 
+_FINALIZE = BoundLaunch(finalize_kernel)
+
+
 def finalize(
     partials: torch.Tensor,
     num_partials: int,
@@ -179,7 +183,8 @@ def finalize(
     result = torch.empty(fields, dtype=torch.float32, device=partials.device)
     block_p = min(triton.next_power_of_2(num_partials), FINALIZE_MAX_BLOCK)
     step = step if step is not None else _NO_STEP
-    finalize_kernel[(1,)](
+    _FINALIZE(
+        (1,),
         partials,
         num_partials,
         partials.stride(0),

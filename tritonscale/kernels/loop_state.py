@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bound_launch import BoundLaunch
 from .interfaces import SLOT_BYTES
 
 
@@ -61,6 +62,9 @@ def gather_stats_kernel(
     tl.store(out_hysteresis, tl.load(counters_ptr + HYSTERESIS))
 
 
+_GATHER_STATS = BoundLaunch(gather_stats_kernel)
+
+
 def gather_stats(
     sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor],
     slots: tuple[int, int, int, int],
@@ -71,7 +75,8 @@ def gather_stats(
     indices), ``outs`` (eight 0-dim views of one buffer, in that order: scale, tracker, norm,
     found_inf, then the four counters)."""
     scale, tracker, norm, found_inf, counters = sources
-    gather_stats_kernel[(1,)](
+    _GATHER_STATS(
+        (1,),
         scale,
         tracker,
         scale if norm is None else norm,  # a placeholder: not read without HAS_NORM
@@ -109,13 +114,17 @@ def advance_lr_kernel(
     tl.store(addresses.to(tl.pointer_type(tables_ptr.dtype.element_ty)), rates, mask=mask)
 
 
+_ADVANCE_LR = BoundLaunch(advance_lr_kernel)
+
+
 def advance_lr(
     skipped: torch.Tensor, count: torch.Tensor, calls: torch.Tensor, tables: torch.Tensor, lr_addresses: torch.Tensor
 ) -> None:
     """Launch ``advance_lr_kernel``: ``tables`` [groups, total_steps + 1] in the lrs' dtype,
     ``lr_addresses`` int64 [groups] (each group's lr tensor, of that dtype, on the same device)."""
     groups = tables.shape[0]
-    advance_lr_kernel[(1,)](
+    _ADVANCE_LR(
+        (1,),
         skipped,
         count,
         calls,

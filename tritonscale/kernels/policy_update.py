@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from . import interfaces
+from .bound_launch import BoundLaunch
 from .interfaces import MAX_FLAGS, UpdateRule
 
 # Constants the programs read are ``tl.constexpr`` (Triton compiles no other globals); ``.value``
@@ -337,6 +338,7 @@ class UpdateResult(NamedTuple):
 
 
 _ONE_PROGRAM = (1,)
+_UPDATE = BoundLaunch(policy_update_kernel)
 
 
 def _padded(flags: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -368,8 +370,8 @@ def update_policy_state_(
     found_out = torch.empty((), dtype=torch.float32, device=scale.device) if num_found > 1 else found_infs[0]
     check_out = torch.empty(4, dtype=torch.float64, device=scale.device) if checks else scale  # else unread
     spike = spike_stats if spike_stats.numel() else norm_stats  # a pointer the kernel never follows
-    policy_update_kernel[_ONE_PROGRAM](
-        scale, tracker, counters, norm_stats, spike,
+    _UPDATE(
+        _ONE_PROGRAM, scale, tracker, counters, norm_stats, spike,
         *_padded(found_infs), *_padded(skips if skips else found_infs[:1]),
         norm if norm is not None else scale, found_out, check_out, int(hold),
         NUM_FOUND=num_found, NUM_SKIPS=num_skips, HAS_NORM=norm is not None, COUNT_ONLY=count_only,

@@ -1,0 +1,597 @@
+"""Pre-bound launches (``tritonscale/kernels/bound_launch.py``) against Triton's JIT path, on Triton's
+real launch path: every bound launch is compared, argument by argument, with the launch the JIT
+path makes for the same call.
+
+Not collected by the suite (no ``test_`` prefix): ``tests/kernels/test_bound_launch.py`` runs it with
+pytest in a subprocess without ``TRITON_INTERPRET`` (``--noconftest``: tests/conftest.py sets it),
+at harness level 1 (``fake_driver``: the launcher records its call) or, with
+``TRITONSCALE_LAUNCH_LEVEL=2``, level 2 (``stub``: Triton's own C launcher over the stub libcuda,
+whose parameter blocks are compared too)::
+
+    env -u TRITON_INTERPRET TRITONSCALE_AUTOTUNE=0 PYTHONPATH=$PWD:$PWD/tests \\
+        python -m pytest -q -p no:cacheprovider --noconftest tests/launch_path/bound_tier.py
+
+The oracle of every test is Triton's own: the JIT path's launch for the same arguments (made right
+after the bound one, through ``kernel[grid]``), and Triton's own binder and cache key for "which
+compiled kernel would this call launch".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Any, NamedTuple
+
+import pytest
+
+LEVEL = int(os.environ.get("TRITONSCALE_LAUNCH_LEVEL", "1"))
+if LEVEL == 1:
+    from launch_path import fake_driver
+
+    DRIVER = fake_driver.activate()
+    RECORDS = DRIVER.launches
+else:
+    from launch_path import stub
+
+    DRIVER = stub.activate()
+    RECORDS = DRIVER.python_launches
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction, compute_cache_key  # noqa: E402
+
+import tritonscale  # noqa: E402
+from tritonscale import LossScalePolicy  # noqa: E402
+from tritonscale.kernels.bound_launch import BoundLaunch  # noqa: E402
+
+# The modules (``tritonscale.kernels`` exports functions of the same names as two of them).
+apply_pass, bound_launch, check_pass, finalize, loop_state, policy_update = (
+    importlib.import_module(f"tritonscale.kernels.{name}")
+    for name in ("apply_pass", "bound_launch", "check_pass", "finalize", "loop_state", "policy_update")
+)
+LAUNCHERS = {
+    "check_pass": check_pass._CHECK_PASS,
+    "finalize": finalize._FINALIZE,
+    "apply_table": apply_pass._APPLY_TABLE,
+    "apply_flat": apply_pass._APPLY_FLAT,
+    "policy_update": policy_update._UPDATE,
+    "gather_stats": loop_state._GATHER_STATS,
+    "advance_lr": loop_state._ADVANCE_LR,
+}
+KERNEL_NAMES = {
+    "check_pass_kernel", "finalize_kernel", "apply_kernel", "policy_update_kernel", "gather_stats_kernel",
+    "advance_lr_kernel",
+}  # fmt: skip
+
+
+def test_bound_launches_are_on_here():
+    assert bound_launch.ENABLED, "this tier needs the JIT path: no TRITON_INTERPRET, a tested triton"
+    assert all(launcher.declined is None for launcher in LAUNCHERS.values()), {
+        name: launcher.declined for name, launcher in LAUNCHERS.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------- twins
+class Twin(NamedTuple):
+    """One call of a BoundLaunch: its launch, the JIT path's launch for the same arguments, whether
+    the bound call was a hit (it did not enter ``JITFunction.run``), and at level 2 the parameter
+    blocks the stub's ``cuLaunchKernelEx`` received for the two."""
+
+    launcher: BoundLaunch
+    bound: Any
+    jit: Any
+    hit: bool
+    blocks: tuple | None
+
+
+def _stub_count() -> int:
+    return len(stub.launches()) if LEVEL == 2 else 0
+
+
+@pytest.fixture(autouse=True)
+def _no_earlier_launches():
+    """Each test reads only its own launches."""
+    if LEVEL == 2:
+        stub.reset()
+    RECORDS.clear()
+
+
+@pytest.fixture
+def twins(monkeypatch):
+    """Every BoundLaunch call made while the fixture is on also launches through ``kernel[grid]``
+    with the same arguments (the JIT path: the oracle); the list holds a Twin per call."""
+    made: list[Twin] = []
+    entered = [0]
+    run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        entered[0] += 1
+        return run(self, *args, **kwargs)
+
+    call = BoundLaunch.__call__
+
+    def twinned(self, grid, *args, **kwargs):
+        start, runs, stub_start = len(RECORDS), entered[0], _stub_count()
+        call(self, grid, *args, **kwargs)
+        hit = entered[0] == runs
+        if hit:
+            assert len(RECORDS) - start == 1, "a hit launches once"
+        bound, stub_mid = RECORDS[-1], _stub_count()
+        self.kernel[grid](*args, **kwargs)
+        blocks = (stub.launches()[stub_mid - 1].params, stub.launches()[-1].params) if LEVEL == 2 else None
+        made.append(Twin(self, bound, RECORDS[-1], hit, blocks))
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    monkeypatch.setattr(BoundLaunch, "__call__", twinned)
+    return made
+
+
+def _launch_metadata(value) -> Any:
+    return (value.data, value.extras) if value is not None else None
+
+
+def assert_same_launch(twin: Twin) -> None:
+    """The bound launch is the JIT path's: the same compiled kernel, grid, stream, function handle,
+    packed metadata, launch metadata and hooks, and the same argument objects in the same order."""
+    bound, jit = twin.bound, twin.jit
+    assert bound.name == jit.name
+    assert bound.metadata is jit.metadata, "another compiled kernel"
+    assert (bound.grid, bound.stream, bound.function, bound.packed_metadata) == (
+        jit.grid, jit.stream, jit.function, jit.packed_metadata,
+    )  # fmt: skip
+    assert bound.enter_hook is jit.enter_hook and bound.exit_hook is jit.exit_hook
+    assert _launch_metadata(bound.launch_metadata) == _launch_metadata(jit.launch_metadata)
+    assert bound.signature == jit.signature and bound.constants == jit.constants
+    names = list(jit.signature)
+    assert len(bound.args) == len(jit.args) == len(names)
+    differ = [name for name, a, b in zip(names, bound.args, jit.args) if a is not b]
+    assert not differ, f"{jit.name}: arguments {differ} differ from the JIT path's"
+    if twin.blocks is not None:
+        assert twin.blocks[0] == twin.blocks[1], f"{jit.name}: the parameter blocks differ"
+
+
+# ------------------------------------------------------------------ the library's steps, on the GPU paths
+@contextlib.contextmanager
+def gpu_paths_on_cpu():
+    """The paths a GPU takes with compiled Triton, on CPU tensors: host reads not free, and the
+    two questions "can Triton run on this device" answered as on a GPU."""
+    from tritonscale import host_reads
+    from tritonscale.passes.backends import triton_backend
+    from tritonscale.policy import kernel_form
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_reads, "are_free", lambda device: False)
+        patch.setattr(triton_backend.TritonBackend, "supports", staticmethod(lambda device: True))
+        patch.setattr(kernel_form, "_kernel_runs", lambda device_type, backend: backend != "torch")
+        kernel_form._RUNS.clear()
+        try:
+            yield
+        finally:
+            kernel_form._RUNS.clear()
+
+
+POLICIES = {
+    "default": {},
+    "hysteresis2_snf5": {"hysteresis": 2, "skip_norm_factor": 5.0},
+    "zscore": {"skip_norm_sigma": 2.0, "skip_norm_window": 4},
+    "zclip": {"clip_norm_z": 1.5, "clip_norm_warmup_steps": 3},
+}
+#: Gradient layouts: parameter shapes, and whether they go into one flatten_grads_ buffer.
+LAYOUTS = {
+    "one_tensor": ([(48, 32)], False),  # one contiguous tensor: FLAT over it, numel a multiple of 16
+    "one_odd_tensor": ([(7, 5)], False),  # FLAT, numel not a multiple of 16
+    "many_aligned": ([(32, 16), (16,), (64, 8), (16, 16), (48,)], False),  # TABLE, ALIGNED
+    "many_odd": ([(7, 5), (3,), (33, 2), (5, 5, 5)], False),  # TABLE, not ALIGNED
+    "flat_buffer": ([(7, 5), (3,), (33, 2), (16, 16)], True),  # FLAT over a flatten_grads_ buffer
+}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _parameters(layout: str, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    shapes, flat = LAYOUTS[layout]
+    params = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in shapes]
+    if flat:
+        tritonscale.flatten_grads_(params)
+    return params
+
+
+def _loss(params) -> torch.Tensor:
+    return sum((p.float() * p.float()).sum() for p in params)
+
+
+def sgd_steps(policy: dict, layout: str, dtype: torch.dtype, rounds: int = 2) -> None:
+    """SGD with a tensor lr under SkipAwareLR: per round an ``unscale_`` step and a
+    ``clip_grad_norm_`` step, each with ``update()`` and ``stats()`` (check, finalize, apply TABLE or
+    FLAT, the policy update, the gathers). float16 gradients are never unscaled in place (the
+    library refuses it, as torch does): there SGD is fused, the first step of a round a plain
+    ``step`` and the clip folds into the optimizer."""
+    params = _parameters(layout, dtype)
+    half = dtype == torch.float16
+    optimizer = torch.optim.SGD(params, lr=torch.tensor(0.01), fused=half or None)
+    scaler = tritonscale.GradScaler("cpu", backend="triton", policy=LossScalePolicy(**policy))
+    schedule = tritonscale.SkipAwareLR(
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=2), scaler, total_steps=2 * rounds
+    )
+    for _ in range(rounds):
+        for clip in (False, True):
+            optimizer.zero_grad(set_to_none=False)
+            scaler.scale(_loss(params)).backward()
+            if clip:
+                scaler.clip_grad_norm_(optimizer, 1.0)
+            elif not half:
+                scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            schedule.step()
+            scaler.stats()
+
+
+def fused_steps(policy: dict, dtype: torch.dtype, rounds: int = 2) -> None:
+    """Fused AdamW on a flat buffer: the clip folded into the optimizer (finalize with FOLD)."""
+    params = _parameters("flat_buffer", dtype)
+    optimizer = torch.optim.AdamW(params, lr=torch.tensor(1e-3), fused=True)
+    scaler = tritonscale.GradScaler("cpu", backend="triton", policy=LossScalePolicy(**policy))
+    for _ in range(rounds):
+        optimizer.zero_grad(set_to_none=False)
+        scaler.scale(_loss(params)).backward()
+        scaler.clip_grad_norm_(optimizer, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def _check_round_two(made: list[Twin], rounds: int = 2) -> None:
+    """Every launch equals the JIT path's; the last round's calls are all hits (the first round
+    bound every specialization the step uses)."""
+    assert made, "no bound launch was made"
+    for twin in made:
+        assert_same_launch(twin)
+    last = made[len(made) * (rounds - 1) // rounds :]
+    missed = [twin.jit.name for twin in last if not twin.hit]
+    assert not missed, f"launches of the last round that took the JIT path: {missed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sgd_steps_launch_as_the_jit_path(twins, policy, layout, dtype):
+    with gpu_paths_on_cpu():
+        sgd_steps(POLICIES[policy], layout, DTYPES[dtype])
+    _check_round_two(twins)
+    launched = {twin.jit.name for twin in twins}
+    assert launched == KERNEL_NAMES - ({"apply_kernel"} if dtype == "fp16" else set()), launched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fused_steps_launch_as_the_jit_path(twins, policy, dtype):
+    with gpu_paths_on_cpu():
+        fused_steps(POLICIES[policy], DTYPES[dtype])
+    _check_round_two(twins)
+    assert {twin.jit.name for twin in twins} == {"check_pass_kernel", "finalize_kernel", "policy_update_kernel"}
+
+
+def test_the_autotuned_flat_apply_binds_the_tuned_config(twins, monkeypatch):
+    """With autotuning on, the first FLAT apply tunes (the fake benchmarker times each candidate);
+    later ones launch the config the autotuner holds for the tuning key, as the JIT path does."""
+    monkeypatch.delenv("TRITONSCALE_AUTOTUNE", raising=False)
+    tuner = apply_pass.apply_kernel_flat_autotuned
+    saved = dict(tuner.cache)
+    tuner.cache.clear()
+    try:
+        with gpu_paths_on_cpu():
+            sgd_steps({}, "flat_buffer", torch.float32)
+        flat = [twin for twin in twins if twin.launcher is LAUNCHERS["apply_flat"]]
+        assert len(flat) == 4 and [twin.hit for twin in flat][2:] == [True, True]
+        for twin in twins:
+            assert_same_launch(twin)
+        tuned = {dict(zip(twin.jit.signature, twin.jit.args))["BLOCK"] for twin in flat}
+        assert tuned <= {config.kwargs["BLOCK"] for config in tuner.cache.values()}
+        # A config the autotuner no longer holds is not launched: the call takes the JIT path again.
+        tuner.cache.clear()
+        before = len(twins)
+        with gpu_paths_on_cpu():
+            sgd_steps({}, "flat_buffer", torch.float32, rounds=1)
+        assert not any(twin.hit for twin in twins[before:] if twin.launcher is LAUNCHERS["apply_flat"])
+        for twin in twins[before:]:
+            assert_same_launch(twin)
+    finally:
+        tuner.cache.clear()
+        tuner.cache.update(saved)
+
+
+# ------------------------------------------------------------------------------ one-argument mutations
+def _base_calls() -> dict[str, tuple]:
+    """(grid, args, kwargs) of one call of each launcher, as the library makes them."""
+    calls: dict[str, tuple] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        call = BoundLaunch.__call__
+
+        def captured(self, grid, *args, **kwargs):
+            name = next(name for name, launcher in LAUNCHERS.items() if launcher is self)
+            calls.setdefault(name, (grid, args, kwargs))
+            return call(self, grid, *args, **kwargs)
+
+        patch.setattr(BoundLaunch, "__call__", captured)
+        with gpu_paths_on_cpu():
+            sgd_steps(POLICIES["hysteresis2_snf5"], "many_odd", torch.float32, rounds=1)
+            sgd_steps({}, "flat_buffer", torch.bfloat16, rounds=1)
+    assert set(calls) == set(LAUNCHERS), set(calls)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def base_calls() -> dict[str, tuple]:
+    return _base_calls()
+
+
+def _runtime_positions(launcher: BoundLaunch, args: tuple) -> list[tuple[int, str]]:
+    """(position in args, name) of the positional arguments that are runtime parameters."""
+    params = [p for p in launcher._jit.params]
+    return [(i, params[i].name) for i in range(len(args)) if not params[i].is_constexpr]
+
+
+def _unaligned(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of ``tensor``'s shape and dtype whose address is one element past a 16-byte boundary."""
+    base = torch.zeros(tensor.numel() + 16, dtype=tensor.dtype)
+    view = base[1 : 1 + tensor.numel()].view(tensor.shape)
+    assert view.data_ptr() % 16 != 0
+    return view
+
+
+def _other_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    other = {torch.float32: torch.float16, torch.int64: torch.int32, torch.int32: torch.int64}.get(
+        tensor.dtype, torch.float32
+    )
+    return torch.zeros(tensor.shape, dtype=other)
+
+
+def _mutations(launcher: BoundLaunch, args: tuple) -> list[tuple[str, int, Any]]:
+    """One-argument mutations: each int argument as 0, 1, 3, 16 and 2**31; the first and the last
+    tensor argument in another dtype, as an unaligned view, and as None."""
+    out = []
+    runtime = _runtime_positions(launcher, args)
+    ints = [(i, name) for i, name in runtime if type(args[i]) is int]
+    tensors = [(i, name) for i, name in runtime if isinstance(args[i], torch.Tensor)]
+    for i, name in ints:
+        out += [(f"{name}={value}", i, value) for value in (0, 1, 3, 16, 2**31)]
+    for i, name in dict.fromkeys([tensors[0], tensors[-1]]):
+        t = args[i]
+        out += [(f"{name} {_other_dtype(t).dtype}", i, _other_dtype(t)), (f"{name} unaligned", i, _unaligned(t))]
+        out.append((f"{name}=None", i, None))
+    return out
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return None
+    except Exception as error:  # the JIT path's own error, raised through both paths
+        return type(error), str(error)[:200]
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_one_argument_mutations_launch_as_the_jit_path(twins, base_calls, name):
+    """A call that differs from a bound one in one argument launches what the JIT path launches for
+    it: a hit where Triton's key is the bound one's, else the JIT path and a new binding (the second
+    such call a hit). Where Triton refuses the call (a compile error), both paths raise its error."""
+    launcher = LAUNCHERS[name]
+    grid, args, kwargs = base_calls[name]
+    launcher(grid, *args, **kwargs)
+    launcher(grid, *args, **kwargs)
+    assert twins[-1].hit
+    mutations = _mutations(launcher, args)
+    assert 3 <= len(mutations) <= 24
+    for label, i, value in mutations:
+        mutated = args[:i] + (value,) + args[i + 1 :]
+        expected = _triton_pick(launcher, mutated, kwargs)
+        before = len(twins)
+        error = _outcome(lambda: launcher(grid, *mutated, **kwargs))
+        if error is not None:
+            assert _outcome(lambda: launcher.kernel[grid](*mutated, **kwargs)) == error, label
+            continue
+        (first,) = twins[before:]
+        assert_same_launch(first)
+        assert first.hit == (expected is not None and expected in _bound_kernels(launcher)), label
+        launcher(grid, *mutated, **kwargs)  # bound now: a hit, the same launch
+        assert twins[-1].hit, f"{label}: the second call did not hit"
+        assert_same_launch(twins[-1])
+
+
+# -------------------------------------------------------------------- the guard against Triton's own key
+def _triton_pick(launcher: BoundLaunch, args: tuple, kwargs: dict):
+    """The compiled kernel Triton's own code would launch for this call without compiling or
+    tuning anything, or None (it would compile, tune, or raise). For an autotuned kernel, the config
+    is what ``Autotuner.run`` itself chooses (run with the launch replaced by a capture, and
+    benchmarking refused); then Triton's binder and ``compute_cache_key`` name the kernel."""
+    kernel = launcher.kernel
+    jit_kwargs = dict(kwargs)
+    if isinstance(kernel, Autotuner):
+        chosen: list[dict] = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernel.fn, "run", lambda *a, **k: chosen.append(k))
+            patch.setattr(kernel, "_bench", _refuse_benchmark)
+            patch.setattr(kernel, "prune_configs", _refuse_benchmark)
+            try:
+                kernel.run(*args, grid=(1,), warmup=False, **kwargs)
+            except _WouldTune:
+                return None
+        (jit_kwargs,) = chosen
+        jit_kwargs = {k: v for k, v in jit_kwargs.items() if k not in ("grid", "warmup")}
+        kernel = kernel.fn
+    from triton.runtime.driver import driver
+
+    kernel_cache, kernel_key_cache, _, _, binder = kernel.device_caches[driver.active.get_current_device()]
+    jit_kwargs["debug"] = jit_kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    jit_kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # 3.9
+        jit_kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    try:
+        _, specialization, options = binder(*args, **jit_kwargs)
+    except Exception:
+        return None
+    if getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None:
+        return None
+    return kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, options))
+
+
+class _WouldTune(Exception):
+    pass
+
+
+def _refuse_benchmark(*args, **kwargs):
+    raise _WouldTune
+
+
+def _bound_kernels(launcher: BoundLaunch) -> list:
+    return [bound.kernel for bound in launcher.bound.values()]
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.uint8]
+_BUFFERS = {dtype: torch.zeros(64, dtype=dtype) for dtype in _DTYPES}
+_EDGE_INTS = [0, 1, 3, 15, 16, -1, -16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 1, 2**63 - 1, 2**63,
+              2**63 + 16, 2**64 - 1, 2**64, -(2**63) - 1]  # fmt: skip
+
+
+def _runtime_values(base: Any):
+    """Values a runtime argument may take: the base call's own, a view of the same tensor's storage
+    at another offset, tensors of other dtypes and alignments, ints at every bucket edge and
+    anywhere, bools, floats, None, and kinds the bound path does not restate (tuples, strings)."""
+    tensors = st.builds(
+        lambda dtype, offset: _BUFFERS[dtype][offset : offset + 8], st.sampled_from(_DTYPES), st.integers(0, 8)
+    )
+    if isinstance(base, torch.Tensor):  # the same dtype, aligned or not: what alignment alone decides
+        same = torch.zeros(base.numel() + 16, dtype=base.dtype)
+        tensors = st.one_of(st.builds(lambda offset: same[offset : offset + base.numel()], st.integers(0, 8)), tensors)
+    if type(base) is int:  # its neighbours across the buckets: 1 (a constexpr), odd, multiples of 16
+        tensors = st.one_of(st.sampled_from([0, 1, 3, 16, base + 1, base ^ 16]), tensors)
+    return st.one_of(
+        st.just(base),
+        tensors,
+        st.sampled_from(_EDGE_INTS),
+        st.integers(-(2**65), 2**65),
+        st.booleans(),
+        st.floats(allow_nan=False),
+        st.none(),
+        st.sampled_from([(1, 2), "x", 2.5]),
+    )
+
+
+def _constexpr_values(base: Any):
+    """Values a constexpr may take: its own, and others equal or close to it (True for 1, ...)."""
+    return st.sampled_from([base, True, False, 0, 1, 2, 3, None])
+
+
+@st.composite
+def _calls(draw, base_calls, name):
+    launcher = LAUNCHERS[name]
+    grid, args, kwargs = base_calls[name]
+    args = list(args)
+    runtime = [i for i, _ in _runtime_positions(launcher, tuple(args))]
+    for i in draw(st.lists(st.sampled_from(runtime), max_size=3, unique=True)):
+        args[i] = draw(_runtime_values(args[i]))
+    kwargs = dict(kwargs)
+    constexprs = [key for key in kwargs if key.isupper() and not isinstance(kwargs[key], tuple)]
+    for key in draw(st.lists(st.sampled_from(constexprs), max_size=1)) if constexprs else ():
+        kwargs[key] = draw(_constexpr_values(kwargs[key]))
+    options = [key for key in kwargs if key in ("num_warps", "enable_fp_fusion")]  # the call site's options
+    for key in draw(st.lists(st.sampled_from(options), max_size=1)) if options else ():
+        kwargs[key] = draw(st.sampled_from([1, 2, 4, 8] if key == "num_warps" else [False, True]))
+    knob_state = draw(st.sampled_from([(False, ""), (True, ""), (False, "fpsan")]))
+    return tuple(args), kwargs, knob_state
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_the_guard_accepts_exactly_where_triton_picks_a_bound_kernel(base_calls, name):
+    """Property: for calls that differ from the library's in any arguments (tensors of any dtype and
+    alignment, ints at and around every bucket edge, bools, floats, None, other kinds), constexprs
+    and key knobs, the guard accepts exactly when Triton's own binder and cache key pick a compiled
+    kernel the launcher has bound, and then names that kernel."""
+    launcher = LAUNCHERS[name]
+    grid, args, kwargs = base_calls[name]
+    launcher(grid, *args, **kwargs)  # bound (with the variants earlier tests bound)
+
+    outcomes = {"bound kernel": 0, "JIT path": 0}
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(_calls(base_calls, name))
+    def check(call):
+        args, kwargs, (debug, mode) = call
+        with knobs.runtime.scope(), knobs.compilation.scope():
+            knobs.runtime.debug = debug
+            knobs.compilation.instrumentation_mode = mode
+            triton_kernel = _triton_pick(launcher, args, kwargs)
+            ours = launcher.lookup(*args, **kwargs)
+        expected = triton_kernel if any(triton_kernel is k for k in _bound_kernels(launcher)) else None
+        assert ours is expected, (name, args, kwargs, debug, mode)
+        outcomes["JIT path" if ours is None else "bound kernel"] += 1
+
+    check()
+    assert min(outcomes.values()) >= 15, outcomes  # both answers well represented
+
+
+# -------------------------------------------------------------------------- what a hit also checks
+def test_a_changed_global_takes_the_jit_path(twins, base_calls):
+    """A global the kernel reads (one Triton checks on every launch, 3.6 and 3.9 alike) rebound: to
+    an equal object, still a hit (Triton compares by value); to another value, the call takes the
+    JIT path, which raises Triton's error."""
+    grid, args, kwargs = base_calls["policy_update"]
+    launcher = LAUNCHERS["policy_update"]
+    launcher(grid, *args, **kwargs)
+    assert ("CONSECUTIVE_SKIPS", id(vars(policy_update))) in launcher._jit.used_global_vals
+    original = policy_update.CONSECUTIVE_SKIPS
+    try:
+        policy_update.CONSECUTIVE_SKIPS = type(original)(original.value)
+        assert launcher.lookup(*args, **kwargs) is not None
+        policy_update.CONSECUTIVE_SKIPS = type(original)(original.value + 1)
+        assert launcher.lookup(*args, **kwargs) is None
+        with pytest.raises(RuntimeError, match="Global variable CONSECUTIVE_SKIPS has changed"):
+            launcher(grid, *args, **kwargs)
+    finally:
+        policy_update.CONSECUTIVE_SKIPS = original
+    assert launcher.lookup(*args, **kwargs) is not None
+
+
+def test_a_pre_run_hook_or_a_knob_change_takes_the_jit_path(twins, base_calls):
+    grid, args, kwargs = base_calls["check_pass"]
+    launcher = LAUNCHERS["check_pass"]
+    launcher(grid, *args, **kwargs)
+    assert launcher.lookup(*args, **kwargs) is not None
+    seen = []
+    launcher._jit.add_pre_run_hook(lambda *a, **k: seen.append(1))
+    try:
+        assert launcher.lookup(*args, **kwargs) is None
+        launcher(grid, *args, **kwargs)
+        assert seen and not twins[-1].hit
+    finally:
+        launcher._jit.pre_run_hooks.clear()
+    with knobs.runtime.scope():
+        knobs.runtime.debug = True  # enters Triton's key: another compiled kernel
+        launcher(grid, *args, **kwargs)
+        launcher(grid, *args, **kwargs)
+        assert [twin.hit for twin in twins[-2:]] == [False, True]
+        assert twins[-1].jit.metadata.debug
+        for twin in twins[-2:]:
+            assert_same_launch(twin)
+    assert launcher.lookup(*args, **kwargs) is not None
+
+
+def test_the_specialization_rule_is_tritons():
+    """``specialization`` gives what Triton's native binder gives, for the kinds it restates."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    values = [*_EDGE_INTS[:-2], -(2**63), True, False, 0.5, None, torch.nn.Parameter(torch.zeros(3))]
+    values += [buffer[offset:] for buffer in _BUFFERS.values() for offset in (0, 1, 4)]
+    for value in values:
+        ours = bound_launch.specialization(value)
+        assert ours == tuple(native_specialize_impl(CUDABackend, value, False, True, True)), value
+    for value in (2**64, -(2**63) - 1):  # Triton refuses them; the bound path leaves them to it
+        with pytest.raises(OverflowError):
+            native_specialize_impl(CUDABackend, value, False, True, True)
+        with pytest.raises(bound_launch.Unbindable):
+            bound_launch.specialization(value)
