@@ -174,9 +174,22 @@ def _splitter(names: list[str], runtime: set[str]):
     """A function with the kernel's parameters (and ``**options``) that returns (every argument in
     declaration order, the guard's specializations: :func:`specialization` of each runtime argument,
     each constexpr's value, the options). Generated, as Triton generates its binder, so a call binds
-    its keywords in C."""
-    specs = ", ".join(f"spec({name})" if name in runtime else name for name in names)
-    source = f"def split({', '.join(names)}, **options):\n    return ({', '.join(names)},), ({specs},), options\n"
+    its keywords in C. A runtime argument that is the same object as the one before it (the padded
+    flags of the policy update) takes that one's specialization: the same object, the same answer."""
+    lines, specs, previous = [], [], None
+    for name in names:
+        if name not in runtime:
+            specs.append(name)
+            previous = None
+            continue
+        same = f"s_{previous} if {name} is {previous} else " if previous is not None else ""
+        lines.append(f"    s_{name} = {same}spec({name})")
+        specs.append(f"s_{name}")
+        previous = name
+    source = "\n".join(
+        [f"def split({', '.join(names)}, **options):", *lines,
+         f"    return ({', '.join(names)},), ({', '.join(specs)},), options", ""]
+    )  # fmt: skip
     namespace = {"spec": specialization}
     exec(source, namespace)
     return namespace["split"]
@@ -214,6 +227,7 @@ class BoundLaunch:
     def __init__(self, kernel):
         self.kernel = kernel
         self.bound: dict[tuple, _Bound] = {}
+        self._last: tuple[tuple, _Bound] | None = None  # the last hit's (key, entry): compared before hashing
         #: Why this launcher never binds (None when it does); why the last bind was refused.
         self.declined: str | None = None if ENABLED else "bound launches are off"
         self.refused: str | None = None
@@ -235,7 +249,7 @@ class BoundLaunch:
         self._jit, self._tuner = jit, tuner
         self._names = [p.name for p in jit.params if p.name not in tuned]
         self._split = _splitter(self._names, {p.name for p in jit.params if not p.is_constexpr})
-        self._globals: list[tuple[dict, Any, tuple]] | None = None
+        self._globals: list[tuple[dict, Any, tuple]] = []
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs):
         """Launch; returns the compiled kernel, as ``kernel[grid](...)`` does."""
@@ -245,8 +259,15 @@ class BoundLaunch:
             key, values = self.guard(args, kwargs)
         except Unbindable:
             return self.kernel[grid](*args, **kwargs)
-        bound = self.bound.get(key)
-        if bound is None or not self._still_valid():
+        last = self._last
+        if last is not None and key == last[0]:  # equal element by element, mostly by identity
+            bound = last[1]
+        else:
+            bound = self.bound.get(key)
+            if bound is None:
+                return self._bind(grid, args, kwargs)
+            self._last = (key, bound)
+        if not self._still_valid():
             return self._bind(grid, args, kwargs)
         if bound.order is not None:
             values = bound.order(values + bound.tuned)
@@ -314,6 +335,7 @@ class BoundLaunch:
         """The JIT path for this call, then its compiled kernel bound under the guard's key when
         Triton's own cache and key agree (``refused`` says why not, when they do not)."""
         compiled = self.kernel[grid](*args, **kwargs)
+        self._last = None
         try:
             key, values = self.guard(args, kwargs)  # after the JIT path: an autotuner has its config now
             self.bound[key] = self._checked(compiled, args, kwargs, values, key)
@@ -353,8 +375,7 @@ class BoundLaunch:
                 spec = ("constexpr", ours[param.name]) if param.is_constexpr else ours[param.name]
                 if spec != triton_spec:
                     raise _Refused(f"{param.name} specializes as {triton_spec} in Triton, as {spec} here")
-        if self._globals is None:
-            self._globals = _global_reads(jit)
+        self._globals = _global_reads(jit)  # the objects that just passed Triton's own check
         return _Bound(compiled, config, order)
 
 
