@@ -292,8 +292,8 @@ def test_progress_bar_prints_on_a_time_interval_in_a_log():
     assert len(lines) == 3 and "~ 45%" in lines[0] and "b 1/4" in lines[2]
 
 
-BENCH_SCRIPTS = ("bars", "bench_clip_cpu", "collectives", "cpu_norms", "experiments", "host_time", "kernel_report",
-                 "launch_table", "run_all", "sweep", "train_step")  # fmt: skip
+BENCH_SCRIPTS = ("bars", "bench_clip_cpu", "collectives", "cpu_norms", "experiments", "gpu_check", "gpu_phases",
+                 "host_time", "kernel_report", "launch_cost", "launch_table", "run_all", "sweep", "train_step")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", BENCH_SCRIPTS)
