@@ -17,9 +17,9 @@ the JIT path's work once per specialization and keeps its result:
   else -- each runtime argument's specialization (:func:`specialization`), each constexpr's value
   (compared with ``==``, as Triton's key cache compares it), the options of the call site, the
   knobs the key reads (:func:`key_knobs`), the current device (Triton keeps one cache per device),
-  for an autotuned kernel the tuning key and the config the autotuner holds for it, and, checked
-  apart from the key, the kernel's globals (by identity: equal objects pass as Triton's ``!=``
-  does) and that no pre-run hook was added.
+  for an autotuned kernel the config the autotuner holds for the call's tuning key, and, checked
+  apart from the key, the kernel's globals (by identity; an equal object passes, as Triton's
+  ``!=`` lets it) and that no pre-run hook was added.
 * **hit**: the launch the JIT path makes, made directly: ``CompiledKernel.run(gx, gy, gz, stream,
   function, packed_metadata, launch_metadata, enter_hook, exit_hook, *every argument, constexprs
   included, in declaration order)``, with the current stream and the launch hooks read at the call.
@@ -35,8 +35,8 @@ not restated here (annotated runtime parameters, ``do_not_specialize``) is never
 
 Where the rules live in Triton (3.6.0 / 3.9.0, ``triton/`` in the wheel):
 
-* the launch: ``runtime/jit.py`` ``JITFunction.run`` (3.6 L695-748, 3.9 L733-789);
-* the binder: ``runtime/jit.py`` ``create_function_from_signature`` (3.6 L378-446, 3.9 L397-465),
+* the launch: ``runtime/jit.py`` ``JITFunction.run`` (3.6 L695-746, 3.9 L733-788);
+* the binder: ``runtime/jit.py`` ``create_function_from_signature`` (3.6 L391-448, 3.9 L397-465),
   which calls ``native_specialize_impl`` (C++, ``python/src/specialize.cc``: ``specialize_arg``
   dispatches on the argument's type to ``handle_long_type``, ``handle_tensor``, ...);
 * the key: ``runtime/jit.py`` ``compute_cache_key`` (3.6 L563, 3.9 L611);
@@ -139,7 +139,7 @@ if TRITON_VERSION >= (3, 9):
 
     def key_knobs(jit: JITFunction) -> tuple:
         """The knobs ``JITFunction.run`` adds to the options of the key (3.9 L734-736), read now;
-        a stages-inspection hook adds a pipeline hash to the specialization (L751-753): not bound."""
+        a stages-inspection hook adds a pipeline hash to the specialization (L753-755): not bound."""
         if knobs.runtime.add_stages_inspection_hook is not None:
             raise Unbindable("a stages-inspection hook is set")
         return (
@@ -177,18 +177,18 @@ def _splitter(names: list[str], runtime: set[str]):
     its keywords in C. A runtime argument that is the same object as the one before it (the padded
     flags of the policy update) takes that one's specialization: the same object, the same answer."""
     lines, specs, previous = [], [], None
-    for name in names:
+    for i, name in enumerate(names):
         if name not in runtime:
             specs.append(name)
             previous = None
             continue
-        same = f"s_{previous} if {name} is {previous} else " if previous is not None else ""
-        lines.append(f"    s_{name} = {same}spec({name})")
-        specs.append(f"s_{name}")
-        previous = name
+        same = f"_s{previous} if {name} is {names[previous]} else " if previous is not None else ""
+        lines.append(f"    _s{i} = {same}spec({name})")
+        specs.append(f"_s{i}")
+        previous = i
     source = "\n".join(
-        [f"def split({', '.join(names)}, **options):", *lines,
-         f"    return ({', '.join(names)},), ({', '.join(specs)},), options", ""]
+        [f"def split({', '.join(names)}, **_options):", *lines,
+         f"    return ({', '.join(names)},), ({', '.join(specs)},), _options", ""]
     )  # fmt: skip
     namespace = {"spec": specialization}
     exec(source, namespace)
@@ -307,7 +307,7 @@ class BoundLaunch:
     # -------------------------------------------------------------------- what a hit also checks
     def _still_valid(self) -> bool:
         """The checks outside the key: no pre-run hook, and the globals unchanged (JITFunction.run:
-        "Check that used global values have not changed", 3.6 L724-729, 3.9 L772-777)."""
+        "Check that used global values have not changed", 3.6 L724-729, 3.9 L769-774)."""
         if self._jit.pre_run_hooks:
             return False
         for namespace, read, expected in self._globals:
