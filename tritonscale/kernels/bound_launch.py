@@ -31,7 +31,9 @@ Off (every call is ``kernel[grid]``): under the interpreter (``TRITON_INTERPRET=
 whose launch path this was not tested on (``TESTED_TRITON``: the rules below are those of 3.6 and
 3.9, checked there by the launch-path tests), and with ``TRITONSCALE_BOUND_LAUNCH=0`` in the
 environment when tritonscale is imported. A kernel whose signature Triton would specialize by rules
-not restated here (annotated runtime parameters, ``do_not_specialize``) is never bound.
+not restated here (annotated runtime parameters, ``do_not_specialize``) is never bound; defaulted
+parameters (the kernels' ``K: tl.constexpr = KERNEL_CONSTANTS``) bind with their defaults, as
+Triton's binder binds them.
 
 Where the rules live in Triton (3.6.0 / 3.9.0, ``triton/`` in the wheel):
 
@@ -170,11 +172,11 @@ def _jit_knob_kwargs(jit: JITFunction, kwargs: dict) -> dict:
 _SPECS, _OPTIONS, _KNOBS, _DEVICE, _CONFIG = range(5)
 
 
-def _splitter(names: list[str], runtime: set[str]):
-    """A function with the kernel's parameters (and ``**options``) that returns (every argument in
-    declaration order, the guard's specializations: :func:`specialization` of each runtime argument,
-    each constexpr's value, the options). Generated, as Triton generates its binder, so a call binds
-    its keywords in C. A runtime argument that is the same object as the one before it (the padded
+def _splitter(names: list[str], runtime: set[str], defaults: dict[str, Any]):
+    """A function with the kernel's parameters and their ``defaults`` (and ``**options``) that
+    returns (every argument in declaration order, the guard's specializations: :func:`specialization`
+    of each runtime argument, each constexpr's value, the options). Generated, as Triton generates
+    its binder, so a call binds its keywords in C. A runtime argument that is the same object as the one before it (the padded
     flags of the policy update) takes that one's specialization: the same object, the same answer."""
     lines, specs, previous = [], [], None
     for i, name in enumerate(names):
@@ -186,11 +188,13 @@ def _splitter(names: list[str], runtime: set[str]):
         lines.append(f"    _s{i} = {same}spec({name})")
         specs.append(f"_s{i}")
         previous = i
+    params = [f"{name}=_d{i}" if name in defaults else name for i, name in enumerate(names)]
     source = "\n".join(
-        [f"def split({', '.join(names)}, **_options):", *lines,
+        [f"def split({', '.join(params)}, **_options):", *lines,
          f"    return ({', '.join(names)},), ({', '.join(specs)},), _options", ""]
     )  # fmt: skip
     namespace = {"spec": specialization}
+    namespace.update({f"_d{i}": defaults[name] for i, name in enumerate(names) if name in defaults})
     exec(source, namespace)
     return namespace["split"]
 
@@ -241,14 +245,18 @@ class BoundLaunch:
             self.declined = f"{type(jit).__name__} is not a JITFunction"
             return
         unusual = [p.name for p in jit.params if p.do_not_specialize or p.do_not_specialize_on_alignment
-                   or (p.annotation and not p.is_constexpr) or p.has_default]  # fmt: skip
+                   or (p.annotation and not p.is_constexpr)]  # fmt: skip
         if unusual:
             self.declined = f"parameters specialized by rules not restated here: {unusual}"
             return
         tuned = set().union(*(config.kwargs for config in tuner.configs)) if tuner is not None else set()
         self._jit, self._tuner = jit, tuner
         self._names = [p.name for p in jit.params if p.name not in tuned]
-        self._split = _splitter(self._names, {p.name for p in jit.params if not p.is_constexpr})
+        self._split = _splitter(
+            self._names,
+            {p.name for p in jit.params if not p.is_constexpr},
+            {p.name: p.default for p in jit.params if p.has_default},
+        )
         self._globals: list[tuple[dict, Any, tuple]] = []
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs):
