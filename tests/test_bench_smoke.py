@@ -18,6 +18,9 @@ import torch
 
 from tritonscale.torch_compat import COMPILED_CLIP, has_torch
 
+#: The entry points run end to end (bars' bar 4 in a process of its own): the slow tier.
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))  # the scripts import their shared helpers (bench/timing.py) by name
 
