@@ -601,6 +601,22 @@ def test_a_pre_run_hook_or_a_knob_change_takes_the_jit_path(twins, base_calls):
     assert launcher.lookup(*args, **kwargs) is not None
 
 
+def test_a_backend_with_its_own_tensor_rule_stays_on_the_jit_path(twins, monkeypatch):
+    """A backend whose tensor specialization is not Triton's native one (ROCm's adds "S" for
+    tensors within 2 GB) is never bound: after its first launch every call takes the JIT path."""
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    monkeypatch.setattr(CUDABackend, "supports_native_tensor_specialization", False)
+    launcher = BoundLaunch(_fills_a_global)
+    out = torch.zeros(16, dtype=torch.int32)
+    for _ in range(3):
+        launcher((1,), out, 16, BLOCK=16)
+    assert "CUDABackend" in launcher.declined and not launcher.bound
+    assert [twin.hit for twin in twins] == [False, False, False]
+    for twin in twins:
+        assert_same_launch(twin)
+
+
 def test_the_specialization_rule_is_tritons():
     """``specialization`` gives what Triton's native binder gives, for the kinds it restates."""
     from triton._C.libtriton import native_specialize_impl

@@ -30,8 +30,9 @@ the JIT path's work once per specialization and keeps its result:
 Off (every call is ``kernel[grid]``): under the interpreter (``TRITON_INTERPRET=1``), on a Triton
 whose launch path this was not tested on (``TESTED_TRITON``: the rules below are those of 3.6 and
 3.9, checked there by the launch-path tests), and with ``TRITONSCALE_BOUND_LAUNCH=0`` in the
-environment when tritonscale is imported. A kernel whose signature Triton would specialize by rules
-not restated here (annotated runtime parameters, ``do_not_specialize``) is never bound; defaulted
+environment when tritonscale is imported; and after its first launch, on a backend whose tensor
+specialization is not Triton's native one (ROCm's adds a buffer-range attribute). A kernel whose
+signature Triton would specialize by rules not restated here (annotated runtime parameters, ``do_not_specialize``) is never bound; defaulted
 parameters (the kernels' ``K: tl.constexpr = KERNEL_CONSTANTS``) bind with their defaults, as
 Triton's binder binds them.
 
@@ -370,7 +371,12 @@ class BoundLaunch:
             order = operator.itemgetter(*[names.index(p.name) for p in jit.params])
             values = order(values + tuple(config.kwargs.values()))
         # Triton's own binder and key for the same call (JITFunction.run's first half).
-        kernel_cache, kernel_key_cache, _, _, binder = jit.device_caches[key[_DEVICE]]
+        kernel_cache, kernel_key_cache, _, backend, binder = jit.device_caches[key[_DEVICE]]
+        if not getattr(backend, "supports_native_tensor_specialization", False):
+            # ROCm's backend adds its own attributes to a tensor's (the 2 GB buffer range, "S"),
+            # which the rule here does not restate: its launches stay on the JIT path.
+            self.declined = f"{type(backend).__name__} specializes tensors by rules not restated here"
+            raise _Refused(self.declined)
         bound_args, triton_specs, options = binder(*args, **_jit_knob_kwargs(jit, jit_kwargs))
         if kernel_cache.get(compute_cache_key(kernel_key_cache, triton_specs, options)) is not compiled:
             raise _Refused("Triton's cache holds another kernel under Triton's key for this call")
