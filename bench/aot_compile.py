@@ -12,7 +12,8 @@ Input (stdin): a JSON list of cases, each
      "num_warps": int, "options": {option: value} (optional, e.g. enable_fp_fusion)}
 
 A constexpr that is a NamedTuple (the policy kernel's rule) travels as
-``{"namedtuple": "module:Class", "fields": {name: value}}``.
+``{"namedtuple": "module:Class", "fields": {name: value}}``. A constexpr parameter with a default
+that a case leaves out (the kernels' constants, ``K``) gets its default, as at a launch.
 
 Output (stdout): a JSON object mapping each case id to what the compile produced: ``ok`` and
 ``error``, the global load/store instructions found in the assembly, and register/spill figures
@@ -127,6 +128,20 @@ def _amd_resources(amdgcn: str) -> dict[str, int]:
     return fields
 
 
+def _with_defaults(fn, case: dict) -> dict:
+    """``case`` with each constexpr parameter it leaves out that has a default (the kernels'
+    ``K: tl.constexpr = KERNEL_CONSTANTS``) bound to that default, as a launch's binder binds it."""
+    import inspect
+
+    signature, constexprs = dict(case["signature"]), dict(case["constexprs"])
+    for name, parameter in inspect.signature(fn.fn).parameters.items():
+        if name not in signature and parameter.default is not inspect.Parameter.empty:
+            signature[name] = "constexpr"
+            constexprs[name] = parameter.default
+    ordered = {name: signature[name] for name in fn.arg_names if name in signature}  # declaration order
+    return {**case, "signature": {**ordered, **signature}, "constexprs": constexprs}
+
+
 def compile_case(case: dict) -> tuple[str, dict]:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -135,6 +150,7 @@ def compile_case(case: dict) -> tuple[str, dict]:
     result = {"ok": False, "error": None}
     try:
         fn = _resolve(case["kernel"])
+        case = _with_defaults(fn, case)
         # A parameter left out of the signature fails deep in codegen with an opaque
         # "'NoneType' object has no attribute '_unflatten_ir'": name it instead.
         missing = [name for name in fn.arg_names if name not in case["signature"]]

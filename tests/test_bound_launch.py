@@ -64,7 +64,8 @@ def test_bound_launches_equal_the_jit_paths(level, triton_cache):
         env=env, cwd=PACKAGE_ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1:] or ["(no output)"]
-    assert proc.returncode == 0, f"bound_tier.py at level {level}: {summary[0]}\n{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
+    output = f"{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"bound_tier.py at level {level}: {summary[0]}\n{output}"
     assert " passed" in summary[0] and "skipped" not in summary[0], summary[0]
 
 
@@ -84,8 +85,11 @@ print(enabled(), enabled(switch="0"), enabled(switch="1"), enabled("3.8.0"), ena
 
 def test_off_under_the_interpreter():
     from tritonscale.kernels import bound_launch, policy_update
+    from tritonscale.kernels.jit_helpers import INTERPRETING
 
-    assert os.environ["TRITON_INTERPRET"] == "1" and not bound_launch.ENABLED
+    if not INTERPRETING:  # .ci/check_gpu_floor runs this file without the interpreter (--noconftest)
+        pytest.skip("this process runs the JIT path")
+    assert not bound_launch.ENABLED
     assert policy_update._UPDATE.declined == "bound launches are off" and not policy_update._UPDATE.bound
 
 

@@ -149,7 +149,8 @@ def test_the_flat_apply_autotuner_benchmarks_every_candidate_once_per_key(level2
     configs = streaming_configs()
     flat = [launch for launch in launches_of(level2, "apply_kernel") if launch["variant"]["FLAT"]]
     for check in (True, False):
-        tuned = [(launch["variant"]["BLOCK"], launch["num_warps"]) for launch in flat if launch["variant"]["CHECK"] is check]
+        keyed = [launch for launch in flat if launch["variant"]["CHECK"] is check]
+        tuned = [(launch["variant"]["BLOCK"], launch["num_warps"]) for launch in keyed]
         # Each candidate once under the benchmarker, then the launch itself with the winner (the
         # first config: the fake benchmarker times the n-th candidate n ms); later launches reuse it.
         assert tuned[: len(configs)] == [(c.kwargs["BLOCK"], c.num_warps) for c in configs]
@@ -157,12 +158,21 @@ def test_the_flat_apply_autotuner_benchmarks_every_candidate_once_per_key(level2
     assert level2["benchmarked"] == 2 * len(configs)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_launch_checks_no_module_global(level2, kernel):
+    """Triton's JIT path compares every module-level global a kernel (3.9: and its callees) reads
+    with its current value on each launch, ~9k instructions each; the kernels take their constants
+    as a defaulted constexpr parameter instead (kernels/interfaces.py, KernelConstants)."""
+    assert level2["globals_checked"][kernel] == []
+
+
 def test_a_swapped_argument_is_caught(tmp_path, triton_cache):
     """The check can fail: with the first two tensor arguments swapped on the way to Triton's C
     launcher (a wrong argument order, which would compute garbage silently on a GPU), every block
     with two distinct tensors differs from the one the arguments give."""
     report = run_tier(tmp_path, triton_cache, "--level", "2", "--scenarios", "fused_flat_default", "--canary")
-    swapped = [launch for launch in report["launches"] if sum(t.startswith("*") for t in launch["signature"].values()) >= 2]
+    pointers = [sum(ty.startswith("*") for ty in launch["signature"].values()) for launch in report["launches"]]
+    swapped = [launch for launch, count in zip(report["launches"], pointers) if count >= 2]
     assert swapped and not any(launch["params_equal"] for launch in swapped)
 
 
@@ -172,7 +182,8 @@ def test_level_1_records_the_launches_level_2_makes(tmp_path, triton_cache, leve
 
     def seen(r):
         keys = ("kernel", "variant", "grid", "signature", "divisible", "num_warps")
-        return [tuple(json.dumps(launch[k], sort_keys=True) for k in keys) for launch in r["launches"] if launch["scenario"] == "fused_flat_default"]
+        launches = [launch for launch in r["launches"] if launch["scenario"] == "fused_flat_default"]
+        return [tuple(json.dumps(launch[k], sort_keys=True) for k in keys) for launch in launches]
 
     assert seen(report) == seen(level2) and seen(report)
 

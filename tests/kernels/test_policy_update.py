@@ -12,6 +12,7 @@ bits, and so are the combined found_inf and the host-check read-out.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import pickle
 import random
@@ -24,6 +25,7 @@ from crossings.policies import POLICIES
 from tritonscale import LossScalePolicy
 from tritonscale.flags import combine_flags
 from tritonscale.kernels import policy_update as kernel
+from tritonscale.kernels.interfaces import KERNEL_CONSTANTS
 from tritonscale.policy import counters, spike_rules
 from tritonscale.policy.forms import ON_HOST, SCALE_FLOOR
 from tritonscale.policy.host_checks import HostCheck, host_check_flags
@@ -214,14 +216,18 @@ def test_a_loaded_policy_never_takes_a_rule_cached_for_another():
     assert kernel_rule(copy.deepcopy(loaded)).GROWTH_INTERVAL == 5
 
 
-def test_the_kernel_restates_the_policys_slots():
-    # The kernels import nothing of the package: the layouts are restated there, and held equal here.
-    slots = ("HYSTERESIS_LEFT", "CONSECUTIVE_SKIPS", "SKIPPED_STEPS", "LAST_SKIPPED", "UPDATES")
-    assert [getattr(kernel, name) for name in slots] == [getattr(counters, name) for name in slots]
-    assert (kernel.OVERFLOWS_SINCE, kernel.UPDATES_SINCE) == (counters.OVERFLOWS_SINCE_BACKOFF,
-                                                              counters.UPDATES_SINCE_RESCALE)  # fmt: skip
-    assert (kernel.NORM_AVERAGE, kernel.NORM_COUNT) == (counters.NORM_AVERAGE, counters.NORM_COUNT)
+def test_the_kernel_reads_the_policys_slots():
+    # One home, kernels/interfaces.py: the policy imports the layouts from there, and the kernel reads
+    # them as its K parameter, defaulted to KERNEL_CONSTANTS (no module global: Triton would check it
+    # on every launch; tests/test_launch_path.py counts them).
+    assert inspect.signature(kernel.policy_update_kernel.fn).parameters["K"].default is KERNEL_CONSTANTS
+    K = KERNEL_CONSTANTS
+    slots = ("HYSTERESIS_LEFT", "CONSECUTIVE_SKIPS", "SKIPPED_STEPS", "LAST_SKIPPED", "UPDATES",
+             "OVERFLOWS_SINCE_BACKOFF", "UPDATES_SINCE_RESCALE", "NORM_AVERAGE", "NORM_COUNT")  # fmt: skip
+    assert [getattr(K, name) for name in slots] == [getattr(counters, name) for name in slots]
+    # The counters' slots number state_dict()'s names in order.
+    assert [counters.COUNTER_NAMES.index(name.lower()) for name in slots[:7]] == [getattr(K, n) for n in slots[:7]]
     spike = (spike_rules.Z_SEEN, spike_rules.EMA_MEAN, spike_rules.EMA_VAR, spike_rules.EMA_SEEN, spike_rules.HEADER)
-    assert (kernel.Z_SEEN, kernel.EMA_MEAN, kernel.EMA_VAR, kernel.EMA_SEEN, kernel.SPIKE_HEADER) == spike
-    assert kernel.SCALE_FLOOR == SCALE_FLOOR
-    assert (kernel.AT_MIN_SCALE, kernel.TOO_MANY_SKIPS, kernel.AT_RAISE_SCALE) == tuple(HostCheck)
+    assert (K.Z_SEEN, K.EMA_MEAN, K.EMA_VAR, K.EMA_SEEN, K.SPIKE_HEADER) == spike
+    assert K.SCALE_FLOOR == SCALE_FLOOR
+    assert (K.AT_MIN_SCALE, K.TOO_MANY_SKIPS, K.AT_RAISE_SCALE) == tuple(HostCheck)

@@ -6,12 +6,15 @@ skip_decision over all of it (the norm rules, the z-score window, the isfinite g
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 
 from tritonscale.kernels import skip_rule
+from tritonscale.kernels.finalize import finalize_kernel
+from tritonscale.kernels.interfaces import KERNEL_CONSTANTS
 from tritonscale.passes.backends import TritonBackend, inverse_scale
 from tritonscale.passes.backends.base import unscaled_on_overflow, with_clip
 from tritonscale.passes.step_decision import StepDecision, finalize_step
@@ -37,9 +40,14 @@ NORMS = [0.4, 1.0, 1.1, 1.25, 1.6, 3.0, 40.0]
 
 
 def test_the_kernels_layouts_are_the_policys():
-    assert (skip_rule.NORM_AVERAGE.value, skip_rule.NORM_COUNT.value) == (counters.NORM_AVERAGE, counters.NORM_COUNT)
-    names = ("Z_SEEN", "EMA_MEAN", "EMA_VAR", "EMA_SEEN", "HEADER")
-    assert [getattr(skip_rule, n).value for n in names] == [getattr(spike_rules, n) for n in names]
+    # One home, kernels/interfaces.py; finalize hands its K (defaulted to KERNEL_CONSTANTS) to the rules.
+    assert inspect.signature(finalize_kernel.fn).parameters["K"].default is KERNEL_CONSTANTS
+    K = KERNEL_CONSTANTS
+    assert (K.NORM_AVERAGE, K.NORM_COUNT) == (counters.NORM_AVERAGE, counters.NORM_COUNT)
+    names = ("Z_SEEN", "EMA_MEAN", "EMA_VAR", "EMA_SEEN")
+    assert [getattr(K, n) for n in names] == [getattr(spike_rules, n) for n in names]
+    assert K.SPIKE_HEADER == spike_rules.HEADER
+    assert all("K" in inspect.signature(f.fn).parameters for f in (skip_rule.skip_decision, skip_rule.zclip_max_norm))
 
 
 def _state(policy: LossScalePolicy, seed: int, scale: float):

@@ -37,6 +37,8 @@ else:
     RECORDS = DRIVER.python_launches
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from triton import knobs  # noqa: E402
@@ -538,25 +540,41 @@ def test_the_guard_accepts_exactly_where_triton_picks_a_bound_kernel(base_calls,
 
 
 # -------------------------------------------------------------------------- what a hit also checks
-def test_a_changed_global_takes_the_jit_path(twins, base_calls):
-    """A global the kernel reads (one Triton checks on every launch, 3.6 and 3.9 alike) rebound: to
-    an equal object, still a hit (Triton compares by value); to another value, the call takes the
-    JIT path, which raises Triton's error."""
-    grid, args, kwargs = base_calls["policy_update"]
-    launcher = LAUNCHERS["policy_update"]
-    launcher(grid, *args, **kwargs)
-    assert ("CONSECUTIVE_SKIPS", id(vars(policy_update))) in launcher._jit.used_global_vals
-    original = policy_update.CONSECUTIVE_SKIPS
+#: A module-level constexpr the kernel below reads: Triton checks it on every JIT launch.
+FILL = tl.constexpr(3)
+
+
+@triton.jit
+def _fills_a_global(out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, FILL, mask=offsets < n)
+
+
+def test_a_changed_global_takes_the_jit_path(twins):
+    """A global the kernel reads (the library's kernels read none: their constants are a defaulted
+    constexpr), rebound: to an equal object, still a hit (Triton compares by value); to another
+    value, the call takes the JIT path, which raises Triton's error."""
+    global FILL
+    launcher = BoundLaunch(_fills_a_global)
+    out = torch.zeros(16, dtype=torch.int32)
+    launcher((1,), out, 16, BLOCK=16)
+    assert ("FILL", id(globals())) in launcher._jit.used_global_vals
+    assert launcher.lookup(out, 16, BLOCK=16) is not None
+    original = FILL
     try:
-        policy_update.CONSECUTIVE_SKIPS = type(original)(original.value)
-        assert launcher.lookup(*args, **kwargs) is not None
-        policy_update.CONSECUTIVE_SKIPS = type(original)(original.value + 1)
-        assert launcher.lookup(*args, **kwargs) is None
-        with pytest.raises(RuntimeError, match="Global variable CONSECUTIVE_SKIPS has changed"):
-            launcher(grid, *args, **kwargs)
+        FILL = tl.constexpr(3)
+        assert launcher.lookup(out, 16, BLOCK=16) is not None
+        launcher((1,), out, 16, BLOCK=16)
+        assert twins[-1].hit
+        FILL = tl.constexpr(4)
+        assert launcher.lookup(out, 16, BLOCK=16) is None
+        with pytest.raises(RuntimeError, match="Global variable FILL has changed"):
+            launcher((1,), out, 16, BLOCK=16)
     finally:
-        policy_update.CONSECUTIVE_SKIPS = original
-    assert launcher.lookup(*args, **kwargs) is not None
+        FILL = original
+    assert launcher.lookup(out, 16, BLOCK=16) is not None
+    for twin in twins:
+        assert_same_launch(twin)
 
 
 def test_a_pre_run_hook_or_a_knob_change_takes_the_jit_path(twins, base_calls):

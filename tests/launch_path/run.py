@@ -9,7 +9,7 @@ For every launch: the scenario, the kernel and its variant constexprs, the grid,
 specialized signature and divisible parameters beside the ones ``specialization`` derives from the
 arguments, and at level 2 whether the parameter block the stub's ``cuLaunchKernelEx`` received
 equals ``param_block.expected_params`` (both in hex where they differ), with the block and grid
-dimensions the C launcher passed.
+dimensions the C launcher passed. Per kernel: the module globals its launches check.
 """
 
 from __future__ import annotations
@@ -136,6 +136,10 @@ def main(argv=None) -> int:
                     entry["expected_params"] = [p.hex() for p in expected]
             report["launches"].append(entry)
     report["benchmarked"] = getattr(driver, "benchmarked", 0)
+    # The module globals each launched kernel checks on every launch (JITFunction.run compares each
+    # entry of used_global_vals with the module's current value before it launches).
+    functions = {launch.src.fn.__name__: launch.src.fn for launch in recorded}
+    report["globals_checked"] = {name: sorted(n for n, _ in fn.used_global_vals) for name, fn in functions.items()}
     with open(options.out, "w") as f:
         json.dump(report, f, indent=1)
     return 0

@@ -56,16 +56,15 @@ def build(directory: str | os.PathLike | None = None) -> Path:
     include = _cuda_include()
     digest = hashlib.sha256(SOURCE.read_bytes() + (include / "cuda.h").read_bytes()).hexdigest()[:16]
     if directory is None:
-        directory = os.environ.get("TRITONSCALE_STUB_DIR") or Path(tempfile.gettempdir()) / "tritonscale-stub-libcuda" / digest
+        cache = Path(tempfile.gettempdir()) / "tritonscale-stub-libcuda" / digest
+        directory = os.environ.get("TRITONSCALE_STUB_DIR") or cache
     directory = Path(directory)
     library = directory / "libcuda.so.1"
     if not library.exists():
         directory.mkdir(parents=True, exist_ok=True)
         partial = directory / f"libcuda.so.1.{os.getpid()}"
-        subprocess.run(
-            ["gcc", "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-I{include}", "-o", str(partial), str(SOURCE)],
-            check=True,
-        )
+        flags = ["-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-I{include}"]
+        subprocess.run(["gcc", *flags, "-o", str(partial), str(SOURCE)], check=True)
         partial.replace(library)  # atomic: concurrent builders never see half a library
     return directory
 

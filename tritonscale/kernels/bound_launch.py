@@ -17,9 +17,9 @@ the JIT path's work once per specialization and keeps its result:
   else -- each runtime argument's specialization (:func:`specialization`), each constexpr's value
   (compared with ``==``, as Triton's key cache compares it), the options of the call site, the
   knobs the key reads (:func:`key_knobs`), the current device (Triton keeps one cache per device),
-  for an autotuned kernel the tuning key and the config the autotuner holds for it, and, checked
-  apart from the key, the kernel's globals (by identity: equal objects pass as Triton's ``!=``
-  does) and that no pre-run hook was added.
+  for an autotuned kernel the config the autotuner holds for the call's tuning key, and, checked
+  apart from the key, the kernel's globals (by identity; an equal object passes, as Triton's
+  ``!=`` lets it) and that no pre-run hook was added.
 * **hit**: the launch the JIT path makes, made directly: ``CompiledKernel.run(gx, gy, gz, stream,
   function, packed_metadata, launch_metadata, enter_hook, exit_hook, *every argument, constexprs
   included, in declaration order)``, with the current stream and the launch hooks read at the call.
@@ -31,12 +31,14 @@ Off (every call is ``kernel[grid]``): under the interpreter (``TRITON_INTERPRET=
 whose launch path this was not tested on (``TESTED_TRITON``: the rules below are those of 3.6 and
 3.9, checked there by the launch-path tests), and with ``TRITONSCALE_BOUND_LAUNCH=0`` in the
 environment when tritonscale is imported. A kernel whose signature Triton would specialize by rules
-not restated here (annotated runtime parameters, ``do_not_specialize``) is never bound.
+not restated here (annotated runtime parameters, ``do_not_specialize``) is never bound; defaulted
+parameters (the kernels' ``K: tl.constexpr = KERNEL_CONSTANTS``) bind with their defaults, as
+Triton's binder binds them.
 
 Where the rules live in Triton (3.6.0 / 3.9.0, ``triton/`` in the wheel):
 
-* the launch: ``runtime/jit.py`` ``JITFunction.run`` (3.6 L695-748, 3.9 L733-789);
-* the binder: ``runtime/jit.py`` ``create_function_from_signature`` (3.6 L378-446, 3.9 L397-465),
+* the launch: ``runtime/jit.py`` ``JITFunction.run`` (3.6 L695-746, 3.9 L733-788);
+* the binder: ``runtime/jit.py`` ``create_function_from_signature`` (3.6 L391-448, 3.9 L397-465),
   which calls ``native_specialize_impl`` (C++, ``python/src/specialize.cc``: ``specialize_arg``
   dispatches on the argument's type to ``handle_long_type``, ``handle_tensor``, ...);
 * the key: ``runtime/jit.py`` ``compute_cache_key`` (3.6 L563, 3.9 L611);
@@ -139,7 +141,7 @@ if TRITON_VERSION >= (3, 9):
 
     def key_knobs(jit: JITFunction) -> tuple:
         """The knobs ``JITFunction.run`` adds to the options of the key (3.9 L734-736), read now;
-        a stages-inspection hook adds a pipeline hash to the specialization (L751-753): not bound."""
+        a stages-inspection hook adds a pipeline hash to the specialization (L753-755): not bound."""
         if knobs.runtime.add_stages_inspection_hook is not None:
             raise Unbindable("a stages-inspection hook is set")
         return (
@@ -170,27 +172,29 @@ def _jit_knob_kwargs(jit: JITFunction, kwargs: dict) -> dict:
 _SPECS, _OPTIONS, _KNOBS, _DEVICE, _CONFIG = range(5)
 
 
-def _splitter(names: list[str], runtime: set[str]):
-    """A function with the kernel's parameters (and ``**options``) that returns (every argument in
-    declaration order, the guard's specializations: :func:`specialization` of each runtime argument,
-    each constexpr's value, the options). Generated, as Triton generates its binder, so a call binds
-    its keywords in C. A runtime argument that is the same object as the one before it (the padded
+def _splitter(names: list[str], runtime: set[str], defaults: dict[str, Any]):
+    """A function with the kernel's parameters and their ``defaults`` (and ``**options``) that
+    returns (every argument in declaration order, the guard's specializations: :func:`specialization`
+    of each runtime argument, each constexpr's value, the options). Generated, as Triton generates
+    its binder, so a call binds its keywords in C. A runtime argument that is the same object as the one before it (the padded
     flags of the policy update) takes that one's specialization: the same object, the same answer."""
     lines, specs, previous = [], [], None
-    for name in names:
+    for i, name in enumerate(names):
         if name not in runtime:
             specs.append(name)
             previous = None
             continue
-        same = f"s_{previous} if {name} is {previous} else " if previous is not None else ""
-        lines.append(f"    s_{name} = {same}spec({name})")
-        specs.append(f"s_{name}")
-        previous = name
+        same = f"_s{previous} if {name} is {names[previous]} else " if previous is not None else ""
+        lines.append(f"    _s{i} = {same}spec({name})")
+        specs.append(f"_s{i}")
+        previous = i
+    params = [f"{name}=_d{i}" if name in defaults else name for i, name in enumerate(names)]
     source = "\n".join(
-        [f"def split({', '.join(names)}, **options):", *lines,
-         f"    return ({', '.join(names)},), ({', '.join(specs)},), options", ""]
+        [f"def split({', '.join(params)}, **_options):", *lines,
+         f"    return ({', '.join(names)},), ({', '.join(specs)},), _options", ""]
     )  # fmt: skip
     namespace = {"spec": specialization}
+    namespace.update({f"_d{i}": defaults[name] for i, name in enumerate(names) if name in defaults})
     exec(source, namespace)
     return namespace["split"]
 
@@ -241,14 +245,18 @@ class BoundLaunch:
             self.declined = f"{type(jit).__name__} is not a JITFunction"
             return
         unusual = [p.name for p in jit.params if p.do_not_specialize or p.do_not_specialize_on_alignment
-                   or (p.annotation and not p.is_constexpr) or p.has_default]  # fmt: skip
+                   or (p.annotation and not p.is_constexpr)]  # fmt: skip
         if unusual:
             self.declined = f"parameters specialized by rules not restated here: {unusual}"
             return
         tuned = set().union(*(config.kwargs for config in tuner.configs)) if tuner is not None else set()
         self._jit, self._tuner = jit, tuner
         self._names = [p.name for p in jit.params if p.name not in tuned]
-        self._split = _splitter(self._names, {p.name for p in jit.params if not p.is_constexpr})
+        self._split = _splitter(
+            self._names,
+            {p.name for p in jit.params if not p.is_constexpr},
+            {p.name: p.default for p in jit.params if p.has_default},
+        )
         self._globals: list[tuple[dict, Any, tuple]] = []
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs):
@@ -307,7 +315,7 @@ class BoundLaunch:
     # -------------------------------------------------------------------- what a hit also checks
     def _still_valid(self) -> bool:
         """The checks outside the key: no pre-run hook, and the globals unchanged (JITFunction.run:
-        "Check that used global values have not changed", 3.6 L724-729, 3.9 L772-777)."""
+        "Check that used global values have not changed", 3.6 L724-729, 3.9 L769-774)."""
         if self._jit.pre_run_hooks:
             return False
         for namespace, read, expected in self._globals:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .bound_launch import BoundLaunch
 from .check_pass import PARTIAL_ROWS
-from .interfaces import RESULT_FIELDS, STEP_FIELDS, FinalizeStep
+from .interfaces import KERNEL_CONSTANTS, RESULT_FIELDS, STEP_FIELDS, FinalizeStep
 from .jit_helpers import pow2_inverse
 from .launch_config import FINALIZE_MAX_BLOCK, FINALIZE_NUM_WARPS
 from .skip_rule import skip_decision, zclip_max_norm
@@ -124,6 +124,7 @@ def finalize_kernel(
     ZCLIP_TO_MEAN: tl.constexpr,
     ZCLIP_EPS: tl.constexpr,
     ZCLIP_FACTOR: tl.constexpr,
+    K: tl.constexpr = KERNEL_CONSTANTS,  # never passed: the constants (interfaces.py)
 ):
     scale = tl.load(scale_ptr)
     inv_scale = (1.0 / scale.to(tl.float64)).to(tl.float32)
@@ -131,7 +132,7 @@ def finalize_kernel(
     if ZCLIP_Z is not None:
         max_norm = zclip_max_norm(
             spike_stats_ptr, norm, max_norm, ZCLIP_Z, ZCLIP_WARMUP, ZCLIP_PERCENTILE, ZCLIP_TO_MEAN, ZCLIP_EPS,
-            ZCLIP_FACTOR,
+            ZCLIP_FACTOR, K,
         )  # fmt: skip
     clip_coef, factor = _clip(found_inf, norm, max_norm, inv_scale, HAS_CLIP, UNSCALE_ON_OVERFLOW)
     flag = found_inf.to(tl.float32)
@@ -145,7 +146,7 @@ def finalize_kernel(
     if DECIDE:
         skip = skip_decision(
             flag, norm, norm_stats_ptr, spike_stats_ptr, SKIP_ON_OVERFLOW, NORM_ABOVE, NORM_FACTOR, NORM_WARMUP,
-            SIGMA, WINDOW, MIN_SEEN, BLOCK_W,
+            SIGMA, WINDOW, MIN_SEEN, BLOCK_W, K,
         )  # fmt: skip
         tl.store(result_ptr + 5, skip.to(tl.float32))
     tl.store(result_ptr, flag)

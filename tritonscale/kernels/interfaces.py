@@ -1,7 +1,16 @@
 """The triton-free half of the kernels' interfaces: the records and constants their callers build
 and read, importable where triton is not installed (a CPU install runs the torch backend; the
 modules that launch a kernel import its launcher only where ``TRITON_FOUND``, kernels/__init__.py).
-The kernel modules take these from here, so each lives once.
+The kernel modules take these from here, so each lives once; the policy's state layouts live here
+too (``policy/counters.py`` and ``policy/spike_rules.py`` import them).
+
+The kernels read no module-level global: Triton's JIT path checks every ``tl.constexpr`` global a
+kernel reads (3.9: and its callees read) on every launch, ~9k instructions each. The constants they
+need arrive as ``KernelConstants``, one constexpr parameter defaulted to ``KERNEL_CONSTANTS``
+(``K: tl.constexpr = KERNEL_CONSTANTS``, which no caller passes): bound with the arguments, part
+of Triton's cache key in memory and on disk, and checked by nothing. (A module attribute read in a
+kernel, ``interfaces.UPDATES``, is checked by nothing either, but it is in no cache key: a changed
+value would reuse a stale compiled kernel from Triton's disk cache.)
 """
 
 from __future__ import annotations
@@ -54,6 +63,32 @@ class FinalizeStep:
     spike_stats: torch.Tensor | None = None
 
 
+# ----------------------------------------- the policy's state (policy/counters.py, policy/spike_rules.py)
+#: Slots of the int32 counters tensor, in the order of ``policy/counters.py``'s COUNTER_NAMES.
+(
+    HYSTERESIS_LEFT,
+    CONSECUTIVE_SKIPS,
+    SKIPPED_STEPS,
+    LAST_SKIPPED,
+    UPDATES,
+    OVERFLOWS_SINCE_BACKOFF,
+    UPDATES_SINCE_RESCALE,
+) = range(7)
+#: Slots of the float32 norm statistics tensor (skip_norm_factor's running average).
+NORM_AVERAGE, NORM_COUNT = range(2)
+#: Slots of the float64 spike_stats header; the z-score window, then ZClip's warm-up norms, follow it.
+Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN = range(4)
+SPIKE_HEADER = 4
+#: The lowest loss scale a backoff leaves (``LossScalePolicy.backoff_floor``): 2**-126, the smallest
+#: normal float32. torch's backoff can round the scale to 0 (``backoff_factor=1e-20``, a tiny
+#: scale), and there it stays: every later gradient is 0, or 0 * inf. The floor must keep 1/scale
+#: usable: 2**126 is finite and exact, and flush-to-zero arithmetic (``torch.set_flush_denormal``,
+#: GPU kernels) keeps 2**-126. A subnormal floor would not: 1/2**-149 overflows float32 (torch's
+#: inverse scale, a float64 reciprocal rounded to float32, is inf from 2**-128 down).
+SCALE_FLOOR = 2.0**-126
+#: Window slots the update shifts per block (kernels/policy_update.py).
+WINDOW_BLOCK = 1024
+
 # ------------------------------------------------------------ the update (policy_update.py)
 #: Optimizers' flags the update reads by pointer in its one launch (more are summed first).
 MAX_FLAGS = 4
@@ -102,6 +137,38 @@ class UpdateRule(NamedTuple):
     RAISE_AT: float
     HOLD_MASK: int  # the check bits that raise: with ``hold`` they leave the state untouched
 
+
+# ------------------------------------------------------------ the constants the kernels read
+class KernelConstants(NamedTuple):
+    """The module constants the kernels read, as one ``tl.constexpr`` parameter (the module
+    docstring says why): ``K.UPDATES`` in a kernel is ``UPDATES`` here. Each kernel that reads one
+    declares ``K: tl.constexpr = KERNEL_CONSTANTS`` and hands ``K`` to the helpers that read them."""
+
+    HYSTERESIS_LEFT: int
+    CONSECUTIVE_SKIPS: int
+    SKIPPED_STEPS: int
+    LAST_SKIPPED: int
+    UPDATES: int
+    OVERFLOWS_SINCE_BACKOFF: int
+    UPDATES_SINCE_RESCALE: int
+    NORM_AVERAGE: int
+    NORM_COUNT: int
+    Z_SEEN: int
+    EMA_MEAN: int
+    EMA_VAR: int
+    EMA_SEEN: int
+    SPIKE_HEADER: int
+    SCALE_FLOOR: float
+    WINDOW_BLOCK: int
+    AT_MIN_SCALE: int
+    TOO_MANY_SKIPS: int
+    AT_RAISE_SCALE: int
+    ZCLIP_PERCENTILE: int
+    ZCLIP_MEAN: int
+
+
+#: The constants, from the definitions above (each has its one home there).
+KERNEL_CONSTANTS = KernelConstants(**{name: globals()[name] for name in KernelConstants._fields})
 
 # ------------------------------------------------------------ stats() (loop_state.py)
 #: Bytes per value in the stats buffer: every dtype of a stat fits (float32/64, int32/64).

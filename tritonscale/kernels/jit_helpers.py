@@ -25,27 +25,41 @@ def _decorated_probe():
 # Compared by module name, not isinstance: importing triton.runtime.interpreter needs numpy, which
 # plain (torch-backend) use of tritonscale does not.
 INTERPRETING: bool = type(_decorated_probe).__module__ == "triton.runtime.interpreter"
-BF16_VIA_BITS = tl.constexpr(INTERPRETING)
 
 
-@triton.jit
-def to_f32(x):
-    """Widen a loaded block to float32 exactly."""
-    if BF16_VIA_BITS and x.dtype == tl.bfloat16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
+# No module constant is read inside a kernel (Triton would check it on every launch,
+# kernels/interfaces.py): the interpreter's conversions are their own functions.
+if INTERPRETING:
+
+    @triton.jit
+    def to_f32(x):
+        """Widen a loaded block to float32 exactly (bfloat16 through its bits)."""
+        if x.dtype == tl.bfloat16:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def from_f32(x, dtype: tl.constexpr):
+        """Round a float32 block to ``dtype``, to nearest even (bfloat16 through its bits)."""
+        if dtype == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            r = tl.where(x != x, (b >> 16) | 0x40, r)  # NaN stays NaN (a payload in the low bits would carry)
+            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(dtype)
+
+else:
+
+    @triton.jit
+    def to_f32(x):
+        """Widen a loaded block to float32 exactly."""
         return x.to(tl.float32)
 
-
-@triton.jit
-def from_f32(x, dtype: tl.constexpr):
-    """Round a float32 block to ``dtype``, to nearest even."""
-    if BF16_VIA_BITS and dtype == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        r = tl.where(x != x, (b >> 16) | 0x40, r)  # NaN stays NaN (a payload in the low bits would carry)
-        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
+    @triton.jit
+    def from_f32(x, dtype: tl.constexpr):
+        """Round a float32 block to ``dtype``, to nearest even."""
         return x.to(dtype)
 
 

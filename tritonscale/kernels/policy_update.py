@@ -25,8 +25,9 @@ capture it). Up to ``MAX_FLAGS`` optimizers' flags are read by pointer; a caller
 them first (extra launches, documented there). Floating-point contraction is off for this kernel
 (``enable_fp_fusion=False``): the rule rounds after every operation, as the host form does.
 
-Slot layouts are the policy's (``policy/counters.py``, ``policy/spike_rules.py``); the kernels
-import nothing of the package, so they are restated below and the tests hold them equal.
+Slot layouts, the check bits and the scale floor are ``kernels/interfaces.py``'s (the policy
+imports them from there), read as ``K``: one constexpr parameter the kernel declares with its
+default, so that Triton checks no global on a launch (interfaces.py's docstring).
 """
 
 from __future__ import annotations
@@ -37,32 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interfaces
 from .bound_launch import BoundLaunch
-from .interfaces import MAX_FLAGS, UpdateRule
-
-# Constants the programs read are ``tl.constexpr`` (Triton compiles no other globals); ``.value``
-# gives the plain number.
-# policy/counters.py's slots of the int32 counters.
-HYSTERESIS_LEFT, CONSECUTIVE_SKIPS, SKIPPED_STEPS, LAST_SKIPPED, UPDATES, OVERFLOWS_SINCE, UPDATES_SINCE = (
-    tl.constexpr(slot) for slot in range(7)
-)
-# policy/counters.py's slots of the float32 norm statistics.
-NORM_AVERAGE, NORM_COUNT = tl.constexpr(0), tl.constexpr(1)
-# policy/spike_rules.py's float64 spike_stats: the header, then the z-score window, then ZClip's warm-up.
-Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN = (tl.constexpr(slot) for slot in range(4))
-SPIKE_HEADER = tl.constexpr(4)
-#: policy/forms.py's SCALE_FLOOR: the lowest scale a backoff leaves (2**-126).
-SCALE_FLOOR = tl.constexpr(2.0**-126)
-#: HostCheck bits (policy/host_checks.py).
-AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = (
-    tl.constexpr(bit) for bit in (interfaces.AT_MIN_SCALE, interfaces.TOO_MANY_SKIPS, interfaces.AT_RAISE_SCALE)
-)
-#: Window slots shifted per block.
-WINDOW_BLOCK = tl.constexpr(1024)
-#: ZClip modes and options as codes.
-ZCLIP_ZSCORE, ZCLIP_PERCENTILE = tl.constexpr(interfaces.ZCLIP_ZSCORE), tl.constexpr(interfaces.ZCLIP_PERCENTILE)
-ZCLIP_ADAPTIVE, ZCLIP_MEAN = tl.constexpr(interfaces.ZCLIP_ADAPTIVE), tl.constexpr(interfaces.ZCLIP_MEAN)
+from .interfaces import KERNEL_CONSTANTS, MAX_FLAGS, UpdateRule
 
 
 @triton.jit
@@ -101,23 +78,23 @@ def _backs_off(overflow, left, overflows, since, R: tl.constexpr):
 
 
 @triton.jit
-def _host_checks(scale, consecutive, overflow, skipped, back_off, R: tl.constexpr):
+def _host_checks(scale, consecutive, overflow, skipped, back_off, R: tl.constexpr, K: tl.constexpr):
     """policy/host_checks.host_check_flags: the opt-in conditions, before the update."""
     flags = tl.zeros([], tl.int32)
     if R.CHECK_MIN_SCALE:
-        flags += tl.where(back_off & (scale <= _f32(R.MIN_SCALE)), AT_MIN_SCALE, 0)
+        flags += tl.where(back_off & (scale <= _f32(R.MIN_SCALE)), K.AT_MIN_SCALE, 0)
     if R.SKIP_LIMIT > 0:
-        flags += tl.where(skipped & (consecutive + 1 > R.SKIP_LIMIT), TOO_MANY_SKIPS, 0)
+        flags += tl.where(skipped & (consecutive + 1 > R.SKIP_LIMIT), K.TOO_MANY_SKIPS, 0)
     if R.CHECK_RAISE_AT:
         lowered = (scale.to(tl.float64) * _f64(R.BACKOFF_FACTOR)).to(tl.float32).to(tl.float64)
         lowered = tl.maximum(lowered, _f64(R.BACKOFF_FLOOR))
         after = tl.where(back_off, lowered, scale.to(tl.float64))
-        flags += tl.where(overflow & (after <= _f64(R.RAISE_AT)), AT_RAISE_SCALE, 0)
+        flags += tl.where(overflow & (after <= _f64(R.RAISE_AT)), K.AT_RAISE_SCALE, 0)
     return flags
 
 
 @triton.jit
-def _new_scale(scale, tracker, found, back_off, R: tl.constexpr):
+def _new_scale(scale, tracker, found, back_off, R: tl.constexpr, K: tl.constexpr):
     """torch's _amp_update_scale_ (the backoff gated), then the floor, the clamps, the growth delay."""
     lowered = (scale.to(tl.float64) * _f64(R.BACKOFF_FACTOR)).to(tl.float32)
     grown = (scale.to(tl.float64) * _f64(R.GROWTH_FACTOR)).to(tl.float32)
@@ -126,7 +103,7 @@ def _new_scale(scale, tracker, found, back_off, R: tl.constexpr):
     new = tl.where(back_off, lowered, tl.where(grown_ok, grown, scale))
     tracker = tl.where(back_off | grows, 0, tracker + 1)
     if R.RAISE_FLOOR:  # never to 0, unlike torch
-        floor = _f32(SCALE_FLOOR)
+        floor = _f32(K.SCALE_FLOOR)
         new = tl.where(back_off & (new < floor), floor, new)
     if R.HAS_MIN:
         new = tl.maximum(new, _f32(R.MIN_SCALE), propagate_nan=tl.PropagateNan.ALL)
@@ -138,16 +115,16 @@ def _new_scale(scale, tracker, found, back_off, R: tl.constexpr):
 
 
 @triton.jit
-def _update_scale(scale_ptr, tracker_ptr, counters_ptr, found, R: tl.constexpr):
+def _update_scale(scale_ptr, tracker_ptr, counters_ptr, found, R: tl.constexpr, K: tl.constexpr):
     """LossScalePolicy.update_'s dynamic part (with _gated_backoff_), in place."""
     scale = tl.load(scale_ptr)
     tracker = tl.load(tracker_ptr)
     overflow = found > 0
     back_off = found != 0  # torch's kernel tests the flag's truth
     if R.HYSTERESIS > 1 or R.TOLERANCE > 0:
-        left = tl.load(counters_ptr + HYSTERESIS_LEFT)
-        overflows = tl.load(counters_ptr + OVERFLOWS_SINCE)
-        since = tl.load(counters_ptr + UPDATES_SINCE)
+        left = tl.load(counters_ptr + K.HYSTERESIS_LEFT)
+        overflows = tl.load(counters_ptr + K.OVERFLOWS_SINCE_BACKOFF)
+        since = tl.load(counters_ptr + K.UPDATES_SINCE_RESCALE)
         back_off = _backs_off(overflow, left, overflows, since, R)
         grow = ~overflow & (tracker + 1 == R.GROWTH_INTERVAL)
         if R.HYSTERESIS > 1:
@@ -155,65 +132,65 @@ def _update_scale(scale_ptr, tracker_ptr, counters_ptr, found, R: tl.constexpr):
             spent = tl.maximum(left - 1, 0)
             if R.REFILL_ON_BACKOFF:
                 spent = tl.where(back_off, R.HYSTERESIS, spent)
-            tl.store(counters_ptr + HYSTERESIS_LEFT, tl.where(overflow, spent, tl.where(refill, R.HYSTERESIS, left)))
+            tl.store(counters_ptr + K.HYSTERESIS_LEFT, tl.where(overflow, spent, tl.where(refill, R.HYSTERESIS, left)))
         if R.TOLERANCE > 0:  # fairseq: an overflow counts until a backoff; a rescale restarts the updates
             counted = tl.where(back_off, 0, tl.where(overflow, overflows + 1, overflows))
-            tl.store(counters_ptr + OVERFLOWS_SINCE, counted)
-            tl.store(counters_ptr + UPDATES_SINCE, tl.where(back_off | grow, 0, since + 1))
+            tl.store(counters_ptr + K.OVERFLOWS_SINCE_BACKOFF, counted)
+            tl.store(counters_ptr + K.UPDATES_SINCE_RESCALE, tl.where(back_off | grow, 0, since + 1))
         tracker = tl.where(overflow & ~back_off, -1, tracker)  # restarts the growth count
-    scale, tracker = _new_scale(scale, tracker, found, back_off, R)
+    scale, tracker = _new_scale(scale, tracker, found, back_off, R, K)
     tl.store(scale_ptr, scale)
     tl.store(tracker_ptr, tracker)
 
 
 @triton.jit
-def _count_step(counters_ptr, skipped):
+def _count_step(counters_ptr, skipped, K: tl.constexpr):
     """policy/counters.count_step_: consecutive and total skips, the last flag, the updates."""
     step = skipped.to(tl.int32)
-    tl.store(counters_ptr + CONSECUTIVE_SKIPS, tl.where(skipped, tl.load(counters_ptr + CONSECUTIVE_SKIPS) + 1, 0))
-    tl.store(counters_ptr + SKIPPED_STEPS, tl.load(counters_ptr + SKIPPED_STEPS) + step)
-    tl.store(counters_ptr + LAST_SKIPPED, step)
-    tl.store(counters_ptr + UPDATES, tl.load(counters_ptr + UPDATES) + 1)
+    tl.store(counters_ptr + K.CONSECUTIVE_SKIPS, tl.where(skipped, tl.load(counters_ptr + K.CONSECUTIVE_SKIPS) + 1, 0))
+    tl.store(counters_ptr + K.SKIPPED_STEPS, tl.load(counters_ptr + K.SKIPPED_STEPS) + step)
+    tl.store(counters_ptr + K.LAST_SKIPPED, step)
+    tl.store(counters_ptr + K.UPDATES, tl.load(counters_ptr + K.UPDATES) + 1)
 
 
 @triton.jit
-def _average_norm(norm_stats_ptr, value, skipped, R: tl.constexpr):
+def _average_norm(norm_stats_ptr, value, skipped, R: tl.constexpr, K: tl.constexpr):
     """LossScalePolicy._average_norm_ in float32: the first norm, then the decayed average."""
-    average = tl.load(norm_stats_ptr + NORM_AVERAGE)
-    count = tl.load(norm_stats_ptr + NORM_COUNT)
+    average = tl.load(norm_stats_ptr + K.NORM_AVERAGE)
+    count = tl.load(norm_stats_ptr + K.NORM_COUNT)
     take = ~skipped & (value - value == 0)
     decay = tl.where(count > 0, _f32(R.NORM_DECAY), _f32(0.0))
     moved = decay * average + (1.0 - decay) * value  # each product and the sum rounded (no fusion)
-    tl.store(norm_stats_ptr + NORM_AVERAGE, tl.where(take, moved, average))
-    tl.store(norm_stats_ptr + NORM_COUNT, tl.where(take, count + 1.0, count))
+    tl.store(norm_stats_ptr + K.NORM_AVERAGE, tl.where(take, moved, average))
+    tl.store(norm_stats_ptr + K.NORM_COUNT, tl.where(take, count + 1.0, count))
 
 
 @triton.jit
-def _shift_window(spike_ptr, x, take, R: tl.constexpr):
+def _shift_window(spike_ptr, x, take, R: tl.constexpr, K: tl.constexpr):
     """The z-score window, oldest first: a finite norm shifts in at the end; ``seen`` counts it."""
-    o_w = tl.arange(0, WINDOW_BLOCK)
-    p_window = spike_ptr + SPIKE_HEADER
-    for start in range(0, R.Z_WINDOW, WINDOW_BLOCK):
-        o_dst = start + o_w  # [WINDOW_BLOCK]
+    o_w = tl.arange(0, K.WINDOW_BLOCK)
+    p_window = spike_ptr + K.SPIKE_HEADER
+    for start in range(0, R.Z_WINDOW, K.WINDOW_BLOCK):
+        o_dst = start + o_w  # [K.WINDOW_BLOCK]
         m_dst = tl.where(take, o_dst < R.Z_WINDOW, False)  # (the interpreter cannot & a scalar with a block)
         b_next = tl.load(p_window + o_dst + 1, mask=m_dst & (o_dst + 1 < R.Z_WINDOW), other=0.0)
         b_new = tl.where(o_dst == R.Z_WINDOW - 1, x, b_next)
         tl.debug_barrier()  # every slot of this block read before any is written
         tl.store(p_window + o_dst, b_new, mask=m_dst)
-    tl.store(spike_ptr + Z_SEEN, tl.load(spike_ptr + Z_SEEN) + take.to(tl.float64))
+    tl.store(spike_ptr + K.Z_SEEN, tl.load(spike_ptr + K.Z_SEEN) + take.to(tl.float64))
 
 
 @triton.jit
-def _zclip_threshold(mean, var, x, R: tl.constexpr):
+def _zclip_threshold(mean, var, x, R: tl.constexpr, K: tl.constexpr):
     """spike_rules._zclip_threshold on float64, op for op: (clip value, spike)."""
     std = tl.sqrt(var)  # float64: sqrt.rn.f64, correctly rounded (as torch.sqrt)
-    if R.ZCLIP_MODE == ZCLIP_PERCENTILE:
+    if R.ZCLIP_MODE == K.ZCLIP_PERCENTILE:
         threshold = mean + _f64(R.ZCLIP_Z) * std
         spike = x > threshold
     else:
         z = (x - mean) / (std + _f64(R.ZCLIP_EPS))
         spike = z > _f64(R.ZCLIP_Z)
-        if R.ZCLIP_OPTION == ZCLIP_MEAN:
+        if R.ZCLIP_OPTION == K.ZCLIP_MEAN:
             threshold = mean
         else:
             eta = z / _f64(R.ZCLIP_Z)  # a larger outlier is clipped harder
@@ -222,13 +199,13 @@ def _zclip_threshold(mean, var, x, R: tl.constexpr):
 
 
 @triton.jit
-def _zclip_ema(spike_ptr, x, take, R: tl.constexpr):
+def _zclip_ema(spike_ptr, x, take, R: tl.constexpr, K: tl.constexpr):
     """spike_rules._update_ema_: the warm-up buffer, its first mean and variance (summed left to
     right, as the host's cumsum), then the exponential averages."""
-    p_buffer = spike_ptr + SPIKE_HEADER + R.Z_WINDOW
-    seen = tl.load(spike_ptr + EMA_SEEN)
-    mean = tl.load(spike_ptr + EMA_MEAN)
-    var = tl.load(spike_ptr + EMA_VAR)
+    p_buffer = spike_ptr + K.SPIKE_HEADER + R.Z_WINDOW
+    seen = tl.load(spike_ptr + K.EMA_SEEN)
+    mean = tl.load(spike_ptr + K.EMA_MEAN)
+    var = tl.load(spike_ptr + K.EMA_VAR)
     steps = _f64(R.ZCLIP_WARMUP)
     warming = take & (seen < steps)
     slot = seen.to(tl.int32)
@@ -246,7 +223,7 @@ def _zclip_ema(spike_ptr, x, take, R: tl.constexpr):
             total += deviation * deviation
         first_var = total / steps
     tl.store(p_buffer + slot, x, mask=warming)
-    threshold, spike = _zclip_threshold(mean, var, x, R)
+    threshold, spike = _zclip_threshold(mean, var, x, R, K)
     value = tl.where(spike, threshold, x)  # the clip value where it clipped
     new_mean = _f64(R.ZCLIP_ALPHA) * mean + _f64(R.ZCLIP_ONE_MINUS_ALPHA) * value
     deviation = value - new_mean
@@ -254,25 +231,25 @@ def _zclip_ema(spike_ptr, x, take, R: tl.constexpr):
     moves = take & (seen >= steps)
     if R.ZCLIP_SKIP_ON_SPIKE:
         moves = moves & ~spike
-    tl.store(spike_ptr + EMA_MEAN, tl.where(completes, first_mean, tl.where(moves, new_mean, mean)))
-    tl.store(spike_ptr + EMA_VAR, tl.where(completes, first_var, tl.where(moves, new_var, var)))
-    tl.store(spike_ptr + EMA_SEEN, seen + warming.to(tl.float64))
+    tl.store(spike_ptr + K.EMA_MEAN, tl.where(completes, first_mean, tl.where(moves, new_mean, mean)))
+    tl.store(spike_ptr + K.EMA_VAR, tl.where(completes, first_var, tl.where(moves, new_var, var)))
+    tl.store(spike_ptr + K.EMA_SEEN, seen + warming.to(tl.float64))
 
 
 @triton.jit
-def _record_iteration(counters_ptr, norm_stats_ptr, spike_ptr, norm_ptr, skipped, HAS_NORM: tl.constexpr, R):
+def _record_iteration(counters_ptr, norm_stats_ptr, spike_ptr, norm_ptr, skipped, HAS_NORM: tl.constexpr, R, K):
     """LossScalePolicy.record_iteration_: the skip counters and the norm rules' histories."""
-    _count_step(counters_ptr, skipped)
+    _count_step(counters_ptr, skipped, K)
     if HAS_NORM:
         norm = tl.load(norm_ptr)
         if R.AVERAGE_NORM:
-            _average_norm(norm_stats_ptr, norm.to(tl.float32), skipped, R)
+            _average_norm(norm_stats_ptr, norm.to(tl.float32), skipped, R, K)
         x = norm.to(tl.float64)
         take = x - x == 0
         if R.Z_WINDOW > 0:
-            _shift_window(spike_ptr, x, take, R)
+            _shift_window(spike_ptr, x, take, R, K)
         if R.ZCLIP_WARMUP > 0:
-            _zclip_ema(spike_ptr, x, take, R)
+            _zclip_ema(spike_ptr, x, take, R, K)
 
 
 @triton.jit
@@ -300,6 +277,7 @@ def policy_update_kernel(
     COUNT_ONLY: tl.constexpr,  # update(new_scale): record_iteration_ only
     CHECKS: tl.constexpr,
     R: tl.constexpr,  # UpdateRule
+    K: tl.constexpr = KERNEL_CONSTANTS,  # never passed: the constants (interfaces.py)
 ):
     found = _summed(found0_ptr, found1_ptr, found2_ptr, found3_ptr, NUM_FOUND)
     if NUM_FOUND > 1:
@@ -313,20 +291,20 @@ def policy_update_kernel(
     go = True
     if CHECKS:
         scale = tl.load(scale_ptr)
-        consecutive = tl.load(counters_ptr + CONSECUTIVE_SKIPS)
-        left = tl.load(counters_ptr + HYSTERESIS_LEFT)
-        back_off = _backs_off(found > 0, left, tl.load(counters_ptr + OVERFLOWS_SINCE),
-                              tl.load(counters_ptr + UPDATES_SINCE), R)  # fmt: skip
-        flags = _host_checks(scale, consecutive, found > 0, skipped, back_off, R)
+        consecutive = tl.load(counters_ptr + K.CONSECUTIVE_SKIPS)
+        left = tl.load(counters_ptr + K.HYSTERESIS_LEFT)
+        back_off = _backs_off(found > 0, left, tl.load(counters_ptr + K.OVERFLOWS_SINCE_BACKOFF),
+                              tl.load(counters_ptr + K.UPDATES_SINCE_RESCALE), R)  # fmt: skip
+        flags = _host_checks(scale, consecutive, found > 0, skipped, back_off, R, K)
         tl.store(check_out_ptr, flags.to(tl.float64))
         tl.store(check_out_ptr + 1, scale.to(tl.float64))
         tl.store(check_out_ptr + 2, consecutive.to(tl.float64))
-        tl.store(check_out_ptr + 3, tl.load(counters_ptr + UPDATES).to(tl.float64))
+        tl.store(check_out_ptr + 3, tl.load(counters_ptr + K.UPDATES).to(tl.float64))
         go = (hold == 0) | ((flags & R.HOLD_MASK) == 0)
     if go:
         if not COUNT_ONLY and R.DYNAMIC:
-            _update_scale(scale_ptr, tracker_ptr, counters_ptr, found, R)
-        _record_iteration(counters_ptr, norm_stats_ptr, spike_ptr, norm_ptr, skipped, HAS_NORM, R)
+            _update_scale(scale_ptr, tracker_ptr, counters_ptr, found, R, K)
+        _record_iteration(counters_ptr, norm_stats_ptr, spike_ptr, norm_ptr, skipped, HAS_NORM, R, K)
 
 
 class UpdateResult(NamedTuple):

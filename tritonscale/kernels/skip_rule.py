@@ -17,20 +17,16 @@ a bare Python float would become a float32 constant). The z-score's mean and var
 in a fixed order (blocks of ``BLOCK_W``, each a fixed tree), not torch's: the flag equals the torch
 rule's except for a norm within a rounding of the threshold.
 
-Layouts (the policy's, repeated here because kernels import nothing of the package; the test above
-checks they agree): ``norm_stats`` float32 ``[average, count]``; ``spike_stats`` float64
-``[seen, ema_mean, ema_var, ema_seen, window..., warm-up...]``.
+Layouts (``kernels/interfaces.py``'s, which the policy imports; read as ``K``, the kernel's
+constants parameter, so that Triton checks no global on a launch): ``norm_stats`` float32
+``[average, count]``; ``spike_stats`` float64 ``[seen, ema_mean, ema_var, ema_seen, window...,
+warm-up...]``.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-# tl.constexpr: the kernels read them as compile-time constants.
-NORM_AVERAGE, NORM_COUNT = tl.constexpr(0), tl.constexpr(1)
-Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-HEADER = tl.constexpr(4)
 
 
 @triton.jit
@@ -52,10 +48,11 @@ def zscore_spike(
     WINDOW: tl.constexpr,  # skip_norm_window
     MIN_SEEN: tl.constexpr,  # max(skip_norm_min_steps, WINDOW // 2): when the rule wakes up
     BLOCK_W: tl.constexpr,
+    K: tl.constexpr,  # interfaces.KernelConstants
 ):
     """OLMo-core's rule (spike_rules.zscore_spike): skip unless ``norm - mean <= SIGMA * std`` over
     the newest ``min(seen, WINDOW)`` norms of the window (std Bessel-corrected), once active."""
-    seen = tl.load(stats_ptr + Z_SEEN)
+    seen = tl.load(stats_ptr + K.Z_SEEN)
     count = tl.minimum(seen, _f64(WINDOW))
     first = WINDOW - count  # slots before it are not held yet
     o_w = tl.arange(0, BLOCK_W)
@@ -63,14 +60,14 @@ def zscore_spike(
     for start in range(0, WINDOW, BLOCK_W):
         o_s = start + o_w  # [BLOCK_W]
         m_s = o_s < WINDOW
-        b_w = tl.load(stats_ptr + HEADER + o_s, mask=m_s, other=0.0)
+        b_w = tl.load(stats_ptr + K.SPIKE_HEADER + o_s, mask=m_s, other=0.0)
         total += tl.sum(tl.where(m_s & (o_s.to(tl.float64) >= first), b_w, 0.0), axis=0)
     mean = total / count
     squares = tl.zeros([], dtype=tl.float64)
     for start in range(0, WINDOW, BLOCK_W):
         o_s = start + o_w
         m_s = o_s < WINDOW
-        b_d = tl.load(stats_ptr + HEADER + o_s, mask=m_s, other=0.0) - mean
+        b_d = tl.load(stats_ptr + K.SPIKE_HEADER + o_s, mask=m_s, other=0.0) - mean
         squares += tl.sum(tl.where(m_s & (o_s.to(tl.float64) >= first), b_d * b_d, 0.0), axis=0)
     var = squares / (count - 1.0)
     within = norm.to(tl.float64) - mean <= _f64(SIGMA) * tl.sqrt(var)
@@ -92,6 +89,7 @@ def skip_decision(
     WINDOW: tl.constexpr,
     MIN_SEEN: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    K: tl.constexpr,  # interfaces.KernelConstants
 ):
     """int1 scalar: the step is skipped (``LossScalePolicy.skip_decision``)."""
     skip = found_inf > 0
@@ -101,11 +99,11 @@ def skip_decision(
     if NORM_ABOVE is not None:
         spike = spike | (norm > NORM_ABOVE)
     if NORM_FACTOR is not None:
-        average = tl.load(norm_stats_ptr + NORM_AVERAGE)
-        warmed_up = tl.load(norm_stats_ptr + NORM_COUNT) >= NORM_WARMUP
+        average = tl.load(norm_stats_ptr + K.NORM_AVERAGE)
+        warmed_up = tl.load(norm_stats_ptr + K.NORM_COUNT) >= NORM_WARMUP
         spike = spike | (warmed_up & (norm > NORM_FACTOR * average))
     if SIGMA is not None:
-        spike = spike | zscore_spike(spike_stats_ptr, norm, SIGMA, WINDOW, MIN_SEEN, BLOCK_W)
+        spike = spike | zscore_spike(spike_stats_ptr, norm, SIGMA, WINDOW, MIN_SEEN, BLOCK_W, K)
     return skip | (spike & _isfinite(norm))
 
 
@@ -120,14 +118,15 @@ def zclip_max_norm(
     TO_MEAN: tl.constexpr,  # clip_norm_option == "mean"
     EPS: tl.constexpr,  # clip_norm_eps
     FACTOR: tl.constexpr,  # clip_norm_factor
+    K: tl.constexpr,  # interfaces.KernelConstants
 ):
     """fp32 scalar: ZClip's clip value (not above ``max_norm``) where it clips, else ``max_norm``
     (spike_rules.zclip_max_norm, ``_zclip_threshold`` op for op in float64). ``max_norm`` arrives
     rounded to float32: min and the final rounding commute with that rounding, so the bits are the
     float64 rule's."""
     x = norm.to(tl.float64)
-    mean = tl.load(stats_ptr + EMA_MEAN)
-    std = tl.sqrt(tl.load(stats_ptr + EMA_VAR))
+    mean = tl.load(stats_ptr + K.EMA_MEAN)
+    std = tl.sqrt(tl.load(stats_ptr + K.EMA_VAR))
     if PERCENTILE:
         threshold = mean + _f64(Z) * std
         spike = x > threshold
@@ -139,7 +138,7 @@ def zclip_max_norm(
         else:
             eta = z / _f64(Z)  # a larger outlier is clipped harder
             threshold = (mean + (_f64(Z) * std) / eta) * _f64(FACTOR)
-    ready = (tl.load(stats_ptr + EMA_SEEN) >= _f64(WARMUP)) & _isfinite(x)
+    ready = (tl.load(stats_ptr + K.EMA_SEEN) >= _f64(WARMUP)) & _isfinite(x)
     limit = tl.full([], max_norm, tl.float32).to(tl.float64)  # a float32 argument (the interpreter: a float)
     clipped = tl.minimum(threshold, limit, propagate_nan=tl.PropagateNan.ALL)
     return tl.where(ready & spike, clipped, limit).to(tl.float32)

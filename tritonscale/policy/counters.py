@@ -18,18 +18,20 @@ from typing import Any
 
 import torch
 
+from ..kernels.interfaces import (  # the slots' one home, shared with the kernels
+    CONSECUTIVE_SKIPS,
+    HYSTERESIS_LEFT,
+    LAST_SKIPPED,
+    NORM_AVERAGE,
+    NORM_COUNT,
+    OVERFLOWS_SINCE_BACKOFF,
+    SKIPPED_STEPS,
+    UPDATES,
+    UPDATES_SINCE_RESCALE,
+)
 from .forms import ON_DEVICE, ON_HOST, RuleForm
 
-# Slots of the int32 counters tensor.
-(
-    HYSTERESIS_LEFT,
-    CONSECUTIVE_SKIPS,
-    SKIPPED_STEPS,
-    LAST_SKIPPED,
-    UPDATES,
-    OVERFLOWS_SINCE_BACKOFF,
-    UPDATES_SINCE_RESCALE,
-) = range(7)
+# The int32 counters tensor's slots, by name (kernels/interfaces.py numbers them in this order).
 COUNTER_NAMES = (
     "hysteresis_left",
     "consecutive_skips",
@@ -47,8 +49,7 @@ _ADD_STEPPED, _ADD_SKIPPED = (0, 0, 0, 0, 1, 0, 0), (0, 1, 1, 1, 1, 0, 0)
 # Constants per device, never written: a pure function of the key.
 _count_vector_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
-# Slots of the float32 norm statistics tensor.
-NORM_AVERAGE, NORM_COUNT = range(2)
+# The float32 norm statistics tensor's slots: NORM_AVERAGE, NORM_COUNT (kernels/interfaces.py).
 
 
 def _count_vectors(device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..kernels.interfaces import SCALE_FLOOR  # noqa: F401 (its one home; the policy imports it from here)
+
 
 def as_float32(value: float) -> float:
     """``value`` rounded to float32 (inf past the float32 range), as the device state stores it.
@@ -197,10 +199,3 @@ ON_DEVICE = OnDevice()
 ON_HOST = OnHost()
 RuleForm = OnDevice | OnHost
 
-#: The lowest loss scale a backoff leaves (``LossScalePolicy.backoff_floor``): 2**-126, the smallest
-#: normal float32. torch's backoff can round the scale to 0 (``backoff_factor=1e-20``, a tiny
-#: scale), and there it stays: every later gradient is 0, or 0 * inf. The floor must keep 1/scale
-#: usable: 2**126 is finite and exact, and flush-to-zero arithmetic (``torch.set_flush_denormal``,
-#: GPU kernels) keeps 2**-126. A subnormal floor would not: 1/2**-149 overflows float32 (torch's
-#: inverse scale, a float64 reciprocal rounded to float32, is inf from 2**-128 down).
-SCALE_FLOOR = 2.0**-126

@@ -42,11 +42,12 @@ from typing import Any
 import torch
 
 from ..errors import ScalerConfigError
+from ..kernels.interfaces import EMA_MEAN, EMA_SEEN, EMA_VAR, Z_SEEN  # the slots' one home, shared with the kernels
+from ..kernels.interfaces import SPIKE_HEADER as HEADER
 from .knob_checks import is_count, is_finite
 
-# Slots of the float64 spike_stats tensor; the window and the warm-up norms follow.
-Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN = range(4)
-HEADER = 4
+# Slots of the float64 spike_stats tensor: Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN, then from HEADER the
+# window and the warm-up norms.
 SPIKE_STAT_NAMES = ("seen", "ema_mean", "ema_var", "ema_seen")
 CLIP_MODES = ("zscore", "percentile")
 CLIP_OPTIONS = ("adaptive_scaling", "mean")
