@@ -40,7 +40,7 @@ update D``: the largest ratio over the policies and the Pythons run, with the pr
 on (off when only off was run). Targets (issue 46): scale, clip, step <= 1.0; update <= 2.0.
 Install valgrind with ``apt-get install valgrind`` (Debian's package brings ``callgrind.h``).
 
-    python bench/launch_cost.py --out out/launch_cost.json          # this Python, on and off: ~15 min on 2 cores
+    python bench/launch_cost.py --out out/launch_cost.json          # this Python, on and off: 5-10 min on 2 cores
     python bench/launch_cost.py --python /work/venv36/bin/python --python .venv/bin/python --out out/lc.json
     python bench/launch_cost.py --quick --bound on --out /tmp/launch_cost.json   # the smoke run, ~2 min
 """
