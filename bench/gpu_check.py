@@ -109,7 +109,7 @@ def stages(out: Path, budget: float, dry_run: bool) -> list[Stage]:
     py = sys.executable
     times = {name: budget * share for name, share in SHARES.items()}
     device = ["--device", "cpu"] if dry_run else ["--device", "cuda"]
-    tier = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={out / 'gpu_tier.xml'}"]
+    tier = [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={out / 'gpu_tier.xml'}"]
     tier += ["tests/test_gpu.py"] if dry_run else ["tests"]  # dry run: collect the GPU tier alone (it skips)
     phases = [py, str(BENCH / "gpu_phases.py")] + device + (["--quick"] if dry_run else ["--steps", "100"])
     bars = [py, str(BENCH / "bars.py")] + device + ["--bars", "1", "2", "3", "--out", str(out / "bars" / "bars.json")]
@@ -130,7 +130,8 @@ def stages(out: Path, budget: float, dry_run: bool) -> list[Stage]:
 def stage_env(stage: Stage) -> dict[str, str]:
     """The stage's environment: this one, the checkout first on PYTHONPATH, no pre-bound switch or
     interpreter left over from the caller's shell unless the stage sets them."""
-    env = {k: v for k, v in os.environ.items() if k not in (SWITCH, "TRITON_INTERPRET")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in (SWITCH, "TRITON_INTERPRET") and not k.startswith("PYTEST_")}  # fmt: skip  (an xdist worker's)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default-change warning
     env.setdefault("PYTHONUNBUFFERED", "1")  # a stage stopped at its timeout leaves its log so far
