@@ -64,6 +64,11 @@ def run_tier(tmp_path: Path, cache: Path, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env["TRITON_CACHE_DIR"] = str(cache)
+    # Every launch through Triton's JIT path, whose launcher gets the tensors themselves: their
+    # specialization and blocks are checked here against the arguments. The pre-bound launches
+    # (which pass the tensors' addresses) are checked against the JIT path's, block for block, by
+    # tests/test_bound_launch.py.
+    env["TRITONSCALE_BOUND_LAUNCH"] = "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), str(TESTS), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-m", "launch_path.run", *args, "--out", str(out)],

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import triton
 from triton import knobs
+from triton.knobs import HookChain
 from triton._utils import canonicalize_ptr_dtype
 from triton.compiler import CompiledKernel
 from triton.runtime.autotuner import Autotuner
@@ -115,8 +116,10 @@ def specialization(value: Any) -> tuple:
     Example: ``specialization(16) == ("i32", "D")``; ``specialization(1) == ("constexpr", 1)``.
     """
     kind = type(value)
-    if kind is _Tensor or (kind is not int and isinstance(value, _Tensor)):
+    if kind is _Tensor:
         return _POINTERS[value.dtype][value.data_ptr() & 15 == 0]
+    if value is None:
+        return NONE
     if kind is int:
         if value == 1:
             return ONE
@@ -132,8 +135,8 @@ def specialization(value: Any) -> tuple:
         return U1
     if kind is float:
         return FP32
-    if value is None:
-        return NONE
+    if isinstance(value, _Tensor):  # a subclass (a Parameter): torch's metaclass check, last
+        return _POINTERS[value.dtype][value.data_ptr() & 15 == 0]
     raise Unbindable(f"an argument of type {kind.__name__}")
 
 
@@ -173,28 +176,52 @@ def _jit_knob_kwargs(jit: JITFunction, kwargs: dict) -> dict:
 _SPECS, _OPTIONS, _KNOBS, _DEVICE, _CONFIG = range(5)
 
 
-def _splitter(names: list[str], runtime: set[str], defaults: dict[str, Any]):
+def _splitter(names: list[str], runtime: set[str], defaults: dict[str, Any], addresses: bool = False):
     """A function with the kernel's parameters and their ``defaults`` (and ``**options``) that
     returns (every argument in declaration order, the guard's specializations: :func:`specialization`
     of each runtime argument, each constexpr's value, the options). Generated, as Triton generates
-    its binder, so a call binds its keywords in C. A runtime argument that is the same object as the one before it (the padded
-    flags of the policy update) takes that one's specialization: the same object, the same answer."""
-    lines, specs, previous = [], [], None
+    its binder, so a call binds its keywords in C. A runtime argument that is the same object as the
+    one before it (the padded flags of the policy update) takes that one's specialization: the same
+    object, the same answer.
+
+    ``addresses``: each plain tensor argument comes back as its address (``data_ptr()``, the int
+    its specialization was read from), the value Triton's C launcher would read from it; the
+    specializations are the same."""
+    lines, specs, values, previous = [], [], [], None
     for i, name in enumerate(names):
         if name not in runtime:
             specs.append(name)
+            values.append(name)
             previous = None
             continue
-        same = f"_s{previous} if {name} is {names[previous]} else " if previous is not None else ""
-        lines.append(f"    _s{i} = {same}spec({name})")
         specs.append(f"_s{i}")
+        if addresses:
+            values.append(f"_v{i}")
+            if previous is not None:
+                lines.append(f"    if {name} is {names[previous]}:")
+                lines.append(f"        _s{i}, _v{i} = _s{previous}, _v{previous}")
+                lines.append(f"    elif {name} is None:")
+                lines.append(f"        _s{i}, _v{i} = _NONE, None")
+                lines.append(f"    elif type({name}) is _T:")
+            else:
+                lines.append(f"    if {name} is None:")
+                lines.append(f"        _s{i}, _v{i} = _NONE, None")
+                lines.append(f"    elif type({name}) is _T:")
+            lines.append(f"        _v{i} = {name}.data_ptr()")
+            lines.append(f"        _s{i} = _P[{name}.dtype][_v{i} & 15 == 0]")
+            lines.append("    else:")
+            lines.append(f"        _s{i}, _v{i} = spec({name}), {name}")
+        else:
+            values.append(name)
+            same = f"_s{previous} if {name} is {names[previous]} else " if previous is not None else ""
+            lines.append(f"    _s{i} = {same}spec({name})")
         previous = i
     params = [f"{name}=_d{i}" if name in defaults else name for i, name in enumerate(names)]
     source = "\n".join(
         [f"def split({', '.join(params)}, **_options):", *lines,
-         f"    return ({', '.join(names)},), ({', '.join(specs)},), _options", ""]
+         f"    return ({', '.join(values)},), ({', '.join(specs)},), _options", ""]
     )  # fmt: skip
-    namespace = {"spec": specialization}
+    namespace = {"spec": specialization, "_T": _Tensor, "_P": _POINTERS, "_NONE": NONE}
     namespace.update({f"_d{i}": defaults[name] for i, name in enumerate(names) if name in defaults})
     exec(source, namespace)
     return namespace["split"]
@@ -253,19 +280,20 @@ class BoundLaunch:
         tuned = set().union(*(config.kwargs for config in tuner.configs)) if tuner is not None else set()
         self._jit, self._tuner = jit, tuner
         self._names = [p.name for p in jit.params if p.name not in tuned]
-        self._split = _splitter(
-            self._names,
-            {p.name for p in jit.params if not p.is_constexpr},
-            {p.name: p.default for p in jit.params if p.has_default},
-        )
+        runtime = {p.name for p in jit.params if not p.is_constexpr}
+        defaults = {p.name: p.default for p in jit.params if p.has_default}
+        self._split = _splitter(self._names, runtime, defaults)
+        self._addressed = _splitter(self._names, runtime, defaults, addresses=True)
         self._globals: list[tuple[dict, Any, tuple]] = []
 
     def __call__(self, grid: tuple[int, ...], *args, **kwargs):
         """Launch; returns the compiled kernel, as ``kernel[grid](...)`` does."""
         if self.declined is not None or type(grid) is not tuple:  # a callable grid: Triton's to call
             return self.kernel[grid](*args, **kwargs)
+        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        hooked = not (_calls_nothing(enter) and _calls_nothing(exit_))
         try:
-            key, values = self.guard(args, kwargs)
+            key, values = self.guard(args, kwargs, addresses=not hooked)
         except Unbindable:
             return self.kernel[grid](*args, **kwargs)
         last = self._last
@@ -282,18 +310,24 @@ class BoundLaunch:
             values = bound.order(values + bound.tuned)
         stream = driver.active.get_current_stream(key[_DEVICE])
         kernel = bound.kernel
+        if hooked:  # what the JIT path passes: the hooks, and the metadata they are called with
+            metadata = kernel.launch_metadata(grid, stream, *values)
+        else:  # hooks that call nothing: the launcher calls none (the JIT path's calls an empty chain)
+            metadata = enter = exit_ = None
         bound.run(
             grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-            bound.function, bound.metadata, kernel.launch_metadata(grid, stream, *values),
-            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values,
+            bound.function, bound.metadata, metadata, enter, exit_, *values,
         )  # fmt: skip
         return kernel
 
-    def guard(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    def guard(self, args: tuple, kwargs: dict, addresses: bool = False) -> tuple[tuple, tuple]:
         """(the guard's key for a call with ``args`` and ``kwargs``, its arguments in declaration
-        order). Reads what the JIT path reads to choose a compiled kernel and nothing else; raises
-        :class:`Unbindable` for a call the rules here do not cover."""
-        values, specs, options = self._split(*args, **kwargs)
+        order; with ``addresses``, each plain tensor as its ``data_ptr()``). Reads what the JIT path
+        reads to choose a compiled kernel and nothing else; raises :class:`Unbindable` for a call
+        the rules here do not cover."""
+        # (an autotuner's key reads its arguments' dtypes: its launches pass the tensors)
+        addressed = addresses and self._tuner is None
+        values, specs, options = (self._addressed if addressed else self._split)(*args, **kwargs)
         device = driver.active.get_current_device()
         config = None
         if self._tuner is not None:
@@ -391,6 +425,11 @@ class BoundLaunch:
                     raise _Refused(f"{param.name} specializes as {triton_spec} in Triton, as {spec} here")
         self._globals = _global_reads(jit)  # the objects that just passed Triton's own check
         return _Bound(compiled, config, order)
+
+
+def _calls_nothing(hook: Any) -> bool:
+    """A launch hook that calls nothing: None, or Triton's ``HookChain`` with no hook added."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
 
 
 class _Refused(Exception):

@@ -319,9 +319,13 @@ _ONE_PROGRAM = (1,)
 _UPDATE = BoundLaunch(policy_update_kernel)
 
 
-def _padded(flags: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """``MAX_FLAGS`` pointers: the flags, the last one repeated (unread past NUM_FOUND / NUM_SKIPS)."""
-    return (*flags, *flags[-1:] * (MAX_FLAGS - len(flags)))
+def _slots(flags: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """``MAX_FLAGS`` pointer slots: the flags, then None (a constexpr: the kernel reads no slot past
+    NUM_FOUND / NUM_SKIPS, and a None is neither specialized nor passed to the launcher)."""
+    return (*flags, *_NONE[: MAX_FLAGS - len(flags)])
+
+
+_NONE = (None,) * MAX_FLAGS
 
 
 def update_policy_state_(
@@ -345,14 +349,13 @@ def update_policy_state_(
     num_found, num_skips = len(found_infs), len(skips)
     if not 1 <= num_found <= MAX_FLAGS or num_skips > MAX_FLAGS:
         raise ValueError(f"1 to {MAX_FLAGS} found_inf flags and at most {MAX_FLAGS} skip flags: sum more first")
-    found_out = torch.empty((), dtype=torch.float32, device=scale.device) if num_found > 1 else found_infs[0]
-    check_out = torch.empty(4, dtype=torch.float64, device=scale.device) if checks else scale  # else unread
-    spike = spike_stats if spike_stats.numel() else norm_stats  # a pointer the kernel never follows
+    # Every pointer the kernel does not follow is None: a constexpr, never specialized nor launched.
+    found_out = torch.empty((), dtype=torch.float32, device=scale.device) if num_found > 1 else None
+    check_out = torch.empty(4, dtype=torch.float64, device=scale.device) if checks else None
     _UPDATE(
-        _ONE_PROGRAM, scale, tracker, counters, norm_stats, spike,
-        *_padded(found_infs), *_padded(skips if skips else found_infs[:1]),
-        norm if norm is not None else scale, found_out, check_out, int(hold),
+        _ONE_PROGRAM, scale, tracker, counters, norm_stats, spike_stats if spike_stats.numel() else None,
+        *_slots(found_infs), *_slots(skips), norm, found_out, check_out, int(hold),
         NUM_FOUND=num_found, NUM_SKIPS=num_skips, HAS_NORM=norm is not None, COUNT_ONLY=count_only,
         CHECKS=checks, R=rule, num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
-    return UpdateResult(found_out, check_out if checks else None)
+    return UpdateResult(found_out if found_out is not None else found_infs[0], check_out)
