@@ -14,7 +14,7 @@ parameter table; the specialization restated from Triton's documented rules
 (``launch_path/specialization.py``); the launch configuration from the compiled metadata.
 
 Compiles go to one Triton cache per session, so each specialization compiles once. Runs on the
-installed triton (the CI's) and, through ``.ci/check_launch_path``, on triton 3.6.
+installed triton (the CI's) and, through ``.ci/check_gpu_floor``, on triton 3.6.
 """
 
 from __future__ import annotations

@@ -101,9 +101,9 @@ def finalize_kernel(
     scale_ptr,  # fp32 [1] loss scale (device-resident)
     result_ptr,  # fp32 [4] (+2 with a step): found_inf, norm, clip_coef, factor (, grad_scale, skip)
     max_norm,  # fp32 clip threshold (ignored unless HAS_CLIP)
-    earlier_ptr,  # fp32 [1] found_inf recorded earlier in the iteration (read with HAS_EARLIER)
-    norm_stats_ptr,  # fp32 [2] the policy's norm average (read with NORM_FACTOR)
-    spike_stats_ptr,  # fp64 the spike rules' state (read with SIGMA or ZCLIP_Z)
+    earlier_ptr,  # fp32 [1] found_inf recorded earlier in the iteration (with HAS_EARLIER, else None)
+    norm_stats_ptr,  # fp32 [2] the policy's norm average (read with NORM_FACTOR; None where unread)
+    spike_stats_ptr,  # fp64 the spike rules' state (read with SIGMA or ZCLIP_Z; None where unread)
     NORM: tl.constexpr,  # 1, 2, or 0 for the inf-norm
     HAS_CLIP: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -195,9 +195,9 @@ def finalize(
         scale,
         result,
         float(max_norm) if max_norm is not None else 0.0,
-        step.earlier if step.earlier is not None else scale,  # unread placeholders: any fp32 tensor
-        step.norm_stats if step.norm_stats is not None else scale,
-        step.spike_stats if step.spike_stats is not None else scale,
+        step.earlier,  # None where unread (a constexpr: neither specialized nor launched)
+        step.norm_stats,
+        step.spike_stats,
         NORM=norm,
         HAS_CLIP=max_norm is not None,
         BLOCK_P=block_p,

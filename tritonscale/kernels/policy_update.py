@@ -252,24 +252,26 @@ def _record_iteration(counters_ptr, norm_stats_ptr, spike_ptr, norm_ptr, skipped
             _zclip_ema(spike_ptr, x, take, R, K)
 
 
+# A pointer the kernel does not follow is passed as None (update_policy_state_): a constexpr, so it
+# is neither specialized nor handed to the launcher.
 @triton.jit
 def policy_update_kernel(
     scale_ptr,  # fp32 [] loss scale
     tracker_ptr,  # i32 [] growth tracker
     counters_ptr,  # i32 [7] policy/counters.py's slots
     norm_stats_ptr,  # fp32 [2] norm average, count
-    spike_ptr,  # fp64 [n] spike_rules.py's layout (unused without a spike rule)
-    found0_ptr,  # fp32 [] found_inf of the first optimizer (the others: found1..3, unused past NUM_FOUND)
+    spike_ptr,  # fp64 [n] spike_rules.py's layout (None without a spike rule)
+    found0_ptr,  # fp32 [] found_inf of the first optimizer (the others: found1..3, None past NUM_FOUND)
     found1_ptr,
     found2_ptr,
     found3_ptr,
-    skip0_ptr,  # fp32 [] skip flag of the first optimizer that stepped (skip1..3 likewise)
+    skip0_ptr,  # fp32 [] skip flag of the first optimizer that stepped (skip1..3 likewise; None with NUM_SKIPS=0)
     skip1_ptr,
     skip2_ptr,
     skip3_ptr,
-    norm_ptr,  # [] the iteration's last clip norm (unused without HAS_NORM)
-    found_out_ptr,  # fp32 [] the combined found_inf (written when NUM_FOUND > 1)
-    check_out_ptr,  # fp64 [4] check bits, scale, consecutive skips, updates before (written with CHECKS)
+    norm_ptr,  # [] the iteration's last clip norm (None without HAS_NORM)
+    found_out_ptr,  # fp32 [] the combined found_inf (written when NUM_FOUND > 1, else None)
+    check_out_ptr,  # fp64 [4] check bits, scale, consecutive skips, updates before (with CHECKS, else None)
     hold,  # i32: 1 = a raising check leaves the state untouched
     NUM_FOUND: tl.constexpr,
     NUM_SKIPS: tl.constexpr,  # 0: no optimizer stepped, the skip follows found_inf
