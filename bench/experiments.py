@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip_grad_norm_'s max_norm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/experiments"), help="folder of the JSON and PNG")
+    parser.add_argument("--cut-note", help="run_all's line saying its re-planner cut this run below the planned "
+                        "size: the plot's title ends with it")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -381,8 +383,9 @@ def main(argv=None, progress=None) -> int:
     sizes = asdict(preset) | {"steps": steps, "fp16_d_model": args.fp16_d_model or preset.d_model}
     json_path.write_text(json.dumps({"machine": info, "args": vars(args) | {"out": str(args.out)}, "sizes": sizes,
                                      "results": results}))  # fmt: skip
-    png = experiments_plot.plot(results, args.out / "experiments.png",
-                                f"torch.amp.GradScaler vs tritonscale on {describe(info)}")  # fmt: skip
+    title = f"torch.amp.GradScaler vs tritonscale on {describe(info)}"
+    title += f"\n{args.cut_note}" if args.cut_note else ""
+    png = experiments_plot.plot(results, args.out / "experiments.png", title)
     print(f"wrote {json_path} and {png}")
     return 0
 

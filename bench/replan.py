@@ -13,12 +13,20 @@ below the plan's smallest sizes (``budget.levels(late=True)``); a run ahead may 
 the largest. The stages run with the most resizable one last (``RUN_ORDER``: the experiments,
 whose steps come in steps of 10), so that whatever the others overran, it can absorb.
 
+A stage run below its planned size says so where its results are read (a run cut ``train_step``
+from 40 planned steps to 10 and the sweep to 4M elements x 5 repeats, and neither its plots nor its
+summary said it): ``Replanner.cut`` gives the line, ``CUT by the re-planner: 10 of 40 planned steps
+(the machine 3.1x slower than the pilots, ...)``, which run_all passes the stage (``--cut-note``)
+for its plot's title and prints again, for every stage cut, at the end of the job; ``run_all.json``
+keeps them under ``replanning.cuts``.
+
 Example (``run_all.run_stages`` does this)::
 
     replanner = Replanner(measurement, plan, preset_steps=150)
     for stage in RUN_ORDER:
         note = replanner.before(stage, elapsed_s=clock() - start)   # None, or why it re-sized
-        ...  # run the stage with replanner.sizes[stage]
+        cut = replanner.cut(stage)   # None, or the line for the stage's plot title
+        ...  # run the stage with replanner.sizes[stage] (and --cut-note cut)
         replanner.after(stage, seconds)
 """
 
@@ -33,9 +41,43 @@ SLOWDOWN_PRIOR_S = 5.0  # seconds of evidence at 1.0x that the slowdown seen so 
 RESIZE_MARGIN = 0.1  # the sizes stay while the stages left are expected within 10% of the time left
 
 
+CUT = "CUT by the re-planner"  # how a cut starts, wherever it is said: run_all's summary, a plot's title
+# What each size's number counts, as a cut says it ("10 of 40 planned steps").
+SIZE_NOUNS = {"steps": "steps", "repeats": "repeats", "max_size": "elements at the largest size",
+              "fp16_d_model": "float16 d_model"}  # fmt: skip
+
+
 def shown(size: dict) -> str:
     """``steps 60, fp16_d_model 64``: a size as run_all prints it."""
     return ", ".join(f"{k} {v}" for k, v in size.items()) or "fixed size"
+
+
+def count(n: int) -> str:
+    """``4M`` for 4 * 2**20, else the number: a sweep's sizes are powers of two."""
+    return f"{n >> 20}M" if n >= 2**20 and n % 2**20 == 0 else str(n)
+
+
+def is_cut(planned: dict, size: dict) -> bool:
+    """Whether a stage runs below its planned size in any of its numbers (a run ahead may grow them)."""
+    return any(size[k] < planned[k] for k in planned)
+
+
+def cut_note(planned: dict, size: dict, replan: dict, estimate_s: float) -> str:
+    """The line that says a stage was cut, planned against run, and why (``replan``: the re-plan that
+    set the size, one of ``Replanner.replans``): run_all's summary prints it, and the stage puts it in
+    its plot's title (``--cut-note``). Example: ``CUT by the re-planner: 10 of 40 planned steps
+    (the machine 3.1x slower than the pilots, 52 s left of the 206 s estimate)``."""
+    parts = []
+    for key, was in planned.items():
+        noun, now = SIZE_NOUNS.get(key, key), size[key]
+        if now < was:
+            parts.append(f"{count(now)} of {count(was)} planned {noun}")
+        elif now > was:
+            parts.append(f"{count(now)} {noun} ({count(was)} planned)")
+    scale = replan["slowdown"]
+    pace = f"{scale:.1f}x slower than the pilots" if scale >= 1.0 else f"at {scale:.2f}x the pilots' times"
+    left = max(replan["time_left_s"], 0.0)
+    return f"{CUT}: {', '.join(parts)} (the machine {pace}, {left:.0f} s left of the {estimate_s:.0f} s estimate)"
 
 
 class Replanner:
@@ -86,16 +128,31 @@ class Replanner:
         return (f"run_all: re-sized {what}: the stages so far took {seen:.2f}x their estimates{now}, "
                 f"{max(time_left, 0.0):.0f} s left of the {self.estimate_s:.0f} s estimate{still}")  # fmt: skip
 
+    def cut(self, stage: str) -> str | None:
+        """``cut_note`` for ``stage`` at the size it is about to run (after ``before``), or None when it
+        runs at its planned size or above: what run_all passes the stage for its plot's title."""
+        planned, size = self.stages[stage]["planned_size"], self.sizes[stage]
+        if not self.replans or not is_cut(planned, size):
+            return None
+        return cut_note(planned, size, self.replans[-1], self.estimate_s)
+
     def after(self, stage: str, seconds: float) -> None:
-        """Record that ``stage`` took ``seconds`` at the size it was given."""
+        """Record that ``stage`` took ``seconds`` at the size it was given, and whether that was a cut."""
         self.done[stage] = (seconds, budget.estimate_s(self.m, stage, self.sizes[stage]))
-        self.stages[stage].update(size=self.sizes[stage], estimate_s=self.estimates[stage], seconds=seconds)
+        self.stages[stage].update(size=self.sizes[stage], estimate_s=self.estimates[stage], seconds=seconds,
+                                  cut=self.cut(stage))  # fmt: skip
+
+    def cuts(self) -> dict[str, dict]:
+        """The stages run below their planned size: each one's planned and run size and its ``cut_note``."""
+        return {stage: {"planned_size": r["planned_size"], "size": r["size"], "note": r["cut"]}
+                for stage, r in self.stages.items() if r.get("cut")}  # fmt: skip
 
     def record(self) -> dict:
-        """For ``run_all.json``: the estimate, each stage's planned and run sizes and estimates and its
-        real seconds, and every re-plan (the slowdown and time left it saw, the sizes it chose)."""
+        """For ``run_all.json``: the estimate, each stage's planned and run sizes and estimates, its
+        real seconds and its cut (None if none), the stages cut (``cuts``), and every re-plan (the
+        slowdown and time left it saw, the sizes it chose)."""
         return {"estimate_s": self.estimate_s, "order": list(self.order), "stages": self.stages,
-                "replans": self.replans}  # fmt: skip
+                "cuts": self.cuts(), "replans": self.replans}  # fmt: skip
 
 
 def probe_slowdown(m: dict) -> float:

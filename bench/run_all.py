@@ -21,9 +21,12 @@ the sweep, fewer steps for the whole-step benchmark), prints the sizes and how l
 take, then runs them in ``replan.RUN_ORDER`` (the fixed stages first, the experiments, the most
 resizable, last) and holds the run to that estimate: before each stage the stages left are
 re-sized to the time left and the slowdown seen so far, and the output says when and why
-(``replan.py``). ``run_all.json`` in the output folder records the measurement, the planned sizes,
-the estimate, every re-plan, and each stage's size, estimate and real time. On a machine where a
-neighbour holds a core, torch's threads wait for each other at every parallel op (an order of
+(``replan.py``). A stage cut below its planned size says so in its plot's title (``--cut-note``:
+``CUT by the re-planner: 10 of 40 planned steps (the machine 3.1x slower than the pilots, ...)``),
+and the end of the job lists every stage cut, planned against run (``cut_summary``).
+``run_all.json`` in the output folder records the measurement, the planned sizes, the estimate,
+every re-plan, each stage's size, estimate and real time, and the stages cut (``replanning.cuts``).
+On a machine where a neighbour holds a core, torch's threads wait for each other at every parallel op (an order of
 magnitude slower than one thread; replan.py): before the pilots and before each stage the job
 times one parallel op on torch's threads and on one, and goes to one thread for the rest of the run
 when that is faster (``replan.threads_for_load``), saying so; ``run_all.json`` records it under
@@ -41,6 +44,7 @@ import argparse
 import contextlib
 import io
 import json
+import shlex
 import sys
 import time
 import traceback
@@ -54,7 +58,7 @@ import sweep
 import torch
 import train_step
 from progress import ProgressBar
-from replan import RUN_ORDER, Replanner, fewer_threads_note, probe_slowdown, shown, threads_for_load
+from replan import CUT, RUN_ORDER, Replanner, fewer_threads_note, probe_slowdown, shown, threads_for_load
 from timing import describe, machine
 
 # Share of the progress bar per stage where nothing was measured (--quick, --device cuda); a
@@ -159,7 +163,8 @@ def run_stages(
     """Every stage with its stdout to a log file and the bar on stderr: (logs, seconds, failed, the
     re-plans' record). A sized run runs the stages in ``replan.RUN_ORDER``; before each one it goes
     to one torch thread if a neighbour's load calls for it (``fit_threads``), then re-sizes the
-    stages left (``replan.Replanner``), saying so; ``start`` is when the job began."""
+    stages left (``replan.Replanner``), saying so; a stage run below its planned size is told so
+    (``--cut-note``, which its plot's title shows); ``start`` is when the job began."""
     replanner = Replanner(plan["measurement"], plan, experiments.PRESETS["cpu"].steps) if plan else None
     order = replanner.order if plan else tuple(WEIGHTS)
     estimates = plan["stage_estimate_s"] if plan else None
@@ -179,6 +184,10 @@ def run_stages(
                 bar.message(note)
             bar.set_estimates(replanner.estimates)
             stage_args = stage_args + budget.stage_arguments(replanner.sizes).get(stage, [])
+            cut = replanner.cut(stage)
+            if cut:
+                stage_args += ["--cut-note", cut]
+                bar.message(f"run_all: {stage}: {cut}")
         code, logs[stage], seconds[stage] = run_stage(stage, stage_args, bar)
         if code != 0:
             failed.append(stage)
@@ -195,7 +204,7 @@ def run_stage(stage: str, stage_args: list[str], bar: ProgressBar) -> tuple[int,
     bar.update(stage, 0, 1)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        print(f"$ python bench/{stage}.py {' '.join(stage_args)}")
+        print(f"$ python bench/{stage}.py {shlex.join(stage_args)}")
         try:
             code = ENTRY_POINTS[stage](stage_args, progress=lambda done, total: bar.update(stage, done, total))
         except Exception:
@@ -222,6 +231,17 @@ def stage_table(replans: dict) -> str:
             sizes = f"{shown(r['planned_size']):<32} {shown(r['size']):<32}"
             times = f"{r['planned_estimate_s']:>7.0f}s {r['estimate_s']:>9.0f}s {r['seconds']:>5.0f}s"
             lines.append(f"run_all: {stage:<14} {sizes} {times}")
+    return "\n".join(lines)
+
+
+def cut_summary(replans: dict) -> str:
+    """Every stage run below its planned size, planned against run and why (``replan.cut_note``), or
+    a line saying none was: the end of the job says it either way, so that a cut is never silent."""
+    cuts = replans["cuts"]
+    if not cuts:
+        return "run_all: no stage cut: every stage ran at its planned size or above"
+    lines = [f"run_all: {len(cuts)} stage{'s' * (len(cuts) != 1)} {CUT} (their plots' titles say so too):"]
+    lines += [f"run_all:   {stage:<12} {c['note'].removeprefix(CUT + ': ')}" for stage, c in cuts.items()]
     return "\n".join(lines)
 
 
@@ -254,9 +274,12 @@ def main(argv=None) -> int:
     (args.out / "run_all.json").write_text(json.dumps(record, indent=2))
     written, older = files_written(args.out, started_at - 1.0)  # file times tick coarser than time.time()
     expected = f" (expected {plan['estimate_s']:.0f} s: {total / plan['estimate_s'] - 1:+.0%})" if plan else ""
+    cut = ""
     if replans:
         print(stage_table(replans))
-    print(f"done in {total:.0f} s{expected}; results in {args.out.resolve()}:")
+        print(cut_summary(replans))
+        cut = f"; {', '.join(replans['cuts'])} {CUT} (above)" if replans["cuts"] else ""
+    print(f"done in {total:.0f} s{expected}{cut}; results in {args.out.resolve()}:")
     for path in written:
         print(f"  {path}")
     if older:

@@ -111,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds per point (small points get more)")
     parser.add_argument("--out", type=Path, default=Path("out/sweep"), help="folder of sweep.json and sweep.png")
     parser.add_argument("--progress", default=None, help=argparse.SUPPRESS)  # set by run_all
+    parser.add_argument("--cut-note", help="run_all's line saying its re-planner cut this run below the planned "
+                        "size: the plot's title ends with it")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -342,11 +344,14 @@ def main(argv=None, progress=None) -> int:
     sizes = {"min_size": args.min_size, "max_size": args.max_size, "repeats": args.repeats, "dtypes": args.dtypes,
              "layouts": args.layouts}  # fmt: skip
     json_path.write_text(json.dumps({"machine": info, "unfused_optimizer": args.unfused, "sizes": sizes,
-                                     "layouts": LAYOUT_NAMES, "points": points}, indent=2))  # fmt: skip
+                                     "cut_note": args.cut_note, "layouts": LAYOUT_NAMES, "points": points},
+                                    indent=2))  # fmt: skip
+    title = f"clip + optimizer step + scale update on {describe(info)}"
+    title += f"\n{args.cut_note}" if args.cut_note else ""
     png = plot(
         points,
         args.out / "sweep.png",
-        f"clip + optimizer step + scale update on {describe(info)}",
+        title,
         VARIANTS,
         LAYOUT_NAMES,
     )

@@ -38,6 +38,11 @@ fold the unscale and the clip's multiply run inside the optimizer's step, so com
     python bench/train_step.py                                   # CPU preset: ~5M parameters, float32
     python bench/train_step.py --device cuda --autocast float16  # GPU preset: ~100M parameters
     python bench/train_step.py --quick --out /tmp/ts             # a tiny model, 3 steps (smoke run)
+    python bench/train_step.py --replot out/train_step/train_step.json   # the plot again, from its JSON
+
+The plot (``figure``) puts the scaler's part of the step (``SCALER_PHASES``: scaler + step + update,
+the part the variants differ in) in a panel of its own, and the whole step with its phases below it;
+its title names the steps every median is over and, when run_all's re-planner cut them, says so.
 """
 
 from __future__ import annotations
@@ -71,6 +76,13 @@ VARIANTS = (
 DEFAULT_VARIANTS = [v for v in VARIANTS if v != "tritonscale-compiled" or has_torch(COMPILED_CLIP)]
 COMPILE_WARMUP = 3  # warm-up steps the compiled variant needs: compile, recompile once, run warm
 PHASES = ("forward", "backward", "scaler", "step", "update", "zero_grad")
+#: The phases the loss scaler runs or changes: the clip/unscale calls, the optimizer's step
+#: (``scaler.step``; in the fold it unscales and applies the clip's multiply inside) and the scale's
+#: update. Not forward (the model, under autocast), backward (the model's gradients; the scaler
+#: adds one multiply of the loss) or zero_grad (the optimizer's, or one fill of the flat buffer).
+#: Their per-step sum is what the variants are compared by (``scaler_step_update``).
+SCALER_PHASES = ("scaler", "step", "update")
+PHASE_ROLES = {"scaler": "the clip/unscale calls", "step": "scaler.step or optimizer.step", "update": "scaler.update"}
 PHASE_COLORS = {
     "forward": "tab:blue",
     "backward": "tab:cyan",
@@ -121,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of tritonscale-compiled")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/train_step"))
+    parser.add_argument("--cut-note", help="run_all's line saying its re-planner cut this run below the planned "
+                        "steps: the plot's title ends with it")  # fmt: skip
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="run nothing: draw train_step.png again from a train_step.json, next to it")  # fmt: skip
     args = parser.parse_args(argv)
     name = "quick" if args.quick else args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")
     overrides = {k: getattr(args, k) for k in ("d_model", "layers", "batch", "steps", "warmup")}
@@ -239,7 +255,7 @@ class Variant:
     def summary(self) -> dict:
         steps = self.step_samples()
         result = {"phases": {phase: quantiles(self.samples[phase]) for phase in PHASES}, "step": quantiles(steps)}
-        handling = [sum(parts) for parts in zip(*(self.samples[phase] for phase in ("scaler", "step", "update")))]
+        handling = [sum(parts) for parts in zip(*(self.samples[phase] for phase in SCALER_PHASES))]
         result["scaler_step_update"] = quantiles(handling)
         result["scaler_share"] = result["phases"]["scaler"]["median_ms"] / result["step"]["median_ms"]
         if scaler_ := self.scaler:
@@ -262,57 +278,158 @@ def plot(results: dict, path: Path, title: str) -> Path:
     return figures.save(figure(results), path, title)
 
 
+def plot_title(record: dict) -> str:
+    """The plot's title from the JSON record ``main`` writes: the model and its set-up, the steps every
+    median and p20-p80 is taken over, the machine, and, where run_all's re-planner cut the steps,
+    its line saying so (``--cut-note``)."""
+    a, p = record["args"], record["args"]["preset"]
+    lines = [
+        f"one training step, {setup_line(record['parameters'], record['tensors'], a)}",
+        f"{p['steps']} timed steps per variant (every median and p20-p80 is over them), after {p['warmup']} "
+        "warm-up, interleaved",
+        describe(record["machine"]),
+    ]
+    return "\n".join(lines + ([a["cut_note"]] if a.get("cut_note") else []))
+
+
+def setup_line(n_params: int, n_tensors: int, a: dict) -> str:
+    """``4.89M parameters in 78 tensors (6 blocks, d_model 256), 4x64 tokens, float32, ...``; ``a``: the
+    JSON record's ``args``."""
+    p = a["preset"]
+    model = f"{n_params / 1e6:.2f}M parameters in {n_tensors} tensors ({p['layers']} blocks, d_model {p['d_model']})"
+    return f"{model}, {p['batch']}x{p['context']} tokens, {a['dtype']}, autocast {a['autocast']}, clip {a['max_norm']}"
+
+
+def replot(json_path: Path, png_path: Path | None = None) -> Path:
+    """Draw ``train_step.png`` again from a ``train_step.json`` (next to it unless ``png_path``): a
+    committed result gets the current plot without running the benchmark again."""
+    record = json.loads(json_path.read_text())
+    return plot(record["variants"], png_path or json_path.with_name("train_step.png"), plot_title(record))
+
+
 STEP_COLOR = "0.75"  # the whole-step bars: light gray, beside the coloured phases
+PART_COLOR = "tab:purple"  # the scaler's part (the per-step sum of SCALER_PHASES)
+PART_OFFSETS = (-0.3, -0.1, 0.1, 0.3)  # the sum, then each of SCALER_PHASES, around the variant's tick
+MEDIANS_DO_NOT_ADD = (
+    "* the phases' medians stacked stand\nabove the whole step's median:\nmedians do not add (the median step"
+    "\nis not made of each phase's median)"
+)
 
 
 def figure(results: dict):
-    """Per variant, two bars side by side: the whole step drawn to its median with its p20-p80 as an
-    error bar centred on that median, and the phases' medians stacked. (The medians of the phases
-    do not add up to the median of the step, so the step gets a bar of its own, not the stack's top.)
+    """Two panels, the variants side by side in each.
+
+    Top, the scaler's part of the step (``SCALER_PHASES``), where the variants differ: per variant the
+    per-step sum of those phases and each of them, every bar drawn to its median with its p20-p80 as
+    a whisker centred on that median, and no-scaling's sum (the optimizer step alone) as a dashed
+    line; under each variant's name the sum's median [p20, p80] and its share of the step's median.
+    Compare the sum: the fold unscales and clips inside its step, so its scaler phase alone looks
+    cheap.
+
+    Bottom, the whole step and its phases: the step drawn to its median with its p20-p80 whisker and,
+    beside it, the phases' medians stacked. Forward and backward (most of the step) run the same
+    model in every variant, so a gap between whole steps that lies there is not the scaler's. The
+    phases' medians do not add up to the step's median: where their stack stands above the step's
+    bar, a ``*`` over the stack and a note beside the panel say so.
 
         fig = figure({"no-scaling": summary, ...})   # summary: Variant.summary()'s dict
     """
     plt = figures.pyplot()
-    names = list(results)
-    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 5.2))
-    step_x = [i - 0.2 for i in range(len(names))]
-    steps = [results[n]["step"] for n in names]
-    medians = [s["median_ms"] for s in steps]
-    ax.bar(step_x, medians, width=0.38, color=STEP_COLOR, edgecolor="black", lw=0.6, label="whole step (median)")
-    ax.errorbar(step_x, medians, yerr=[[m - s["q20_ms"] for m, s in zip(medians, steps)],
-                                       [s["q80_ms"] - m for m, s in zip(medians, steps)]],
-                fmt="_", color="black", ms=10, capsize=4, lw=1, label="whole step p20-p80 (on its median)")  # fmt: skip
-    bottoms = [0.0] * len(names)
-    for phase in PHASES:
-        heights = [results[n]["phases"][phase]["median_ms"] for n in names]
-        ax.bar([i + 0.2 for i in range(len(names))], heights, bottom=bottoms, width=0.38, color=PHASE_COLORS[phase],
-               label=f"{phase} (median)")  # fmt: skip
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    # A noisy neighbour can put a p80 tens of times above the medians: the axis stops at 2.5x the
-    # tallest bar (the whisker runs off the top). The figures go under each variant's name, outside
-    # the axes, where they hide no data (boxes above the bars hid the upper ends of the whiskers).
-    limit = 2.5 * max(medians + bottoms)
-    ax.set_ylim(0, 1.08 * min(limit, max([s["q80_ms"] for s in steps] + bottoms)))
-    ax.set_xticks(range(len(names)), [variant_label(name, results[name]) for name in names], fontsize=8)
-    ax.set_ylabel(
-        "ms per step: whole step (gray) | its phases (stacked)\nunder each variant: median [p20, p80] of the step"
-    )
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig, (part_ax, step_ax) = plt.subplots(2, 1, figsize=(1.6 * len(results) + 3.4, 10.0))
+    scaler_part_panel(part_ax, results)
+    whole_step_panel(step_ax, results)
     return fig
 
 
-def variant_label(name: str, result: dict) -> str:
-    """The variant's tick label: its name, its step's median [p20, p80] and the scaler's share."""
+def scaler_part_panel(ax, results: dict) -> None:
+    """The top panel of ``figure``: the scaler's part of the step, the sum and each of its phases."""
+    names = list(results)
+    groups = [("scaler + step + update (per-step sum)", PART_COLOR, [results[n]["scaler_step_update"] for n in names])]
+    groups += [(f"{phase}: {PHASE_ROLES[phase]}", PHASE_COLORS[phase], [results[n]["phases"][phase] for n in names])
+               for phase in SCALER_PHASES]  # fmt: skip
+    tops = []
+    for k, (offset, (label, color, stats)) in enumerate(zip(PART_OFFSETS, groups)):
+        xs = [i + offset for i in range(len(names))]
+        tops += median_bars(ax, xs, stats, 0.19, color, label, "p20-p80 (on its median)" if k == 0 else None)
+    if "no-scaling" in results:
+        base = results["no-scaling"]["scaler_step_update"]["median_ms"]
+        ax.axhline(base, ls="--", lw=1, color=PART_COLOR, label="no-scaling's sum: the optimizer step alone")
+    spread = [s["q80_ms"] for _, _, stats in groups for s in stats]
+    ax.set_ylim(0, y_top(tops, spread))
+    ax.set_xticks(range(len(names)), [part_label(n, results[n]) for n in names], fontsize=8)
+    ax.set_title("the scaler's part of the step: clip/unscale + step + update\n"
+                 "the fold unscales and clips inside its step: compare the sums", fontsize=9)  # fmt: skip
+    ax.set_ylabel("ms per step\nunder each variant: scaler + step + update,\nmedian [p20, p80], share of the step")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def whole_step_panel(ax, results: dict) -> None:
+    """The bottom panel of ``figure``: the whole step against its phases' medians stacked."""
+    names = list(results)
+    steps = [results[n]["step"] for n in names]
+    medians = median_bars(ax, [i - 0.2 for i in range(len(names))], steps, 0.38, STEP_COLOR, "whole step (median)",
+                          "whole step p20-p80 (on its median)")  # fmt: skip
+    stack_x = [i + 0.2 for i in range(len(names))]
+    bottoms = [0.0] * len(names)
+    for phase in PHASES:
+        heights = [results[n]["phases"][phase]["median_ms"] for n in names]
+        ax.bar(stack_x, heights, bottom=bottoms, width=0.38, color=PHASE_COLORS[phase], label=f"{phase} (median)")
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    taller = [i for i, (stack, step) in enumerate(zip(bottoms, medians)) if stack > step]
+    for i in taller:
+        ax.annotate("*", (stack_x[i], bottoms[i]), xytext=(0, 3), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=12, fontweight="bold")  # fmt: skip
+    if taller:  # beside the panel, under its legend, where it hides no data
+        ax.text(1.01, 0.0, MEDIANS_DO_NOT_ADD, transform=ax.transAxes, ha="left", va="bottom", fontsize=8)
+    ax.set_ylim(0, y_top(medians + bottoms, [s["q80_ms"] for s in steps]))
+    ax.set_xticks(range(len(names)), [step_label(n, results[n]) for n in names], fontsize=8)
+    ax.set_title("the whole step and its phases\n"
+                 "forward, backward: the same model in every variant, not the scaler's", fontsize=9)  # fmt: skip
+    ax.set_ylabel("ms per step: whole step (gray) | its phases\n(stacked medians); under each variant:\n"
+                  "median [p20, p80] of the step")  # fmt: skip
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def median_bars(ax, xs: list[float], stats: list[dict], width: float, color: str, label: str,
+                spread_label: str | None) -> list[float]:  # fmt: skip
+    """Bars at ``xs`` drawn to each of ``stats``' medians (``timing.quantiles`` dicts), each with its
+    p20-p80 as a whisker centred on that median; returns the medians."""
+    medians = [s["median_ms"] for s in stats]
+    ax.bar(xs, medians, width=width, color=color, edgecolor="black", lw=0.6, label=label)
+    ax.errorbar(xs, medians, yerr=[[m - s["q20_ms"] for m, s in zip(medians, stats)],
+                                   [s["q80_ms"] - m for m, s in zip(medians, stats)]],
+                fmt="_", color="black", ms=40 * width, capsize=3, lw=1, label=spread_label)  # fmt: skip
+    return medians
+
+
+def y_top(heights: list[float], q80s: list[float]) -> float:
+    """The top of a panel's axis. A noisy neighbour can put a p80 tens of times above the medians: the
+    axis stops at 2.5x the tallest bar (the whisker runs off the top). The figures go under each
+    variant's name, outside the axes, where they hide no data."""
+    return 1.08 * min(2.5 * max(heights), max(q80s + heights))
+
+
+def part_label(name: str, result: dict) -> str:
+    """A top-panel tick label: the variant, its scaler's part's median [p20, p80] and share of the step."""
+    part, step = result["scaler_step_update"], result["step"]
+    share = part["median_ms"] / step["median_ms"]
+    return f"{name}\n{part['median_ms']:.2f} ms\n[{part['q20_ms']:.3g}, {part['q80_ms']:.3g}]\n{share:.1%} of the step"
+
+
+def step_label(name: str, result: dict) -> str:
+    """A bottom-panel tick label: the variant and its whole step's median [p20, p80]."""
     s = result["step"]
-    return (
-        f"{name}\n{s['median_ms']:.1f} ms\n[{s['q20_ms']:.3g}, {s['q80_ms']:.3g}]\nscaler {result['scaler_share']:.1%}"
-    )
+    return f"{name}\n{s['median_ms']:.1f} ms\n[{s['q20_ms']:.3g}, {s['q80_ms']:.3g}]"
 
 
 def main(argv=None, progress=None) -> int:
     """Run the benchmark; ``progress(done, total)`` is called after every step of all variants (run_all's bar)."""
     args = parse_args(argv)
+    if args.replot:
+        print(f"wrote {replot(args.replot)}")
+        return 0
     p = args.preset
     device = torch.device(args.device)
     info = machine(device)
@@ -320,10 +437,12 @@ def main(argv=None, progress=None) -> int:
     n_params = sum(x.numel() for x in next(iter(variants.values())).params)
     n_tensors = len(next(iter(variants.values())).params)
     batches = make_batches(p, device, args.seed)
-    setup = (f"{n_params / 1e6:.2f}M parameters in {n_tensors} tensors ({p.layers} blocks, d_model {p.d_model}), "
-             f"{p.batch}x{p.context} tokens, {args.dtype}, autocast {args.autocast}, clip {args.max_norm}")  # fmt: skip
+    meta = {k: v for k, v in vars(args).items() if k not in ("out", "preset", "replot")} | {"preset": asdict(p)}
     print(f"train_step on {describe(info)}")
-    print(f"{setup}; {p.steps} steps after {p.warmup} warm-up, interleaved; median ms [20%, 80%]")
+    print(f"{setup_line(n_params, n_tensors, meta)}; {p.steps} steps after {p.warmup} warm-up, interleaved; "
+          "median ms [20%, 80%]")  # fmt: skip
+    if args.cut_note:
+        print(args.cut_note)
     total = p.warmup + p.steps
     order = list(variants.values())
     for i in range(total):
@@ -354,13 +473,13 @@ def main(argv=None, progress=None) -> int:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "train_step.json"
-    meta = {k: v for k, v in vars(args).items() if k not in ("out", "preset")} | {"preset": asdict(p)}
-    json_path.write_text(json.dumps({
+    record = {
         "machine": info, "args": meta, "parameters": n_params, "tensors": n_tensors, "phases": list(PHASES),
         "median_step_ms": {n: r["step"]["median_ms"] for n, r in results.items()}, "variants": results,
         "raw_ms": {n: {ph: [t * 1e3 for t in v.samples[ph]] for ph in PHASES} for n, v in variants.items()},
-    }, indent=2))  # fmt: skip
-    png = plot(results, args.out / "train_step.png", f"one training step, {setup}\n{describe(info)}")
+    }  # fmt: skip
+    json_path.write_text(json.dumps(record, indent=2))
+    png = plot(results, args.out / "train_step.png", plot_title(record))
     print(f"wrote {json_path} and {png}")
     return 0
 

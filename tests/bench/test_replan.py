@@ -5,6 +5,8 @@ nothing here looks at a real time."""
 from __future__ import annotations
 
 import sys
+import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,93 @@ def test_under_load_the_pilots_and_every_stage_after_run_on_one_thread(monkeypat
     assert threads["changes"] == [{"where": "before measuring", "threads": 1,
                                    "parallel_op_ms": {"2 threads": 3.8, "1 thread": 0.2}}]  # fmt: skip
     assert "run_all: torch threads 2 -> 1 before measuring" in capsys.readouterr().out
+
+
+# ------------------------------------------------------- a cut is said: run_all's summary, the stage's title
+
+
+def test_a_cut_says_planned_against_run_and_why():
+    why = {"slowdown": 3.1, "time_left_s": 52.0}
+    assert replan.cut_note({"steps": 40}, {"steps": 10}, why, 206.0) == (
+        "CUT by the re-planner: 10 of 40 planned steps (the machine 3.1x slower than the pilots, 52 s left of the "
+        "206 s estimate)"
+    )
+    sweep = replan.cut_note({"max_size": 2**26, "repeats": 15}, {"max_size": 2**22, "repeats": 5}, why, 206.0)
+    assert sweep.startswith("CUT by the re-planner: 4M of 64M planned elements at the largest size, 5 of 15 planned "
+                            "repeats (")  # fmt: skip
+    grown = replan.cut_note({"max_size": 2**26, "repeats": 9}, {"max_size": 2**24, "repeats": 15}, why, 206.0)
+    assert "16M of 64M planned elements at the largest size, 15 repeats (9 planned)" in grown
+    assert replan.is_cut({"steps": 40}, {"steps": 10}) and not replan.is_cut({"steps": 40}, {"steps": 50})
+
+
+def test_every_stage_run_below_its_plan_is_recorded_as_cut_and_no_other():
+    _, _, replanner, _ = fake_run(SCENARIOS["every stage runs 3x"])
+    record = replanner.record()
+    below = [s for s, r in record["stages"].items() if replan.is_cut(r["planned_size"], r["size"])]
+    assert below and list(record["cuts"]) == below  # the oracle: the sizes run against the sizes planned
+    for stage, cut in record["cuts"].items():
+        planned, size = cut["planned_size"], cut["size"]
+        assert (planned, size) == (record["stages"][stage]["planned_size"], record["stages"][stage]["size"])
+        assert cut["note"].startswith("CUT by the re-planner: ") and "slower than the pilots" in cut["note"]
+        for key in planned:
+            if size[key] < planned[key]:
+                assert f"{replan.count(size[key])} of {replan.count(planned[key])} planned" in cut["note"]
+    assert all(record["stages"][s]["cut"] is None for s in record["stages"] if s not in record["cuts"])
+
+
+def test_a_run_on_time_cuts_nothing_and_its_summary_says_so():
+    import run_all
+
+    _, _, replanner, _ = fake_run(lambda k, stage: 1.0)
+    assert replanner.record()["cuts"] == {} and replanner.cut("train_step") is None
+    assert run_all.cut_summary(replanner.record()) == (
+        "run_all: no stage cut: every stage ran at its planned size or above"
+    )
+
+
+def test_run_all_tells_each_cut_stage_and_lists_every_cut_at_the_end(monkeypatch, tmp_path, capsys):
+    # The oracle: the command line each (fake) stage is given, and the sizes run_all.json says it ran at.
+    import json
+
+    import run_all
+
+    m = measurement()
+    plan = budget.plan(m, 240.0, PRESET_STEPS)
+    given, clock = {}, [m["seconds"]]
+
+    def fake_stage(name):
+        def main(argv, progress):
+            given[name] = argv
+            clock[0] += 3.0 * plan["stage_estimate_s"][name]  # load from after the pilots: 3x
+            return 0
+
+        return main
+
+    monkeypatch.setattr(run_all, "ENTRY_POINTS", {name: fake_stage(name) for name in run_all.ENTRY_POINTS})
+    monkeypatch.setattr(run_all, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=time.time))
+    monkeypatch.setattr(run_all, "probe_slowdown", lambda m: 3.0)
+    monkeypatch.setattr(run_all, "fit_threads", lambda where, threads: None)
+    monkeypatch.setattr(run_all.budget, "measure", lambda fp16_slowdown: measurement())
+    assert run_all.main(["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "run_all.json").read_text())["replanning"]
+    cuts = record["cuts"]
+    assert "train_step" in cuts  # at 3x the whole-step benchmark does not keep its planned steps
+    for stage, argv in given.items():
+        if stage in cuts:
+            assert argv[argv.index("--cut-note") + 1] == cuts[stage]["note"]
+            assert shown_in(argv, cuts[stage]["size"])  # and the size it was cut to
+        else:
+            assert "--cut-note" not in argv
+    summary = run_all.cut_summary(record)
+    assert summary in out and f"; {', '.join(cuts)} CUT by the re-planner (above); results in" in out
+    assert summary.splitlines()[0] == f"run_all: {len(cuts)} stage{'s' * (len(cuts) != 1)} CUT by the re-planner " \
+                                      "(their plots' titles say so too):"
+    for stage, cut in cuts.items():
+        line = next(line for line in summary.splitlines() if line.split()[1:2] == [stage])
+        assert line == f"run_all:   {stage:<12} {cut['note'].removeprefix('CUT by the re-planner: ')}"
+
+
+def shown_in(argv: list[str], size: dict) -> bool:
+    """Whether ``argv`` gives the stage every number of ``size`` (``budget.stage_arguments``' options)."""
+    return all(argv[argv.index("--" + key.replace("_", "-")) + 1] == str(value) for key, value in size.items())
