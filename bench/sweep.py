@@ -56,7 +56,7 @@ import sys
 from pathlib import Path
 
 import torch
-from sweep_plot import plot
+from sweep_plot import figure_title, plot
 from timing import describe, format_ratio, interleaved, machine, split_sizes, spread_of
 
 import tritonscale
@@ -343,13 +343,7 @@ def main(argv=None, progress=None) -> int:
              "layouts": args.layouts}  # fmt: skip
     json_path.write_text(json.dumps({"machine": info, "unfused_optimizer": args.unfused, "sizes": sizes,
                                      "layouts": LAYOUT_NAMES, "points": points}, indent=2))  # fmt: skip
-    png = plot(
-        points,
-        args.out / "sweep.png",
-        f"clip + optimizer step + scale update on {describe(info)}",
-        VARIANTS,
-        LAYOUT_NAMES,
-    )
+    png = plot(points, args.out / "sweep.png", figure_title(info), VARIANTS, LAYOUT_NAMES)
     print(f"wrote {json_path} and {png}")
     if any(p.get("above_copy") for p in points):
         print(
