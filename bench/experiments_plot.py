@@ -62,15 +62,16 @@ def applied_norms(series: dict) -> list[float]:
 def gap_note(runs: dict[str, dict]) -> str:
     """The norm panel's note on its gaps: one clause for each reason ``applied_norms`` breaks a line
     that occurs in ``runs`` (a non-finite norm, the step skipped, also marked on the top edge; a
-    skipped step with a finite norm; a norm of 0 or below, off a log axis); "" when no line breaks."""
+    skipped step with a finite norm; a norm of 0 or below, off a log axis), a line each; "" when no
+    line breaks."""
     reasons = []
     if any(not math.isfinite(n) for s in runs.values() for n in s["grad_norm"]):
         reasons.append("gaps and \u25bc on the top edge: non-finite norm (step skipped)")
     if any(skipped and math.isfinite(n) for s in runs.values() for n, skipped in zip(s["grad_norm"], s["skipped"])):
-        reasons.append("gaps: skipped step (its finite norm not applied)")
+        reasons.append("gaps: skipped step, its finite norm not applied")
     if any(math.isfinite(n) and n <= 0 for s in runs.values() for n in s["grad_norm"]):
         reasons.append("gaps: norm 0 (off the log axis)")
-    return "; ".join(reasons)
+    return "\n".join(reasons)
 
 
 def mark_non_finite(ax, run_name: str, series: dict, style: dict) -> None:

@@ -50,14 +50,17 @@ SPREAD_NOTE = (
     "speed-up, filled markers: median of the per-round ratios (round r: torch's time in round r / ours in that "
     "round); hollow: the ratio of the two medians above, which can differ"
 )
+MEDIANS_NOTE = "speed-up: the ratio of the two medians above (no rounds kept, so no per-round spread)"
 
 
 def plot(points: list[dict], path: Path, title: str, variants: tuple[str, ...], layout_names: dict) -> Path:
     """Write the figure of ``points`` (bench_point's dicts) to ``path`` (PNG)."""
     fig = figure(points, variants, layout_names)
     notes = "; ".join(f"{k}: {layout_names[k]}" for k in dict.fromkeys(p["layout"] for p in points))
-    caption = (f"{title}\nlayouts: {notes}\nbars: p20-p80 of the rounds (across 1x: noise); a size's points are "
-               f"nudged apart along x, so that none hides another\n{SPREAD_NOTE}")  # fmt: skip
+    rounds = [speedup(p, key, a, b)["rounds"] for p in points for key, _, a, b, *_ in RATIOS if key in p]
+    speedup_note = SPREAD_NOTE if any(r is not None for r in rounds) else MEDIANS_NOTE if rounds else ""
+    caption = (f"{title}\nlayouts: {notes}\nbars: p20-p80 of the timed rounds (across 1x: noise); a size's points are "
+               f"nudged apart along x, so that none hides another\n{speedup_note}").rstrip()  # fmt: skip
     height = fig.get_figheight()
     return figures.save(fig, path, caption, rect=(0, 0.35 / height, 1, 1 - 0.45 / height))
 
