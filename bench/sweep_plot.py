@@ -172,8 +172,8 @@ def statistic_label(rounds: list[int | None]) -> str:
     counts = sorted({r for r in rounds if r is not None})
     if not counts:
         return "torch/ours: ratio of the\nmedian times (no rounds kept)"
-    many = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    return f"median over {many} rounds\nof per-round torch/ours ratios"
+    span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"median over {span} rounds\nof per-round torch/ours ratios"
 
 
 def speedup_panel(ax, series: list[dict], name: str) -> None:

@@ -4,6 +4,7 @@ the data have one, and the skipped-steps count has integer ticks only."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -76,3 +77,11 @@ def test_the_skipped_steps_count_has_integer_ticks_only():
         ticks = [t for t in ax.get_yticks() if low <= t <= high]
         assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
     experiments_plot.figures.pyplot().close(fig)
+
+
+def test_redraw_draws_the_png_beside_its_json_from_that_file_alone(tmp_path):
+    machine = {"device": "cpu", "processor": "test CPU", "threads": 2, "torch": "2.x", "triton": "3.x"}
+    path = tmp_path / "experiments.json"
+    path.write_text(json.dumps({"machine": machine, "results": [overflow_result(), finite_result()]}))
+    assert experiments_plot.main([str(path)]) == 0
+    assert (tmp_path / "experiments.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

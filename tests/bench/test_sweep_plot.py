@@ -7,6 +7,7 @@ naming its statistic and the rounds it is the median of, with the ratio of the m
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -200,3 +201,11 @@ def test_without_rounds_the_speed_up_axis_says_it_is_the_ratio_of_the_medians():
     assert "ratio of the median times" in " ".join(ax.get_ylabel().split())
     assert not [line for line in ax.get_lines() if "ratio of the medians" in line.get_label()]
     sweep_plot.figures.pyplot().close(fig)
+
+
+def test_redraw_draws_the_png_beside_its_json_from_that_file_alone(tmp_path):
+    machine = {"device": "cpu", "processor": "test CPU", "threads": 2, "torch": "2.x", "triton": "3.x"}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"machine": machine, "layouts": sweep.LAYOUT_NAMES, "points": synthetic_points()}))
+    assert sweep_plot.main([str(path)]) == 0
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
