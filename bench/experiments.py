@@ -383,9 +383,7 @@ def main(argv=None, progress=None) -> int:
     sizes = asdict(preset) | {"steps": steps, "fp16_d_model": args.fp16_d_model or preset.d_model}
     json_path.write_text(json.dumps({"machine": info, "args": vars(args) | {"out": str(args.out)}, "sizes": sizes,
                                      "results": results}))  # fmt: skip
-    title = f"torch.amp.GradScaler vs tritonscale on {describe(info)}"
-    title += f"\n{args.cut_note}" if args.cut_note else ""
-    png = experiments_plot.plot(results, args.out / "experiments.png", title)
+    png = experiments_plot.plot(results, args.out / "experiments.png", experiments_plot.figure_title(info, args.cut_note))
     print(f"wrote {json_path} and {png}")
     return 0
 

@@ -56,7 +56,7 @@ import sys
 from pathlib import Path
 
 import torch
-from sweep_plot import plot
+from sweep_plot import figure_title, plot
 from timing import describe, format_ratio, interleaved, machine, split_sizes, spread_of
 
 import tritonscale
@@ -346,15 +346,7 @@ def main(argv=None, progress=None) -> int:
     json_path.write_text(json.dumps({"machine": info, "unfused_optimizer": args.unfused, "sizes": sizes,
                                      "cut_note": args.cut_note, "layouts": LAYOUT_NAMES, "points": points},
                                     indent=2))  # fmt: skip
-    title = f"clip + optimizer step + scale update on {describe(info)}"
-    title += f"\n{args.cut_note}" if args.cut_note else ""
-    png = plot(
-        points,
-        args.out / "sweep.png",
-        title,
-        VARIANTS,
-        LAYOUT_NAMES,
-    )
+    png = plot(points, args.out / "sweep.png", figure_title(info, args.cut_note), VARIANTS, LAYOUT_NAMES)
     print(f"wrote {json_path} and {png}")
     if any(p.get("above_copy") for p in points):
         print(
