@@ -20,8 +20,9 @@ def scale_outputs(outputs: Any, scale_on: Callable[[torch.device], torch.Tensor]
     the first tensor met, as in torch. Lists and tuples keep their type; other iterables come back
     as lazy maps, as torch's do.
     """
-    if isinstance(outputs, torch.Tensor):
-        return outputs * moved_to(scale_on(outputs.device), outputs.device)
+    if isinstance(outputs, torch.Tensor):  # every step's case: one multiply
+        device = outputs.device  # (a property read is a call into torch: once)
+        return outputs * moved_to(scale_on(device), device)
     replicas: list[PerDevice] = []
 
     def apply_scale(value: Any) -> Any:
