@@ -16,6 +16,7 @@ from tests.test_public_modules import PUBLIC_MODULES, load
 #: and every public method and property their classes define. The rest of the public API is to follow.
 COVERED = {
     "tritonscale.GradScaler",
+    "tritonscale.LossScalePolicy",
 }
 
 
