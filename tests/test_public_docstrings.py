@@ -17,6 +17,10 @@ from tests.test_public_modules import PUBLIC_MODULES, load
 COVERED = {
     "tritonscale.GradScaler",
     "tritonscale.LossScalePolicy",
+    "tritonscale.SkipAwareLR",
+    "tritonscale.CapturedStep",
+    "tritonscale.StepLog",
+    "tritonscale.flatten_grads_",
 }
 
 
