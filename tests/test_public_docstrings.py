@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+import tritonscale
+
 from tests.test_public_modules import PUBLIC_MODULES, load
 
 
@@ -21,6 +23,8 @@ COVERED = {
     "tritonscale.CapturedStep",
     "tritonscale.StepLog",
     "tritonscale.flatten_grads_",
+    "tritonscale.PeerPreset",
+    *(f"tritonscale.presets.{name}" for name in tritonscale.presets.__all__),
 }
 
 
