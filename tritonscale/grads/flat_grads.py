@@ -36,6 +36,13 @@ def flatten_grads_(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
     ``optimizer.zero_grad(set_to_none=False)`` (``set_to_none=True`` drops the views and the next
     backward allocates ordinary gradients again, which still work, through the pointer table).
 
+    Args:
+        params: the parameters (an iterable, as ``model.parameters()``); repeated ones and those
+            that do not require a gradient are left out.
+
+    Returns:
+        a list with one flat 1-D buffer per (device, dtype), each parameter's ``.grad`` a view into it.
+
     Example::
 
         model = torch.nn.Linear(64, 64)

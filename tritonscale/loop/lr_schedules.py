@@ -42,6 +42,17 @@ class SkipAwareLR:
     device), and OneCycleLR's own ``total_steps`` is the default. A tensor lr is set on the device;
     a float lr costs one host read per ``step()`` (pass ``lr=torch.tensor(...)`` to avoid it).
 
+    Args:
+        scheduler: a torch lr scheduler, built and not yet stepped (``last_epoch == 0``).
+        scaler: the scaler whose ``last_skip_flag()`` tells whether each step was applied.
+        total_steps: how many times ``step()`` will be called; None (the default) takes a
+            OneCycleLR's own ``total_steps``.
+
+    Raises:
+        ValueError: a scheduler already stepped, one that cannot be tabled, or a missing or invalid
+            ``total_steps``.
+        TypeError: a scheduler that cannot be tabled, or a scaler without ``last_skip_flag()``.
+
     Example::
 
         model = torch.nn.Linear(4, 2)
@@ -92,7 +103,11 @@ class SkipAwareLR:
 
     @property
     def applied_steps(self) -> torch.Tensor:
-        """The number of applied steps so far: a 0-dim int64 device tensor (a copy)."""
+        """The number of applied steps so far: a 0-dim int64 device tensor (a copy).
+
+        Returns:
+            the count, a new 0-dim int64 tensor.
+        """
         return self._count.clone()
 
     def step(self) -> None:
@@ -169,17 +184,34 @@ class SkipAwareLR:
 
     def get_last_lr(self) -> list[torch.Tensor | float]:
         """Each group's current rate: a device tensor (a copy, not the group's lr) for a tensor lr,
-        a float for a float lr (that group's value, as torch's get_last_lr)."""
+        a float for a float lr (that group's value, as torch's get_last_lr).
+
+        Returns:
+            a list with one rate per param group.
+        """
         return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
         """``applied_steps`` (a device tensor copy) and ``calls`` (the number of step() calls, replays of a
-        captured step() included: read on the host)."""
+        captured step() included: read on the host).
+
+        Returns:
+            a dict with those two entries.
+        """
         return {"applied_steps": self._count.clone(), "calls": int(self._calls)}  # calls: one host read
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the count, the calls, and each group's rate for that count. Reads the count on the
-        host once to check it (a load, not a step). Raises, changing nothing, on a malformed state."""
+        host once to check it (a load, not a step). Raises, changing nothing, on a malformed state.
+
+        Args:
+            state_dict: the dict :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: not a dict of those two entries, a non-integer entry, or one outside
+                ``0 <= applied_steps <= calls <= total_steps``.
+            RuntimeError: the optimizer's param groups changed since construction.
+        """
         applied, calls = _checked_state(state_dict, self.total_steps)
         self._check_groups()
         self._count.fill_(applied)

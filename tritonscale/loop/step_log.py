@@ -89,6 +89,17 @@ class StepLog:
     A scaler made with ``enabled=False`` has no stats: ``record`` raises ``stats()``'s error
     (log ``clip_grad_norm_``'s return value and ``last_skip_flag()`` instead).
 
+    Args:
+        delay: how many later records a row waits for before ``ready()`` hands it out, an int >= 0
+            (1 by default).
+        slots: the rows the host ring holds, an int >= ``delay + 1``; None (the default) for
+            ``delay + 4``.
+        on_ready: a callable ``(step, values)`` called for each row handed out, or None (the default).
+
+    Raises:
+        TypeError: a ``delay`` or ``slots`` that is not an int, or an ``on_ready`` not callable.
+        ValueError: a ``delay`` below 0, or ``slots`` below ``delay + 1``.
+
     Example (a fused optimizer, so no line of the loop reads the device)::
 
         import torch
@@ -128,7 +139,17 @@ class StepLog:
 
     def record(self, scaler, step: int | None = None) -> None:
         """Start copying this step's ``scaler.stats()`` to the host; ``step`` defaults to the
-        number of rows recorded so far. Raises before any change on bad input."""
+        number of rows recorded so far. Raises before any change on bad input.
+
+        Args:
+            scaler: the scaler whose ``stats()`` are recorded.
+            step: the row's step, a Python int; None (the default) for the number of rows recorded.
+
+        Raises:
+            TypeError: a ``step`` that is not an int (a bool, a float, a tensor), or a scaler
+                without ``stats()``.
+            RuntimeError: a disabled scaler (``stats()``'s error).
+        """
         step = self._records if step is None else _step(step)
         check_scaler(scaler, "StepLog.record", "stats")
         stats = scaler.stats()  # raises NO_STATS_WHEN_DISABLED for a disabled scaler
@@ -148,14 +169,22 @@ class StepLog:
         self._records += 1
 
     def ready(self) -> list[tuple[int, dict]]:
-        """The rows at least ``delay`` records old whose copy has finished, oldest first. Never waits."""
+        """The rows at least ``delay`` records old whose copy has finished, oldest first. Never waits.
+
+        Returns:
+            a list of ``(step, values)``, ``values`` a dict from each stat's name to a Python number.
+        """
         # The pending rows are the latest records, so the oldest has len(pending) - 1 records after it.
         while len(self._pending) > self.delay and self._pending[0].done():
             self._finish_oldest(wait=False)
         return self._hand_out()
 
     def flush(self) -> list[tuple[int, dict]]:
-        """Every row not yet handed out, oldest first, whatever its age (waits for their copies)."""
+        """Every row not yet handed out, oldest first, whatever its age (waits for their copies).
+
+        Returns:
+            a list of ``(step, values)``, as :meth:`ready`'s.
+        """
         while self._pending:
             self._finish_oldest(wait=True)
         return self._hand_out()

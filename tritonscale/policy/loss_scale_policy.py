@@ -84,6 +84,47 @@ _STAMPS = itertools.count()
 class LossScalePolicy:
     """The knobs of the loss-scale rule. Defaults are torch.amp.GradScaler's behaviour exactly.
 
+    The knobs are checked by :meth:`validate` (a GradScaler calls it), not by the constructor.
+
+    Args:
+        growth_factor: the factor the scale grows by (2.0, torch's).
+        backoff_factor: the factor an overflow multiplies the scale by (0.5, torch's).
+        growth_interval: the consecutive good steps before the scale grows (2000, torch's).
+        dynamic: False for a fixed scale that never changes (True: dynamic scaling).
+        skip_on_overflow: whether an overflow skips the optimizer step (True); False lets it go ahead.
+        hysteresis: the overflows seen since the last growth before a backoff (1: every overflow).
+        consecutive_hysteresis: whether every good step restores the hysteresis budget (DeepSpeed's;
+            False: only a growth does).
+        hysteresis_refill_on_backoff: whether every backoff restores the budget too (TensorFlow's; False).
+        min_scale: the scale's floor (None: no clamp, a backoff never below 2**-126).
+        max_scale: the scale's ceiling (None: none).
+        on_min_scale: what an overflow at the floor does: "clamp" (the default), "warn" or "raise".
+        max_consecutive_skips: raise when more than this many steps in a row were skipped (None: never).
+        skip_norm_above: skip the step when the norm is above this (None: off).
+        skip_norm_factor: skip the step when the norm is above this times the running average of
+            past norms (None: off).
+        norm_average_decay: the decay of that running average (0.99).
+        norm_warmup_steps: the norms averaged before ``skip_norm_factor`` applies (10).
+        growth_delay: the extra good steps the first growth after an overflow, and at the start,
+            waits (DeepSpeed's ``stable_interval``; 0: none).
+        overflow_tolerance: back off only when the share of overflowed updates since the scale last
+            changed reaches this (fairseq's ``fp16_scale_tolerance``; 0.0: every overflow).
+        raise_at_scale: an overflow that leaves the scale at or below this raises FloatingPointError
+            (fairseq's ``min_loss_scale``; None: never).
+        skip_norm_sigma: OLMo-core's z-score skip: skip when the norm is this many standard deviations
+            above the mean of the last ``skip_norm_window`` norms (None: off).
+        skip_norm_window: the norms that z-score window holds (128).
+        skip_norm_min_steps: the constant in the z-score skip's start, ``max(min_steps, window // 2)``
+            norms seen (2).
+        clip_norm_z: ZClip's adaptive clip: the z-score above which the norm is clipped (None: off).
+        clip_norm_alpha: the decay of ZClip's averages of the norm's mean and variance (0.97).
+        clip_norm_warmup_steps: the first norms ZClip's averages start from (25).
+        clip_norm_mode: ZClip's mode, "zscore" (the default) or "percentile".
+        clip_norm_option: what a z-score spike is clipped to: "adaptive_scaling" (the default) or "mean".
+        clip_norm_factor: the factor the adaptive clip value is multiplied by (1.0).
+        clip_norm_eps: added to the standard deviation in ZClip's z-score (1e-6).
+        clip_norm_skip_update_on_spike: whether a clipped spike stays out of ZClip's averages (False).
+
     Example::
 
         # Megatron-LM's DynamicGradScaler: floor 1, back off after 2 overflows
@@ -192,7 +233,18 @@ class LossScalePolicy:
 
     def check_scale_in_bounds(self, name: str, scale: float) -> float:
         """``scale`` within [min_scale, max_scale]: a scale outside would be used as is until the
-        first update clamps it, so it is refused where it is set (constructor, load_state_dict)."""
+        first update clamps it, so it is refused where it is set (constructor, load_state_dict).
+
+        Args:
+            name: the scale's name in the refusal (``"init_scale"``).
+            scale: the scale to check.
+
+        Returns:
+            ``scale``, unchanged.
+
+        Raises:
+            ScalerConfigError: ``scale`` below ``min_scale`` or above ``max_scale``.
+        """
         if self.min_scale is not None and scale < self.min_scale:
             raise ScalerConfigError(f"{name}={scale!r} is below min_scale={self.min_scale!r}")
         if self.max_scale is not None and scale > self.max_scale:
@@ -219,6 +271,12 @@ class LossScalePolicy:
 
         ``skip_on_overflow=False`` lets the step go ahead on inf/NaN (MindSpore's
         ``drop_overflow_update=False``; TensorFlow 1.x's LossScaleOptimizer always drops it).
+
+        Args:
+            skip_on_overflow: whether an overflow skips the step (True by default).
+
+        Returns:
+            a policy with ``dynamic=False``.
         """
         return cls(dynamic=False, skip_on_overflow=skip_on_overflow)
 
@@ -232,6 +290,15 @@ class LossScalePolicy:
         off, not on a good step; a backoff never goes below 1. The ratios are rounded to float32, as
         TensorFlow multiplies its float32 scale by them (0.8 is not a float32 number: unrounded, about
         one update in three would differ from TensorFlow's in the last bit).
+
+        Args:
+            incr_every_n_steps: the good steps before the scale grows (``growth_interval``).
+            decr_every_n_nan_or_inf: the overflows before a backoff (``hysteresis``; 2 by default).
+            incr_ratio: the growth factor (2.0 by default), rounded to float32.
+            decr_ratio: the backoff factor (0.8 by default), rounded to float32.
+
+        Returns:
+            the policy, with ``hysteresis_refill_on_backoff=True`` and ``min_scale=1.0``.
         """
         return cls(
             growth_factor=as_float32(incr_ratio),
@@ -248,18 +315,38 @@ class LossScalePolicy:
     # Tensors are only ever written through ``form.store`` or torch's in-place ops, at their addresses.
     def knobs_set(self, names: tuple[str, ...]) -> list[str]:
         """``name=value`` of each knob of ``names`` that is on (not None). Example:
-        ``LossScalePolicy(clip_norm_z=2.5).knobs_set(NORM_RULE_KNOBS) == ["clip_norm_z=2.5"]``."""
+        ``LossScalePolicy(clip_norm_z=2.5).knobs_set(NORM_RULE_KNOBS) == ["clip_norm_z=2.5"]``.
+
+        Args:
+            names: the knobs' names to look at.
+
+        Returns:
+            a list of ``"name=value"`` strings, in the order of ``names``.
+        """
         return [f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) is not None]
 
     def has_norm_history(self) -> bool:
-        """A rule that keeps a history of clip_grad_norm_'s norms is on (``NORM_HISTORY_KNOBS``)."""
+        """A rule that keeps a history of clip_grad_norm_'s norms is on (``NORM_HISTORY_KNOBS``).
+
+        Returns:
+            True when any of those knobs is not None.
+        """
         return any(getattr(self, name) is not None for name in NORM_HISTORY_KNOBS)
 
     def has_norm_skip(self) -> bool:
+        """A rule that skips the step from the norm is on.
+
+        Returns:
+            True when ``skip_norm_above``, ``skip_norm_factor`` or ``skip_norm_sigma`` is not None.
+        """
         return self.skip_norm_above is not None or self.skip_norm_factor is not None or self.skip_norm_sigma is not None
 
     def has_spike_state(self) -> bool:
-        """A spike rule that keeps ``spike_stats`` (spike_rules.py) is on."""
+        """A spike rule that keeps ``spike_stats`` (spike_rules.py) is on.
+
+        Returns:
+            True when ``skip_norm_sigma`` or ``clip_norm_z`` is not None.
+        """
         return self.skip_norm_sigma is not None or self.clip_norm_z is not None
 
     def skip_decision(
@@ -271,7 +358,18 @@ class LossScalePolicy:
         spike_stats: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """float32 0-dim: 1.0 where the optimizer step must be skipped. ``spike_stats``: the z-score
-        skip's window (spike_rules.py), needed with ``skip_norm_sigma``."""
+        skip's window (spike_rules.py), needed with ``skip_norm_sigma``.
+
+        Args:
+            found_inf: the overflow flag, a 0-dim tensor (> 0: inf/NaN).
+            norm: the clip's norm, a 0-dim tensor; None when nothing was clipped.
+            norm_stats: the running norm average's state tensor.
+            form: ON_DEVICE (tensor ops, the default) or ON_HOST (numbers read from the tensors).
+            spike_stats: the spike rules' state tensor; None where no spike rule is on.
+
+        Returns:
+            a float32 0-dim tensor on ``found_inf``'s device: 1.0 to skip, else 0.0.
+        """
         return form.flag(self.skips(found_inf, norm, norm_stats, form, spike_stats), found_inf.device)
 
     def skips(
@@ -283,7 +381,18 @@ class LossScalePolicy:
         spike_stats: torch.Tensor | None = None,
     ) -> Any:
         """:meth:`skip_decision`'s condition before it becomes a flag: a bool 0-dim tensor
-        (ON_DEVICE), or a Python bool (ON_HOST), which a host step decides on without a tensor."""
+        (ON_DEVICE), or a Python bool (ON_HOST), which a host step decides on without a tensor.
+
+        Args:
+            found_inf: the overflow flag, a 0-dim tensor (> 0: inf/NaN).
+            norm: the clip's norm, a 0-dim tensor; None when nothing was clipped.
+            norm_stats: the running norm average's state tensor.
+            form: ON_DEVICE (tensor ops, the default) or ON_HOST (numbers read from the tensors).
+            spike_stats: the spike rules' state tensor; None where no spike rule is on.
+
+        Returns:
+            True (or a true bool tensor) when the step must be skipped.
+        """
         found = form.read(found_inf)
         skip = found > 0 if self.skip_on_overflow else form.false(found)
         if norm is not None and self.has_norm_skip():
@@ -302,12 +411,20 @@ class LossScalePolicy:
         return skip
 
     def backoff_floor(self) -> float:
-        """The lowest scale a backoff leaves: ``min_scale``, never below ``SCALE_FLOOR`` (forms.py)."""
+        """The lowest scale a backoff leaves: ``min_scale``, never below ``SCALE_FLOOR`` (forms.py).
+
+        Returns:
+            the floor, a float.
+        """
         return SCALE_FLOOR if self.min_scale is None else max(SCALE_FLOOR, self.min_scale)
 
     def needs_host_check(self) -> bool:
         """True when an update may have to read a device value (``host_checks.py``): "warn"/"raise" at
-        the floor, a skip limit, or fairseq's error scale."""
+        the floor, a skip limit, or fairseq's error scale.
+
+        Returns:
+            True when such a check is on.
+        """
         floor_check = self.dynamic and self.min_scale is not None and self.on_min_scale != "clamp"
         return (
             floor_check or self.max_consecutive_skips is not None or (self.dynamic and self.raise_at_scale is not None)
@@ -316,7 +433,16 @@ class LossScalePolicy:
     def backs_off(self, overflow: Any, counters: Any, form: RuleForm = ON_DEVICE) -> Any:
         """This overflow backs the scale off: with hysteresis, once the budget is spent; with an
         overflow tolerance, once the share of overflowed updates since the scale last changed
-        (counting this one, in float64 as fairseq's Python floats) reaches it."""
+        (counting this one, in float64 as fairseq's Python floats) reaches it.
+
+        Args:
+            overflow: whether the step overflowed, as the form has read it (a bool or bool tensor).
+            counters: the policy's counters, as the form has read them.
+            form: ON_DEVICE (the default) or ON_HOST.
+
+        Returns:
+            whether the scale backs off, a bool or bool tensor as ``overflow``.
+        """
         back_off = overflow
         if self.hysteresis > 1:
             back_off = back_off & (counters[HYSTERESIS_LEFT] <= 1)
@@ -327,7 +453,15 @@ class LossScalePolicy:
 
     def backed_off(self, scale: Any, form: RuleForm = ON_DEVICE) -> Any:
         """The scale one backoff leaves from ``scale`` (a value the form has read): torch's float64
-        product rounded once, then the floor. Example: ``policy.backed_off(8.0, ON_HOST) == 4.0``."""
+        product rounded once, then the floor. Example: ``policy.backed_off(8.0, ON_HOST) == 4.0``.
+
+        Args:
+            scale: the scale, as the form has read it.
+            form: ON_DEVICE (the default) or ON_HOST.
+
+        Returns:
+            the backed-off scale, a number or a tensor as the form computes.
+        """
         lowered = form.times_factor(scale, self.backoff_factor)
         return form.at_least(lowered, self.backoff_floor())
 
@@ -391,6 +525,17 @@ class LossScalePolicy:
                 scale = min(max(scale, min_scale), max_scale)
                 if found_inf: tracker = -growth_delay
             record_iteration_: the skip counters and the norm rules' histories
+
+        Args:
+            scale: the scale, a 0-dim float32 tensor, updated in place.
+            growth_tracker: the good steps counted toward growth, a 0-dim int32 tensor, updated in place.
+            counters: the policy's counters tensor, updated in place.
+            norm_stats: the running norm average's state tensor, updated in place.
+            found_inf: the overflow flag, a 0-dim tensor (> 0: inf/NaN).
+            skipped: the skip flag, a 0-dim tensor (> 0: the optimizer step was skipped).
+            norm: the clip's norm, a 0-dim tensor; None when nothing was clipped.
+            form: ON_DEVICE (the default) or ON_HOST.
+            spike_stats: the spike rules' state tensor, updated in place; None where no spike rule is on.
         """
         if self.dynamic:
             back_off = found_inf
@@ -428,6 +573,14 @@ class LossScalePolicy:
             count the step: skipped or not, consecutive skips
             if a norm came and the step was not skipped: average = decayed average with norm
             if a finite norm came: the spike rules' window and average take it (spike_rules.py)
+
+        Args:
+            counters: the policy's counters tensor, updated in place.
+            norm_stats: the running norm average's state tensor, updated in place.
+            skipped: the skip flag, a 0-dim tensor (> 0: the optimizer step was skipped).
+            norm: the clip's norm, a 0-dim tensor; None when nothing was clipped.
+            form: ON_DEVICE (the default) or ON_HOST.
+            spike_stats: the spike rules' state tensor, updated in place; None where no spike rule is on.
         """
         was_skipped = form.read(skipped) > 0
         count_step_(counters, was_skipped, form)
@@ -448,8 +601,18 @@ class LossScalePolicy:
         form.store(norm_stats, NORM_COUNT, form.where(take, form.f32(count + 1), count), count)
 
     def knobs(self) -> dict:
+        """The knobs by name. Example: ``LossScalePolicy(**policy.knobs())`` is a copy.
+
+        Returns:
+            a new dict from each knob's name to its value.
+        """
         return asdict(self)
 
     @classmethod
     def knob_names(cls) -> tuple[str, ...]:
+        """The knobs' names, in the constructor's order.
+
+        Returns:
+            a tuple of str.
+        """
         return tuple(f.name for f in fields(cls))

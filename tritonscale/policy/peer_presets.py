@@ -37,7 +37,14 @@ from .loss_scale_policy import LossScalePolicy
 @dataclass(frozen=True)
 class PeerPreset:
     """A peer's rule: ``init_scale`` (where it starts) and ``policy`` (how the scale moves and which
-    steps are skipped); ``source`` names the file the rule was read from."""
+    steps are skipped); ``source`` names the file the rule was read from.
+
+    Args:
+        name: the preset's name ("deepspeed").
+        init_scale: the scale the peer starts from.
+        policy: the ``LossScalePolicy`` of the peer's rule.
+        source: the peer's file the rule was read from.
+    """
 
     name: str
     init_scale: float
@@ -48,7 +55,20 @@ class PeerPreset:
 def torch(
     init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000
 ) -> PeerPreset:
-    """torch.amp.GradScaler: the defaults of this library."""
+    """torch.amp.GradScaler: the defaults of this library.
+
+    Args:
+        init_scale: the initial scale (2**16).
+        growth_factor: the growth factor (2.0).
+        backoff_factor: the backoff factor (0.5).
+        growth_interval: the good steps before a growth (2000).
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value.
+    """
     _check_args("torch", "a number", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor)
     _check_args("torch", "an int", growth_interval=growth_interval)
     policy = LossScalePolicy(
@@ -77,7 +97,26 @@ def megatron(
     ``ConstantGradScaler`` (overflowed steps still skipped). Factors and floor are float32 tensors
     there: rounded to float32 here (growth 1.1 is 1.10000002384...). Megatron's config names
     (``initial_loss_scale``, ``min_loss_scale``, ``loss_scale_window``, as its ``OptimizerConfig`` and
-    command line spell them) are taken too, in place of the scaler's; setting both names is refused."""
+    command line spell them) are taken too, in place of the scaler's; setting both names is refused.
+
+    Args:
+        initial_scale: the initial scale (2**32).
+        min_scale: the scale's floor (1.0), rounded to float32.
+        growth_factor: the growth factor (2.0), rounded to float32.
+        backoff_factor: the backoff factor (0.5), rounded to float32.
+        growth_interval: the good steps before a growth (1000).
+        hysteresis: the overflows before a backoff (2).
+        loss_scale: a constant scale (``ConstantGradScaler``); None or 0 (the default) for the dynamic one.
+        initial_loss_scale: Megatron's config name for ``initial_scale``; None: not given.
+        min_loss_scale: Megatron's config name for ``min_scale``; None: not given.
+        loss_scale_window: Megatron's config name for ``growth_interval``; None: not given.
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value, or both names of one knob set.
+    """
     _check_args("megatron", "a number or None", initial_loss_scale=initial_loss_scale, min_loss_scale=min_loss_scale)
     _check_args("megatron", "an int or None", loss_scale_window=loss_scale_window)
     init_name, initial_scale = _one_of(
@@ -141,7 +180,25 @@ def deepspeed(
     "fp16" for ``FP16_Optimizer``/``FP16_UnfusedOptimizer`` (no hysteresis, no error). ``version``:
     the DeepSpeed release ("0.16.9"; None: the current rule). Both grow after ``loss_scale_window``
     good steps, the first after an overflow (and at the start) one step later -- ZeRO only from 0.17.1.
-    ``loss_scale > 0``: a static scale, overflowed steps skipped."""
+    ``loss_scale > 0``: a static scale, overflowed steps skipped.
+
+    Args:
+        initial_scale_power: the initial scale is ``2**initial_scale_power`` (16).
+        loss_scale_window: the good steps before a growth (1000).
+        hysteresis: the overflows before a backoff, ZeRO only (2).
+        consecutive_hysteresis: whether every good step refills the hysteresis, ZeRO only (False).
+        min_loss_scale: the scale's floor (1.0).
+        loss_scale: a static scale when > 0; 0 (the default) for the dynamic scaler.
+        optimizer: "zero" (the default) or "fp16".
+        version: the DeepSpeed release whose rule to follow; None (the default) for the current one.
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value (a ``loss_scale_window`` below 1, an
+            unknown ``optimizer``).
+    """
     _check_args("deepspeed", "a number", min_loss_scale=min_loss_scale, loss_scale=loss_scale)
     ints = {"initial_scale_power": initial_scale_power, "loss_scale_window": loss_scale_window}
     _check_args("deepspeed", "an int", **ints, hysteresis=hysteresis)
@@ -197,7 +254,21 @@ def apex(
     max_loss_scale=...)``; amp left apex in 2025). It starts at ``min(max_loss_scale, init_scale)``;
     a static ``loss_scale`` applies overflowed steps (amp skips only when dynamic). ``loss_scale``
     is read as amp reads it: "dynamic" (that spelling only), else ``float(loss_scale)`` -- a number,
-    or a string holding one ("128", as apex's examples pass it from the command line)."""
+    or a string holding one ("128", as apex's examples pass it from the command line).
+
+    Args:
+        loss_scale: "dynamic" (the default), or a static scale (a number or a string holding one).
+        init_scale: the dynamic scaler's initial scale (2**16), capped at ``max_loss_scale``.
+        scale_window: the good steps before a growth (2000).
+        min_loss_scale: the scale's floor; None (the default) or 0 for none.
+        max_loss_scale: the scale's ceiling (2**24).
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value.
+    """
     loss_scale = _apex_loss_scale(loss_scale)
     _check_args("apex", "a number", init_scale=init_scale, max_loss_scale=max_loss_scale)
     _check_args("apex", "a number or None", min_loss_scale=min_loss_scale)
@@ -218,7 +289,21 @@ def apex_hysteresis(
     hysteresis: int = 2,
 ) -> PeerPreset:
     """apex's ``amp_C.update_scale_hysteresis`` kernel (NeMo's scaler): torch's rule and arithmetic
-    with a hysteresis budget that every good step refills."""
+    with a hysteresis budget that every good step refills.
+
+    Args:
+        init_scale: the initial scale (2**16).
+        growth_factor: the growth factor (2.0).
+        backoff_factor: the backoff factor (0.5).
+        growth_interval: the good steps before a growth (2000).
+        hysteresis: the overflows before a backoff (2).
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value.
+    """
     factors = {"growth_factor": growth_factor, "backoff_factor": backoff_factor}
     _check_args("apex_hysteresis", "a number", init_scale=init_scale, **factors)
     _check_args("apex_hysteresis", "an int", growth_interval=growth_interval, hysteresis=hysteresis)
@@ -247,7 +332,24 @@ def fairseq(
     options: the window defaults to ``2**14 / distributed_world_size / update_freq``; a backoff only
     once the share of overflowed updates since the scale last changed reaches the tolerance, never
     below ``threshold_loss_scale``; an overflow that leaves the scale at or below ``min_loss_scale``
-    raises FloatingPointError."""
+    raises FloatingPointError.
+
+    Args:
+        fp16_init_scale: the initial scale (2**7).
+        fp16_scale_window: the good steps before a growth; None (the default) for
+            ``2**14 / distributed_world_size / update_freq``.
+        fp16_scale_tolerance: the share of overflowed updates that backs off (0.0: every overflow).
+        threshold_loss_scale: the scale's floor; None (the default) for none.
+        min_loss_scale: the scale at or below which an overflow raises (1e-4).
+        distributed_world_size: the number of ranks, for the default window (1).
+        update_freq: the gradient-accumulation steps per update, for the default window (1).
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value.
+    """
     numbers = {"fp16_init_scale": fp16_init_scale, "fp16_scale_tolerance": fp16_scale_tolerance}
     _check_args("fairseq", "a number", **numbers, min_loss_scale=min_loss_scale)
     _check_args("fairseq", "a number or None", threshold_loss_scale=threshold_loss_scale)
@@ -273,7 +375,18 @@ def fairseq(
 
 def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> PeerPreset:
     """Keras 3's ``LossScaleOptimizer``: halve on a non-finite gradient with no floor, double after
-    ``dynamic_growth_steps`` finite ones (Keras 3 has no fixed scale)."""
+    ``dynamic_growth_steps`` finite ones (Keras 3 has no fixed scale).
+
+    Args:
+        initial_scale: the initial scale (2**15).
+        dynamic_growth_steps: the finite steps before a growth (2000).
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value.
+    """
     _check_args("keras", "a number", initial_scale=initial_scale)
     _check_args("keras", "an int", dynamic_growth_steps=dynamic_growth_steps)
     policy = LossScalePolicy(growth_interval=dynamic_growth_steps)
@@ -285,7 +398,21 @@ def tf_keras(
     dynamic: bool = True, initial_scale: float | None = None, dynamic_growth_steps: int | None = None
 ) -> PeerPreset:
     """tf.keras 2's (TensorFlow 2's) ``LossScaleOptimizer``: dynamic, never below 1; ``dynamic=False``
-    needs ``initial_scale`` and applies steps whatever their gradients hold (as TensorFlow does)."""
+    needs ``initial_scale`` and applies steps whatever their gradients hold (as TensorFlow does).
+
+    Args:
+        dynamic: whether the scale is dynamic (True) or fixed.
+        initial_scale: the initial (or, with ``dynamic=False``, the fixed) scale; None (the default)
+            for 2**15 when dynamic.
+        dynamic_growth_steps: the finite steps before a growth; None (the default) for 2000.
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value; with ``dynamic=False``, no
+            ``initial_scale`` or a ``dynamic_growth_steps``.
+    """
     _check_args("tf_keras", "a number or None", initial_scale=initial_scale)
     _check_args("tf_keras", "an int or None", dynamic_growth_steps=dynamic_growth_steps)
     source = "keras-team/tf-keras tf_keras/mixed_precision/loss_scale_optimizer.py @ 6add81a9"
@@ -314,7 +441,23 @@ def tf1(
 ) -> PeerPreset:
     """TensorFlow 1.x contrib's ``LossScaleOptimizer`` with an ``ExponentialUpdateLossScaleManager``
     (its two required arguments first), or with ``FixedLossScaleManager(loss_scale)``; that optimizer
-    skips every step with a non-finite gradient."""
+    skips every step with a non-finite gradient.
+
+    Args:
+        init_loss_scale: the initial scale, required without ``loss_scale``.
+        incr_every_n_steps: the good steps before a growth, required without ``loss_scale``.
+        decr_every_n_nan_or_inf: the overflows before a backoff (2).
+        incr_ratio: the growth factor (2.0).
+        decr_ratio: the backoff factor (0.8).
+        loss_scale: a fixed scale (``FixedLossScaleManager``); None (the default) for the exponential one.
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an argument of the wrong type or an invalid value, or neither ``loss_scale`` nor both
+            required arguments.
+    """
     _check_args("tf1", "a number or None", init_loss_scale=init_loss_scale, loss_scale=loss_scale)
     _check_args("tf1", "an int or None", incr_every_n_steps=incr_every_n_steps)
     _check_args("tf1", "an int", decr_every_n_nan_or_inf=decr_every_n_nan_or_inf)
@@ -348,7 +491,18 @@ PRESETS: dict[str, Callable[..., PeerPreset]] = {
 
 def preset(name: str, **peer_args: Any) -> PeerPreset:
     """The preset named ``name`` (any case; ``_`` or ``-``) with the peer's own arguments.
-    Example: ``preset("deepspeed", hysteresis=4)``, ``preset("TF_Keras")``."""
+    Example: ``preset("deepspeed", hysteresis=4)``, ``preset("TF_Keras")``.
+
+    Args:
+        name: the preset's name, one of ``PRESETS``.
+        peer_args: the arguments of that preset's function.
+
+    Returns:
+        a ``PeerPreset``: the peer's initial scale and its ``LossScalePolicy``.
+
+    Raises:
+        ScalerConfigError: an unknown name, or an argument the preset's function refuses.
+    """
     key = name.lower().replace("_", "-") if isinstance(name, str) else name
     if key not in PRESETS:
         raise ScalerConfigError(f"unknown preset {name!r}; the presets are {sorted(PRESETS)}")

@@ -63,6 +63,32 @@ class GradScaler:
     ("auto", "triton", "torch"). ``process_group``: the group across which ranks hold parts of the
     gradients (ZeRO, pipeline stages; DTensors bring their mesh's, DDP replicas need none).
 
+    Args:
+        device: the device the scale lives on, as torch's ("cuda" by default; with no CUDA available
+            an enabled "cuda" scaler warns and is disabled, as torch's).
+        init_scale: the initial scale; the default means torch's 2**16, or the initial scale of the
+            preset given as ``policy`` (a tensor of one element is taken too).
+        growth_factor: the factor the scale grows by after ``growth_interval`` steps without inf/NaN
+            (torch's 2.0; one passed explicitly overrides the policy's).
+        backoff_factor: the factor the scale is multiplied by on inf/NaN (torch's 0.5; one passed
+            explicitly overrides the policy's).
+        growth_interval: the number of steps without inf/NaN before the scale grows (torch's 2000;
+            one passed explicitly overrides the policy's).
+        enabled: False makes every call a no-op, as torch's (its arguments stay unchecked).
+        backend: "auto" (the Triton kernels where they run, else torch's ops), "triton" or "torch".
+        policy: a ``LossScalePolicy``, a peer's ``PeerPreset`` (``presets.deepspeed(...)``) or a
+            preset's name ("megatron"); None for torch's dynamic policy.
+        fold_into_optimizer: whether :meth:`clip_grad_norm_` folds into a fused optimizer's step
+            (True by default) rather than writing the gradients.
+        compile_policy: True to compile the policy's update as tensor ops, False not to; None (the
+            default) runs the policy kernel where it can launch.
+        process_group: the group across which ranks hold parts of the gradients; None when they
+            are not split.
+        knobs: any other ``LossScalePolicy`` knob by name (``hysteresis=2``), overriding the policy's.
+
+    Raises:
+        ScalerConfigError: an invalid knob, or an ``init_scale`` outside the policy's bounds.
+
     Example::
 
         scaler = tritonscale.GradScaler("cpu")
@@ -118,7 +144,14 @@ class GradScaler:
     @runs_eagerly
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor, or each tensor of a (nested) list/tuple/iterable, by the scale.
-        Example: ``scaler.scale(loss).backward()``."""
+        Example: ``scaler.scale(loss).backward()``.
+
+        Args:
+            outputs: a tensor, or a (nested) list/tuple/iterable of tensors, to scale.
+
+        Returns:
+            the scaled tensor(s), in the same structure; ``outputs`` itself when disabled.
+        """
         if not self._enabled:
             return outputs
         return scale_outputs(outputs, self._scale_on)
@@ -170,7 +203,11 @@ class GradScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record inf/NaN on the device:
         one fused read+check+write pass per (device, dtype) group; no host sync. Example:
-        ``scaler.unscale_(optimizer)`` after backward (the gradients now hold their true values)."""
+        ``scaler.unscale_(optimizer)`` after backward (the gradients now hold their true values).
+
+        Args:
+            optimizer: the optimizer whose gradients are unscaled (a wrapper's inner one is used).
+        """
         if self._enabled:
             self._step_for(optimizer).unscale(self)
 
@@ -189,7 +226,24 @@ class GradScaler:
         ``torch.nn.utils.clip_grad_norm_``; it counts as this iteration's ``unscale_`` (after one it
         only clips). ``process_group`` overrides the scaler's: the norm is then the group's, bitwise
         the same on each rank. torch's ``foreach`` has no effect here (one fused pass), and its
-        ``error_if_nonfinite=True`` is refused (inf/NaN: step() skips). ``scaler.clip_grad_norm_(opt, 1.0)``."""
+        ``error_if_nonfinite=True`` is refused (inf/NaN: step() skips). ``scaler.clip_grad_norm_(opt, 1.0)``.
+
+        Args:
+            optimizer: the optimizer whose gradients are clipped.
+            max_norm: the largest norm the gradients keep, >= 0 (inf: only measure the norm).
+            norm_type: the p of the p-norm, as torch's (2.0 by default; 1, 2 and inf run in the kernels).
+            error_if_nonfinite: torch's; only False (the default) is taken.
+            foreach: torch's; None, True or False, without effect here.
+            process_group: the group whose norm is taken, overriding the scaler's; None keeps the scaler's.
+
+        Returns:
+            the total norm of the unscaled gradients before clipping, a 0-dim float32 tensor on the
+            gradients' device.
+
+        Raises:
+            ValueError: ``error_if_nonfinite=True``, a negative ``max_norm`` or a non-number ``norm_type``.
+            TypeError: a ``foreach`` or ``error_if_nonfinite`` that is not a bool (or None for ``foreach``).
+        """
         max_norm, norm_type = check_clip_args(max_norm, norm_type, error_if_nonfinite, foreach)
         kernels, inner = kernels_compute(norm_type), unwrap_optimizer(optimizer)
         iteration = self._step_for(optimizer, inner)  # a fused step folds the clip; a disabled one clips plainly
@@ -206,7 +260,20 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done this iteration) and step, skipped on inf/NaN: on the device for
         optimizers that take ``grad_scale``/``found_inf`` (torch's fused ones), else after one host
-        read, as torch's. Closures are refused, as in torch. Example: ``scaler.step(optimizer)``."""
+        read, as torch's. Closures are refused, as in torch. Example: ``scaler.step(optimizer)``.
+
+        Args:
+            optimizer: the optimizer to step.
+            args: passed on to ``optimizer.step``.
+            kwargs: passed on to ``optimizer.step`` (a ``closure`` is refused).
+
+        Returns:
+            what ``optimizer.step`` returned; None when the step was skipped.
+
+        Raises:
+            RuntimeError: a ``closure`` keyword, or a second step() of the optimizer before update().
+            AssertionError: no scale() has made the scale yet (torch's error).
+        """
         return self._step_for(optimizer).step(self, optimizer, args, kwargs)
 
     # ---------------------------------------------------------------- update
@@ -215,7 +282,17 @@ class GradScaler:
     ) -> None:
         """Back the scale off if a step this iteration saw inf/NaN, else maybe grow it, on the device.
         ``new_scale`` sets the scale instead; ``found_inf`` (a bool or a 0-dim device tensor) adds an
-        overflow the caller found itself (a scale manager's). Example: ``scaler.update()``."""
+        overflow the caller found itself (a scale manager's). Example: ``scaler.update()``.
+
+        Args:
+            new_scale: the scale to set instead of the policy's update (a number or a device tensor);
+                None (the default) applies the policy.
+            found_inf: an overflow found by the caller, a bool or a 0-dim device tensor (nonzero:
+                inf/NaN); None (the default) adds none.
+
+        Raises:
+            AssertionError: an enabled scaler with no scale() before it (torch's error).
+        """
         if update_stays_eager(self._process_group, self._ranks, self._policy, new_scale):
             return call_eagerly(self.update, new_scale, found_inf=found_inf)
         if not self._enabled:
@@ -264,27 +341,55 @@ class GradScaler:
     # None communicates, none changes state; each optimizer's comes from its iteration's object.
     def optimizer_stage(self, optimizer: torch.optim.Optimizer) -> OptState | None:
         """``optimizer``'s stage in this iteration (torch's ``OptState``); None when nothing was
-        recorded for it since the last update(). Example: ``scaler.optimizer_stage(opt) is None``."""
+        recorded for it since the last update(). Example: ``scaler.optimizer_stage(opt) is None``.
+
+        Args:
+            optimizer: the optimizer asked about (a wrapper's inner one is used).
+
+        Returns:
+            its ``OptState``, or None.
+        """
         record = self._recorded(optimizer)
         return record.stage if record is not None else None
 
     def found_inf_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """This iteration's overflow flag for ``optimizer`` (0-dim float32 on the device, nonzero on
         inf/NaN; the process group's, with one); None before its first check. No host read.
-        Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later."""
+        Example: ``flags.append(scaler.found_inf_for(opt))`` after clip_grad_norm_, to log later.
+
+        Args:
+            optimizer: the optimizer asked about.
+
+        Returns:
+            a 0-dim float32 device tensor (nonzero on inf/NaN), or None before its first check.
+        """
         record = self._recorded(optimizer)
         return record.found_inf() if record is not None else None
 
     def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
         """:meth:`found_inf_for` read on the host (one read); False before the first check.
-        Example: ``if scaler.overflowed(opt): ...`` (its step() will skip)."""
+        Example: ``if scaler.overflowed(opt): ...`` (its step() will skip).
+
+        Args:
+            optimizer: the optimizer asked about.
+
+        Returns:
+            True when this iteration's check found inf/NaN in its gradients.
+        """
         record = self._recorded(optimizer)
         return record is not None and record.overflowed()
 
     def folded_grad_scale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The divisor (``scale / clip_coef``) a clip folded into ``optimizer``'s fused step, until step()
         hands it over; else None (``p.grad`` then holds the unscaled, clipped gradients). Example, for any
-        optimizer: ``d = scaler.folded_grad_scale(opt); g = p.grad if d is None else p.grad / d``."""
+        optimizer: ``d = scaler.folded_grad_scale(opt); g = p.grad if d is None else p.grad / d``.
+
+        Args:
+            optimizer: the optimizer asked about.
+
+        Returns:
+            the folded divisor as a device tensor, or None.
+        """
         record = self._recorded(optimizer)
         return record.folded_grad_scale() if record is not None else None
 
@@ -292,17 +397,32 @@ class GradScaler:
         """Whether :meth:`clip_grad_norm_` hands ``optimizer``'s fused step ``scale / clip_coef``
         (the gradients then stay scaled until :meth:`step`) rather than writing the gradients. A
         disabled scaler's clip is a plain clip: it writes them, and this is False.
-        Example: ``if not scaler.folds_clip_into(opt): grads_are_unscaled_after_the_clip()``."""
+        Example: ``if not scaler.folds_clip_into(opt): grads_are_unscaled_after_the_clip()``.
+
+        Args:
+            optimizer: the optimizer asked about.
+
+        Returns:
+            True when a clip of its gradients folds into its step.
+        """
         return step_kind(optimizer, unwrap_optimizer(optimizer), self._enabled).clip_folds(self._fold)
 
     def last_norm(self) -> torch.Tensor | None:
         """The norm the last update() used (its iteration's last clip_grad_norm_'s), on the device;
-        None if that iteration clipped nothing. Example: ``norm = scaler.last_norm()``."""
+        None if that iteration clipped nothing. Example: ``norm = scaler.last_norm()``.
+
+        Returns:
+            a 0-dim device tensor, or None.
+        """
         return self._last_norm
 
     def last_skip_flag(self) -> torch.Tensor | None:
         """Whether the last completed iteration skipped its step: a 0-dim bool device tensor, no host
-        read (False before the first; None before any state). Example: ``skipped = scaler.last_skip_flag()``."""
+        read (False before the first; None before any state). Example: ``skipped = scaler.last_skip_flag()``.
+
+        Returns:
+            a 0-dim bool device tensor, or None.
+        """
         if not self._enabled:  # skipped only when the clip_grad_norm_ before it found inf/NaN
             return self._disabled_skip > 0 if self._disabled_skip is not None else None
         return self._ranks.skip(self._tensors.counters[LAST_SKIPPED] > 0) if self._tensors is not None else None
@@ -316,7 +436,14 @@ class GradScaler:
     @runs_eagerly
     def last_step_skipped(self) -> bool:
         """Whether the last completed iteration skipped its step (a host read; the device flag is
-        ``last_skip_flag()``). Example: ``if not scaler.last_step_skipped(): scheduler.step()``."""
+        ``last_skip_flag()``). Example: ``if not scaler.last_step_skipped(): scheduler.step()``.
+
+        Returns:
+            True when the last completed iteration skipped its step (False before any state).
+
+        Raises:
+            RankMismatchError: a mismatch across ranks was flagged on the device.
+        """
         skipped = self.last_skip_flag()
         if self._enabled:
             self._ranks.raise_if_flagged()
@@ -329,7 +456,15 @@ class GradScaler:
         ``skipped`` (0/1), ``skipped_steps``, ``consecutive_skips``, ``hysteresis_left``. They are
         this step's values (device copies), safe to keep and read steps later. Example:
         ``writer.add_scalar("loss_scale", scaler.stats()["scale"], step)`` (the logger syncs; a
-        logger that must not: ``tritonscale.StepLog``, docs/training-loop.md)."""
+        logger that must not: ``tritonscale.StepLog``, docs/training-loop.md).
+
+        Returns:
+            a dict from each of those names to its 0-dim device tensor.
+
+        Raises:
+            RuntimeError: the scaler is disabled.
+            AssertionError: no scale() has made the scale yet (torch's error).
+        """
         if not self._enabled:
             raise RuntimeError(NO_STATS_WHEN_DISABLED)
         state = self._state_for("stats")
@@ -341,7 +476,11 @@ class GradScaler:
     # ------------------------------------------------------------- settings
     @property
     def backend(self) -> str:
-        """The requested backend: "auto", "triton" or "torch" (:meth:`backend_for` names the one that runs)."""
+        """The requested backend: "auto", "triton" or "torch" (:meth:`backend_for` names the one that runs).
+
+        Returns:
+            the constructor's ``backend``.
+        """
         return self._backend_name
 
     def backend_for(self, device: torch.device | str | None = None) -> str:
@@ -360,21 +499,40 @@ class GradScaler:
 
     @property
     def fold_into_optimizer(self) -> bool:
-        """The constructor's: whether clip_grad_norm_ folds into a fused optimizer's step."""
+        """The constructor's: whether clip_grad_norm_ folds into a fused optimizer's step.
+
+        Returns:
+            the constructor's ``fold_into_optimizer``, as a bool.
+        """
         return self._fold
 
     @property
     def process_group(self) -> Any:
-        """The constructor's ``process_group`` (None: the gradients are not split across ranks)."""
+        """The constructor's ``process_group`` (None: the gradients are not split across ranks).
+
+        Returns:
+            the process group, or None.
+        """
         return self._process_group
 
     def get_policy(self) -> LossScalePolicy:
-        """A copy of the loss-scale policy in use. Example: ``scaler.get_policy().skip_on_overflow``."""
+        """A copy of the loss-scale policy in use. Example: ``scaler.get_policy().skip_on_overflow``.
+
+        Returns:
+            a new ``LossScalePolicy`` with the same knobs (changing it leaves the scaler's as it is).
+        """
         return LossScalePolicy(**self._policy.knobs())
 
     def place_state(self, device: torch.device | str) -> torch.device:
         """Make the scale and its trackers on ``device`` now, as the first scale() would (state
-        already made stays where it is); return their device. Example: ``scaler.place_state("cuda")``."""
+        already made stays where it is); return their device. Example: ``scaler.place_state("cuda")``.
+
+        Args:
+            device: the device to make the state on.
+
+        Returns:
+            the ``torch.device`` the state lives on.
+        """
         return self._scale_on(torch.device(device)).device
 
     # ------------------------------------------------ a rank agreement, for adapters
@@ -384,7 +542,17 @@ class GradScaler:
         """What every rank must agree on for a collective about ``optimizer`` (this scaler's scale
         and call sequence, the call ``kind``, the clip's ``max_norm``/``norm_type``, the optimizer
         and the policy), for a caller's own combine (``passes/rank_combine.py``'s ``GradAllReduce``).
-        Example: ``reducer(params, group, scaler.rank_agreement(opt, "gradient sum", 1.0, 2.0))``."""
+        Example: ``reducer(params, group, scaler.rank_agreement(opt, "gradient sum", 1.0, 2.0))``.
+
+        Args:
+            optimizer: the optimizer the collective is about (a wrapper's inner one is used).
+            kind: the name of the call, which every rank must make alike ("flags" by default).
+            max_norm: the clip's ``max_norm`` (0.0 by default: no clip).
+            norm_type: the clip's ``norm_type`` (0.0 by default: no clip).
+
+        Returns:
+            the ``Agreement`` to hand to the combine.
+        """
         return self._agreement(unwrap_optimizer(optimizer), kind, max_norm, norm_type)
 
     # ------------------------------------------------------ checkpoints and copies
@@ -398,14 +566,30 @@ class GradScaler:
     def state_dict(self) -> dict[str, Any]:
         """torch.amp.GradScaler's five entries, plus this scaler's policy knobs and counters
         (``checkpoint_codec.py``); torch's scaler loads it too. Empty when disabled. A host read.
-        Example: ``torch.save({"scaler": scaler.state_dict()}, path)``."""
+        Example: ``torch.save({"scaler": scaler.state_dict()}, path)``.
+
+        Returns:
+            a dict of Python numbers and the policy's knobs; ``{}`` when disabled.
+
+        Raises:
+            RankMismatchError: a mismatch across ranks was flagged on the device.
+        """
         return to_state_dict(self._policy, self._host_state()) if self._enabled else {}
 
     @runs_eagerly
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of this class or of torch.amp.GradScaler, validated before any change;
         knobs and counters a torch checkpoint lacks keep this scaler's. Example:
-        ``scaler.load_state_dict(torch.load(path)["scaler"])``."""
+        ``scaler.load_state_dict(torch.load(path)["scaler"])``.
+
+        Args:
+            state_dict: the dict :meth:`state_dict` (or torch's) returned; ignored when disabled.
+
+        Raises:
+            ScalerConfigError: a state_dict that is not a dict, lacks torch's entries or holds
+                invalid values.
+            RuntimeError: an empty state_dict (one saved from a disabled scaler), as torch's.
+        """
         if not self._enabled:
             return
         self._policy, self._host = from_state_dict(state_dict, self._policy)  # raises before any change
@@ -415,7 +599,11 @@ class GradScaler:
 
     def snapshot(self) -> ScalerSnapshot:
         """The scale, its trackers and policy (a host read) and stats()'s last found_inf and norm:
-        what ``abandon_iteration(optimizer, snapshot)`` puts back. Example: ``saved = scaler.snapshot()``."""
+        what ``abandon_iteration(optimizer, snapshot)`` puts back. Example: ``saved = scaler.snapshot()``.
+
+        Returns:
+            a ``ScalerSnapshot`` (its policy and host state None when disabled).
+        """
         policy, host = (LossScalePolicy(**self._policy.knobs()), self._host_state()) if self._enabled else (None, None)
         return ScalerSnapshot(policy, host, self._last_found_inf, self._last_norm)
 
@@ -424,7 +612,12 @@ class GradScaler:
     ) -> None:
         """Forget what this iteration recorded for ``optimizer`` (every one when None); with a
         ``snapshot``, also undo the update()s since it was taken. The gradients stay as they are.
-        Example: ``scaler.abandon_iteration(optimizer, scaler.snapshot())``."""
+        Example: ``scaler.abandon_iteration(optimizer, scaler.snapshot())``.
+
+        Args:
+            optimizer: the optimizer whose record is forgotten; None (the default) for every one.
+            snapshot: a :meth:`snapshot` to restore; None (the default) restores nothing.
+        """
         if optimizer is None:
             self._per_optimizer_states = new_records()
         else:
@@ -457,35 +650,86 @@ class GradScaler:
     # TransformerEngine optimizers that take ``step(grad_scaler=...)`` call ``_get_scale_async``,
     # ``_check_inf_per_device`` and ``_found_inf_per_device``. torch's knob accessors too.
     def is_enabled(self) -> bool:
+        """Whether the scaler scales, as torch's ``is_enabled``.
+
+        Returns:
+            False when built with ``enabled=False`` or disabled for want of CUDA.
+        """
         return self._enabled
 
     @runs_eagerly
     def get_scale(self) -> float:
-        """The current scale as a Python float (a host sync), or 1.0 when disabled."""
+        """The current scale as a Python float (a host sync), or 1.0 when disabled.
+
+        Returns:
+            the scale, a float.
+
+        Raises:
+            RankMismatchError: a mismatch across ranks was flagged on the device.
+        """
         if not self._enabled:
             return 1.0
         self._ranks.raise_if_flagged()
         return self._host.scale if self._tensors is None else float(self._tensors.scale.item())
 
     def get_growth_factor(self) -> float:
+        """The policy's growth factor, as torch's ``get_growth_factor``.
+
+        Returns:
+            the factor, a float.
+        """
         return self._policy.growth_factor
 
     @runs_eagerly
     def set_growth_factor(self, new_factor: float) -> None:
+        """Set the policy's growth factor, as torch's ``set_growth_factor``.
+
+        Args:
+            new_factor: the new growth factor, > 1.0 and finite.
+
+        Raises:
+            ScalerConfigError: a factor not > 1.0 or not finite.
+        """
         self._policy.growth_factor = check_growth_factor(new_factor)
 
     def get_backoff_factor(self) -> float:
+        """The policy's backoff factor, as torch's ``get_backoff_factor``.
+
+        Returns:
+            the factor, a float.
+        """
         return self._policy.backoff_factor
 
     @runs_eagerly
     def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the policy's backoff factor, as torch's ``set_backoff_factor``.
+
+        Args:
+            new_factor: the new backoff factor, in (0, 1).
+
+        Raises:
+            ScalerConfigError: a factor outside (0, 1).
+        """
         self._policy.backoff_factor = check_backoff_factor(new_factor)
 
     def get_growth_interval(self) -> int:
+        """The policy's growth interval, as torch's ``get_growth_interval``.
+
+        Returns:
+            the number of steps without inf/NaN before the scale grows.
+        """
         return self._policy.growth_interval
 
     @runs_eagerly
     def set_growth_interval(self, new_interval: int) -> None:
+        """Set the policy's growth interval, as torch's ``set_growth_interval``.
+
+        Args:
+            new_interval: the new number of steps without inf/NaN before the scale grows, an int >= 1.
+
+        Raises:
+            ScalerConfigError: an interval that is not an int >= 1.
+        """
         self._policy.growth_interval = check_growth_interval(new_interval)
 
     _growth_factor = property(get_growth_factor, set_growth_factor)
