@@ -25,6 +25,7 @@ COVERED = {
     "tritonscale.flatten_grads_",
     "tritonscale.PeerPreset",
     *(f"tritonscale.presets.{name}" for name in tritonscale.presets.__all__),
+    *(f"tritonscale.{name}" for name in tritonscale.__all__),
 }
 
 

@@ -164,6 +164,23 @@ def from_megatron(
     Example::
 
         scaler.load_state_dict(from_megatron(checkpoint["optimizer"]["grad_scaler"]))
+
+    Args:
+        state: Megatron-LM's ``DynamicGradScaler.state_dict()`` (``scale``, ``growth_tracker``,
+            ``hysteresis_tracker``).
+        min_scale: the scale's floor (Megatron's ``min_loss_scale``, 1.0).
+        growth_factor: the growth factor (2.0).
+        backoff_factor: the backoff factor (0.5).
+        growth_interval: the good steps before a growth (Megatron's ``loss_scale_window``, 1000).
+        hysteresis: the overflows before a backoff (2).
+
+    Returns:
+        a ``GradScaler.load_state_dict`` state: the checkpoint's scale and trackers, and every knob of the
+        peer's preset.
+
+    Raises:
+        ScalerConfigError: a state that is not a dict, a missing key, a saved value of the wrong kind, or an
+            argument ``presets.megatron`` refuses.
     """
     keys = ("scale", "growth_tracker", "hysteresis_tracker")
     saved = _saved(state, "from_megatron", "Megatron-LM's DynamicGradScaler.state_dict()", keys)
@@ -195,6 +212,21 @@ def from_deepspeed(
     ``load_checkpoint`` reads the file with nothing in it run (its ZeRO ``loss_scaler`` as a plain record,
     no DeepSpeed needed); ``torch.load(path, weights_only=False)`` would run any code the file names.
     An FP16_Optimizer without ZeRO saves its state in ``mp_rank_00_model_states.pt``, under ``"optimizer"``.
+
+    Args:
+        state: a DeepSpeed FP16_Optimizer's or ZeRO optimizer's ``state_dict()``.
+        hysteresis: the overflows before a backoff where a ZeRO checkpoint has no ``delayed_shift`` (2).
+        min_loss_scale: the scale's floor where a ZeRO checkpoint has no ``min_scale`` (1.0).
+        consecutive_hysteresis: where a ZeRO checkpoint has no ``consecutive_hysteresis`` (False).
+        version: the DeepSpeed release that wrote a ZeRO checkpoint; None (the default) for the current rule.
+
+    Returns:
+        a ``GradScaler.load_state_dict`` state: the checkpoint's scale and trackers, and every knob of the
+        peer's preset.
+
+    Raises:
+        ScalerConfigError: a state that is not a dict, a missing key, a saved value of the wrong kind, a
+            ``scale_factor`` other than 2, or an argument ``presets.deepspeed`` refuses.
     """
     top = _saved(state, "from_deepspeed", "a DeepSpeed fp16 or ZeRO optimizer's state_dict()", ())
     optimizer = "fp16" if top.fields.get("loss_scaler") is None else "zero"
@@ -241,6 +273,21 @@ def from_apex(state: dict[str, Any], *, index: int = 0, scale_window: int = 2000
     Example::
 
         scaler.load_state_dict(from_apex(checkpoint["amp"]))
+
+    Args:
+        state: apex's ``amp.state_dict()``.
+        index: which loss scaler to read (``loss_scaler{index}``, 0).
+        scale_window: the good steps before a growth (2000).
+        max_loss_scale: the scale's ceiling (2**24).
+        min_loss_scale: the scale's floor; None (the default) for none.
+
+    Returns:
+        a ``GradScaler.load_state_dict`` state: the checkpoint's scale and trackers, and every knob of the
+        peer's preset.
+
+    Raises:
+        ScalerConfigError: a state that is not a dict, a missing key, a saved value of the wrong kind, or an
+            argument ``presets.apex`` refuses.
     """
     key = f"loss_scaler{index}"
     top = _saved(state, "from_apex", "apex's amp.state_dict()", (key,))
@@ -259,6 +306,19 @@ def from_fairseq(state: dict[str, Any], **fairseq_options: Any) -> dict[str, Any
     Example::
 
         scaler.load_state_dict(from_fairseq(checkpoint["last_optimizer_state"], fp16_scale_window=128))
+
+    Args:
+        state: fairseq's ``FP16Optimizer.state_dict()`` (its ``loss_scale``).
+        **fairseq_options: ``presets.fairseq``'s keyword arguments; ``fp16_init_scale`` is replaced by the
+            checkpoint's scale.
+
+    Returns:
+        a ``GradScaler.load_state_dict`` state: the checkpoint's scale and trackers, and every knob of the
+        peer's preset.
+
+    Raises:
+        ScalerConfigError: a state that is not a dict, a missing ``loss_scale`` or one of the wrong kind, or an
+            option ``presets.fairseq`` refuses.
     """
     scale = _saved(state, "from_fairseq", "fairseq's FP16Optimizer.state_dict()", ("loss_scale",)).scale("loss_scale")
     preset = peer_presets.fairseq(**{**fairseq_options, "fp16_init_scale": 1.0})

@@ -79,6 +79,9 @@ class LossScaleManager:
             scaler.clip_grad_norm_(optimizer, max_norm=1.0)
             scaler.step(optimizer)      # skipped on inf/NaN unless the manager lets it through
             scaler.update()             # the manager's rule, on the device
+
+        Returns:
+            the manager's ``GradScaler``.
         """
         return self._grad_scaler
 
@@ -90,6 +93,9 @@ class LossScaleManager:
         Example::
 
             loss_scale = manager.get_loss_scale()
+
+        Returns:
+            the current loss scale, a float32 value as a Python float.
         """
         return as_float32(self._grad_scaler.get_scale())  # float32, as the scale is used
 
@@ -99,6 +105,9 @@ class LossScaleManager:
         Example::
 
             assert DynamicLossScaleManager().get_drop_overflow_update()
+
+        Returns:
+            True if overflowed steps are dropped, False if they are applied.
         """
         return self._grad_scaler.get_policy().skip_on_overflow
 
@@ -109,6 +118,9 @@ class LossScaleManager:
         Example::
 
             scaler = manager.get_update_cell()   # the same object as manager.grad_scaler
+
+        Returns:
+            the manager's ``GradScaler`` (:attr:`grad_scaler`).
         """
         return self._grad_scaler
 
@@ -139,6 +151,17 @@ class FixedLossScaleManager(LossScaleManager):
         manager = tritonscale.FixedLossScaleManager(1024.0, drop_overflow_update=False)
         scaler = manager.grad_scaler          # a GradScaler whose scale stays 1024
         scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()
+
+    Args:
+        loss_scale: the scale, a number >= 1 (128.0).
+        drop_overflow_update: whether a step whose gradients overflowed is dropped (True).
+        device: where the scale lives; None (the default): where first used.
+        backend: the GradScaler's: "auto" (the default), "triton" or "torch".
+
+    Raises:
+        TypeError: a ``loss_scale`` that is not a number, or a ``drop_overflow_update`` that is not a bool.
+        ScalerConfigError: an invalid value, or a ``device`` that is not a torch device.
+        RuntimeError: a CUDA ``device`` where CUDA is not available.
     """
 
     def __init__(
@@ -171,6 +194,15 @@ class FixedLossScaleManager(LossScaleManager):
 
             manager.update_loss_scale(False)                  # MindSpore style
             manager.update_loss_scale(finite_grads=is_finite)  # TF1 style
+
+        Args:
+            overflow: MindSpore's argument: whether the step overflowed (a bool or a one-element tensor).
+            finite_grads: TF1's argument, by keyword: whether the gradients were finite (a bool or a
+                one-element tensor).
+
+        Raises:
+            TypeError: neither or both of ``overflow`` and ``finite_grads``, or one that is not a bool or a tensor.
+            ValueError: a tensor with more than one element, or a complex one.
         """
         owner = type(self).__name__
         if (overflow is None) == (finite_grads is None):

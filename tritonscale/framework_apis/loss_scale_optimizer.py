@@ -51,6 +51,23 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     ``policy``: a ``LossScalePolicy`` (torch's rule by default), or a peer's preset with its initial
     scale -- ``tritonscale.presets.keras()`` for Keras 3's, ``presets.tf_keras()`` for tf.keras 2's.
 
+    Args:
+        optimizer: the torch optimizer to wrap (not a ``LossScaleOptimizer``).
+        policy: a ``LossScalePolicy``, a ``PeerPreset`` or a preset's name; None (the default) for
+            torch's rule. Not with ``scaler``.
+        max_norm: clip the gradients to this total norm in ``step()``; None (the default): no clip.
+        norm_type: the norm's order (2.0).
+        init_scale: the initial scale of the scaler built here (torch's 2**16 by default).
+        backend: the built scaler's backend: "auto" (the default), "triton" or "torch".
+        scaler: a ``GradScaler`` to use in place of one built here (on the device of the optimizer's
+            first parameter); its policy is the rule.
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer, or is already a ``LossScaleOptimizer``.
+        ValueError: both ``policy`` and ``scaler``, a negative ``max_norm``, a non-number ``norm_type``,
+            or (with no ``scaler``) an optimizer with no parameters.
+        ScalerConfigError: the built ``GradScaler`` refuses ``policy`` or ``init_scale``.
+
     Example::
 
         optimizer = tritonscale.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), fused=True), max_norm=1.0)
@@ -112,6 +129,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------- the inner optimizer's view
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's ``param_groups`` (setting it sets the inner optimizer's).
+
+        Returns:
+            the inner optimizer's list of parameter groups.
+        """
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -120,6 +142,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:
+        """The inner optimizer's ``state`` (setting it sets the inner optimizer's).
+
+        Returns:
+            the inner optimizer's per-parameter state.
+        """
         return self.optimizer.state
 
     @state.setter
@@ -128,6 +155,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     @property
     def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's ``defaults`` (setting it sets the inner optimizer's).
+
+        Returns:
+            the inner optimizer's default hyperparameters.
+        """
         return self.optimizer.defaults
 
     @defaults.setter
@@ -135,11 +167,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The inner optimizer's ``add_param_group``.
+
+        Args:
+            param_group: the group to add, as ``torch.optim.Optimizer.add_param_group`` takes it.
+        """
         self.optimizer.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's zero_grad; it also drops a pending ``scaled_backward``, whose
-        gradients it discards (``step()`` then wants a new one)."""
+        gradients it discards (``step()`` then wants a new one).
+
+        Args:
+            set_to_none: set the gradients to None rather than to zero (True).
+        """
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._backward_since_step = False
 
@@ -148,7 +189,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------- the steps
     def scaled_backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
-        """``(loss * scale).backward()``; call once per micro-batch, then ``step()``."""
+        """``(loss * scale).backward()``; call once per micro-batch, then ``step()``.
+
+        Args:
+            loss: the loss to scale and backpropagate.
+            **backward_kwargs: passed to ``backward()`` (``retain_graph=True`` ...).
+        """
         self.scaler.scale(loss).backward(**backward_kwargs)
         self._backward_since_step = True
 
@@ -159,6 +205,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         Returns the gradient norm before clipping (a 0-dim device tensor) when ``max_norm`` is set,
         else None. A closure cannot work here (its ``backward()`` would not be scaled): use
         ``minimize(loss_fn)``.
+
+        Args:
+            closure: must be None (the optimizer interface's argument; a closure is refused).
+
+        Returns:
+            the gradient norm before clipping (a 0-dim device tensor) when ``max_norm`` is set, else None.
+
+        Raises:
+            RuntimeError: a ``closure``, or no ``scaled_backward`` since the last step or ``zero_grad()``.
         """
         if closure is not None:
             raise RuntimeError(
@@ -179,7 +234,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return norm
 
     def apply(self) -> torch.Tensor | None:
-        """The split form's second half (TensorFlow's ``apply_gradients``): same as ``step()``."""
+        """The split form's second half (TensorFlow's ``apply_gradients``): same as ``step()``.
+
+        Returns:
+            what ``step()`` returns: the gradient norm before clipping when ``max_norm`` is set, else None.
+
+        Raises:
+            RuntimeError: no ``scaled_backward`` since the last step or ``zero_grad()``.
+        """
         return self.step()
 
     def backward_and_step(self, loss: torch.Tensor) -> torch.Tensor | None:
@@ -193,6 +255,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
             optimizer.zero_grad()
             optimizer.backward_and_step(loss_fn(model(x), y))
+
+        Args:
+            loss: the loss of this (last) micro-batch.
+
+        Returns:
+            what ``step()`` returns: the gradient norm before clipping when ``max_norm`` is set, else None.
         """
         self.scaled_backward(loss)
         return self.step()
@@ -209,6 +277,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         step) for inspection, as after ``step()``. Example::
 
             optimizer.minimize(lambda: loss_fn(model(x), y))  # no zero_grad() needed
+
+        Args:
+            loss_fn: a function of no arguments returning the loss.
+
+        Returns:
+            the loss ``loss_fn()`` returned.
+
+        Raises:
+            TypeError: ``loss_fn`` is not callable.
+            RuntimeError: a ``scaled_backward`` is pending.
         """
         if not callable(loss_fn):
             raise TypeError(f"minimize() takes a function returning the loss, got {type(loss_fn).__name__}")
@@ -239,28 +317,51 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------- what it says
     @property
     def loss_scale(self) -> float:
-        """The current loss scale (a host read)."""
+        """The current loss scale (a host read).
+
+        Returns:
+            the scaler's ``get_scale()``.
+        """
         return self.scaler.get_scale()
 
     @property
     def step_applied(self) -> torch.Tensor:
         """1.0 if the last step was applied (or none was taken yet), 0.0 if it was skipped: a device
-        tensor, no sync; with a disabled scaler too (skipped where its clip found inf/NaN)."""
+        tensor, no sync; with a disabled scaler too (skipped where its clip found inf/NaN).
+
+        Returns:
+            a 0-dim float32 tensor, 1.0 or 0.0.
+        """
         skipped = self.scaler.last_skip_flag()
         return torch.ones(()) if skipped is None else (~skipped).to(torch.float32)
 
     def last_step_applied(self) -> bool:
-        """Whether the last step was applied (a host read)."""
+        """Whether the last step was applied (a host read).
+
+        Returns:
+            True if the last step was applied, False if it was skipped.
+        """
         return not self.scaler.last_step_skipped()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state_dict, with the scaler's under ``"loss_scaler"``."""
+        """The inner optimizer's state_dict, with the scaler's under ``"loss_scaler"``.
+
+        Returns:
+            the inner optimizer's ``state_dict()`` and, under ``"loss_scaler"``, the scaler's.
+        """
         return {**self.optimizer.state_dict(), SCALER_KEY: self.scaler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load both, or nothing. The scaler's load checks everything before it changes anything;
-        if the inner optimizer's load then fails, the scaler gets its previous state back."""
+        if the inner optimizer's load then fails, the scaler gets its previous state back.
+
+        Args:
+            state_dict: a ``state_dict()`` of a ``LossScaleOptimizer``.
+
+        Raises:
+            KeyError: ``state_dict`` has no ``"loss_scaler"``.
+        """
         state_dict = dict(state_dict)
         if SCALER_KEY not in state_dict:
             raise KeyError(f"state_dict has no {SCALER_KEY!r}: not saved from a LossScaleOptimizer")

@@ -61,6 +61,18 @@ class DynamicLossScaleManager(LossScaleManager):
         manager = tritonscale.DynamicLossScaleManager(init_loss_scale=2**16, scale_window=1000)
         manager.update_loss_scale(overflow)   # a bool, or a device tensor (no host read)
         loss_scale = manager.get_loss_scale()
+
+    Args:
+        init_loss_scale: the initial scale, a number >= 1 (2**24).
+        scale_factor: the growth factor, and its reciprocal the backoff factor, a number >= 1 (2).
+        scale_window: the steps without overflow before a growth, a positive int (2000).
+        device: where the scale lives; None (the default): where first used.
+        backend: the GradScaler's: "auto" (the default), "triton" or "torch".
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ScalerConfigError: an invalid value, or a ``device`` that is not a torch device.
+        RuntimeError: a CUDA ``device`` where CUDA is not available.
     """
 
     def __init__(
@@ -109,15 +121,29 @@ class DynamicLossScaleManager(LossScaleManager):
 
     @property
     def scale_factor(self) -> float:
+        """The ``scale_factor`` the manager was built with.
+
+        Returns:
+            the growth factor (and reciprocal of the backoff factor), as given.
+        """
         return self._scale_factor
 
     @property
     def scale_window(self) -> int:
+        """The ``scale_window`` the manager was built with.
+
+        Returns:
+            the steps without overflow before a growth.
+        """
         return self._scale_window
 
     @property
     def bad_step_max(self) -> int:
-        """More overflows than this in a row raise RuntimeError (MindSpore's fixed 1000)."""
+        """More overflows than this in a row raise RuntimeError (MindSpore's fixed 1000).
+
+        Returns:
+            the most overflows in a row that do not raise.
+        """
         return self._grad_scaler.bad_step_limit.limit
 
     def update_loss_scale(self, overflow: Flag) -> None:
@@ -130,6 +156,14 @@ class DynamicLossScaleManager(LossScaleManager):
 
             found_inf = ~torch.stack([g.isfinite().all() for g in grads]).all()
             manager.update_loss_scale(found_inf)
+
+        Args:
+            overflow: whether the step overflowed: a bool, or a one-element tensor (nonzero: overflowed).
+
+        Raises:
+            TypeError: an ``overflow`` that is not a bool or a tensor.
+            ValueError: a tensor with more than one element, or a complex one.
+            RuntimeError: more than :attr:`bad_step_max` overflows in a row.
         """
         self._update_with_overflow(check_flag(type(self).__name__, "overflow", overflow))
 

@@ -106,6 +106,40 @@ class Updater:
     callbacks: in ``update_callback_on_start`` the gradients are as it left them (still scaled
     when it folds into a fused optimizer).
 
+    Args:
+        model_or_loss_fn: the model (with ``loss_fn``), or a callable ``fn(batch) -> loss`` (without).
+        optimizer: the torch optimizer (or a wrapper of one) to step.
+        data_feed: a callable returning the next batch, an iterator, or an iterable (made one iterator).
+        loss_fn: ``loss_fn(model(inputs), target)`` for each ``(inputs, target)`` batch; None (the
+            default): ``model_or_loss_fn(batch)`` is the loss.
+        scaler: the ``GradScaler``; None (the default) for one with torch's defaults.
+        accum_grad: the micro-batches per step (1).
+        grad_reduction: "mean" (the default) or "sum", how micro-batch (and rank) gradients combine.
+        max_norm: clip by the global norm; None (the default): measure only.
+        norm_type: the norm's order (2.0).
+        weight_decay: ``grad += weight_decay * param`` before the step; None (the default): none.
+        process_group: a torch.distributed group to all-reduce the gradients over; None: no all-reduce.
+        on_overflow: "skip" (the default) or "retry".
+        max_retries: the retries with ``on_overflow="retry"``; None for 3.
+        autocast_dtype: run each forward under ``torch.autocast`` of this dtype; None (the default): no autocast.
+        set_to_none: ``zero_grad(set_to_none=...)`` before each attempt (True).
+        forward_callback_on_start: ``fn(iteration)`` or a list of them, called at the start of each micro-batch's forward.
+        forward_callback_on_finish: ``fn(iteration)`` or a list of them, called at the end of each micro-batch's forward.
+        backward_callback_on_start: ``fn(iteration)`` or a list of them, called at the start of each micro-batch's scaled backward.
+        backward_callback_on_finish: ``fn(iteration)`` or a list of them, called at the end of each micro-batch's scaled backward.
+        comm_callback_on_start: ``fn(iteration)`` or a list of them, called at the start of each all-reduce.
+        comm_callback_on_finish: ``fn(iteration)`` or a list of them, called at the end of each all-reduce.
+        update_callback_on_start: ``fn(iteration)`` or a list of them, called at the start of each update.
+        update_callback_on_finish: ``fn(iteration)`` or a list of them, called at the end of each update.
+
+    Raises:
+        TypeError: a non-callable ``model_or_loss_fn``, ``loss_fn`` or callback, a ``data_feed`` that is
+            neither callable nor iterable, an ``autocast_dtype`` that is not a dtype, or a ``scaler`` that
+            is not a ``GradScaler``.
+        ValueError: an invalid knob (``accum_grad``, ``grad_reduction``, ``max_norm``, ``norm_type``,
+            ``weight_decay``, ``on_overflow``, ``max_retries``), an optimizer with no parameters, or a
+            scaler these knobs cannot run with.
+
     Example::
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -286,6 +320,17 @@ class Updater:
 
         ``iteration`` (default: :attr:`iteration`) is what the callbacks get. Raises
         :class:`UpdaterError` naming the phase that failed; see there for what is left as it was.
+
+        Args:
+            iteration: the iteration number the callbacks get; None (the default) for :attr:`iteration`.
+
+        Returns:
+            an :class:`UpdateResult`: the iteration, the loss, the norm, the skip flag and the retries.
+
+        Raises:
+            UpdaterError: a phase failed (:class:`DataFeedExhausted` where the data feed ran out).
+            RuntimeError: the scaler is in the middle of an iteration for this optimizer.
+            ValueError: an ``iteration`` that is not an int >= 0.
         """
         i = self.iteration if iteration is None else check_int("iteration", iteration, 0)
         if self.scaler.optimizer_stage(self._inner) is not None:

@@ -30,6 +30,20 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
 
         manager = tritonscale.ExponentialUpdateLossScaleManager(2**15, incr_every_n_steps=1000)
         manager.update_loss_scale(finite_grads)  # a bool, or a device tensor (no host read)
+
+    Args:
+        init_loss_scale: the initial scale, a number >= 1.
+        incr_every_n_steps: the consecutive good steps before a growth, a positive int.
+        decr_every_n_nan_or_inf: the bad steps before a decrease, a positive int (2).
+        incr_ratio: the growth factor, above 1 (2).
+        decr_ratio: the decrease factor, in (0, 1) (0.8).
+        device: where the scale lives; None (the default): where first used.
+        backend: the GradScaler's: "auto" (the default), "triton" or "torch".
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ScalerConfigError: an invalid value, or a ``device`` that is not a torch device.
+        RuntimeError: a CUDA ``device`` where CUDA is not available.
     """
 
     def __init__(
@@ -74,6 +88,13 @@ class ExponentialUpdateLossScaleManager(LossScaleManager):
 
             finite = torch.stack([g.isfinite().all() for g in grads]).all()
             manager.update_loss_scale(finite)
+
+        Args:
+            finite_grads: whether all gradients were finite: a bool, or a one-element tensor (nonzero: finite).
+
+        Raises:
+            TypeError: a ``finite_grads`` that is not a bool or a tensor.
+            ValueError: a tensor with more than one element, or a complex one.
         """
         finite = check_flag(type(self).__name__, "finite_grads", finite_grads)
         overflow = (finite.detach().reshape(()) == 0) if isinstance(finite, torch.Tensor) else not finite

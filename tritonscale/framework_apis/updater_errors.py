@@ -53,6 +53,13 @@ class UpdateResult:
     ``norm``: the unscaled gradient norm before clipping (inf/NaN on an overflow).
     ``skipped``: 0-dim bool, True where the optimizer step was skipped (overflow or a policy's
     norm-spike skip). ``retries``: how many times the batch was re-run after an overflow.
+
+    Args:
+        iteration: the iteration number the callbacks got.
+        loss: the loss of the applied (or finally skipped) attempt, detached.
+        norm: the unscaled gradient norm before clipping.
+        skipped: a 0-dim bool tensor, True where the optimizer step was skipped.
+        retries: the re-runs after an overflow.
     """
 
     iteration: int
@@ -63,7 +70,11 @@ class UpdateResult:
 
     @property
     def step_applied(self) -> bool:
-        """Whether the optimizer step was applied (a host read of ``skipped``)."""
+        """Whether the optimizer step was applied (a host read of ``skipped``).
+
+        Returns:
+            True if the optimizer step was applied, False if it was skipped.
+        """
         return not bool(self.skipped.item())
 
 

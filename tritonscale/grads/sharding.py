@@ -41,6 +41,14 @@ def mark_replicated(params: Iterable[torch.nn.Parameter], group: Any) -> None:
             [p for n, p in model.named_parameters() if "norm" in n or n.endswith("bias")], tp_group
         )
         scaler = tritonscale.GradScaler("cuda", process_group=model_parallel_group)
+
+    Args:
+        params: the parameters whose gradients are replicated over ``group``.
+        group: the torch.distributed ``ProcessGroup`` they are replicated over.
+
+    Raises:
+        TypeError: a ``group`` that is not a ``ProcessGroup``.
+        ValueError: a ``group`` this rank is not a member of.
     """
     check_process_group(group, "group", optional=False)
     global marked_any

@@ -46,7 +46,15 @@ class AppliedSteps:
 
     def record(self, scaler: GradScaler) -> None:
         """Note the step that ``scaler.update()`` just completed (no host read). A scaler with no
-        ``last_skip_flag()`` (torch's, None) is refused with a TypeError and nothing noted."""
+        ``last_skip_flag()`` (torch's, None) is refused with a TypeError and nothing noted.
+
+        Args:
+            scaler: the ``GradScaler`` whose ``last_skip_flag()`` is noted.
+
+        Raises:
+            TypeError: a scaler without ``last_skip_flag()``.
+            RuntimeError: called during a CUDA graph capture.
+        """
         check_scaler(scaler, "AppliedSteps.record", "last_skip_flag")
         flag = scaler.last_skip_flag()
         if flag is not None:  # the first record allocates, and a later read caches: host state
@@ -64,7 +72,11 @@ class AppliedSteps:
         self._flag, self._skipped = None, None
 
     def skipped(self) -> bool:
-        """Whether the step recorded since the last :meth:`clear` was skipped (one host read, cached)."""
+        """Whether the step recorded since the last :meth:`clear` was skipped (one host read, cached).
+
+        Returns:
+            True if that step was skipped; False if it was applied, or none was recorded since.
+        """
         if self._flag is None:
             return False
         if self._skipped is None:
@@ -73,5 +85,9 @@ class AppliedSteps:
 
     @property
     def count(self) -> int:
-        """How many recorded steps were applied (one host read)."""
+        """How many recorded steps were applied (one host read).
+
+        Returns:
+            the number of recorded steps that were applied.
+        """
         return self._on_host + (int(self._on_device.item()) if self._on_device is not None else 0)

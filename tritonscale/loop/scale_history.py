@@ -23,6 +23,14 @@ class ScaleHistory:
             scaler.update()
             history.record(scaler)
         history.plot("out/scale_history.png")
+
+    Args:
+        delay: the ``StepLog``'s delay: how many later records a row waits for before ``record`` keeps
+            it (1).
+
+    Raises:
+        TypeError: a ``delay`` that is not an int.
+        ValueError: a ``delay`` below 0.
     """
 
     def __init__(self, delay: int = 1) -> None:
@@ -30,6 +38,15 @@ class ScaleHistory:
         self._rows: list[dict] = []
 
     def record(self, scaler) -> None:
+        """Record ``scaler.stats()`` of this step (no sync) and keep the rows the log hands out.
+
+        Args:
+            scaler: the ``GradScaler`` whose ``stats()`` are recorded, after its ``update()``.
+
+        Raises:
+            TypeError: a scaler without ``stats()``.
+            RuntimeError: a disabled scaler, or a call during a CUDA graph capture.
+        """
         self._log.record(scaler)
         self._rows += [values for _, values in self._log.ready()]
 
@@ -37,7 +54,11 @@ class ScaleHistory:
         return len(self._rows) + len(self._log)
 
     def to_lists(self) -> dict[str, list[float]]:
-        """All recorded statistics as Python lists, one entry per recorded step (waits for the last copies)."""
+        """All recorded statistics as Python lists, one entry per recorded step (waits for the last copies).
+
+        Returns:
+            a dict from each ``stats()`` name to its list of values, one per recorded step.
+        """
         self._rows += [values for _, values in self._log.flush()]
         return {name: [row[name] for row in self._rows] for name in STAT_NAMES}
 
@@ -45,6 +66,16 @@ class ScaleHistory:
         """Save ``figure(title)`` to ``path`` (PNG).
 
         Needs matplotlib (``pip install ".[plot]"`` from a clone, or ``pip install matplotlib``).
+
+        Args:
+            path: the PNG file to write; its parent folders are made.
+            title: the figure's title.
+
+        Returns:
+            ``path``, as a ``Path``.
+
+        Raises:
+            ModuleNotFoundError: matplotlib is not installed.
         """
         fig = self.figure(title)
         path = Path(path)
@@ -61,6 +92,15 @@ class ScaleHistory:
         an ``x`` of its own. The caller closes the figure (``matplotlib.pyplot.close(fig)``).
 
             fig = history.figure()
+
+        Args:
+            title: the figure's title.
+
+        Returns:
+            the matplotlib ``Figure``, two axes: the loss scale and the gradient norm.
+
+        Raises:
+            ModuleNotFoundError: matplotlib is not installed.
         """
         plt = _pyplot()
         data = self.to_lists()

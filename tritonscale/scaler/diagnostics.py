@@ -117,6 +117,13 @@ def nonfinite_grads(params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]
 
         if scaler.last_step_skipped():
             print(tritonscale.nonfinite_grads(model))   # e.g. ['decoder.layers.3.mlp.weight']
+
+    Args:
+        params: a module, ``(name, param)`` pairs, or parameters (named by their position, "0", "1" ...).
+
+    Returns:
+        the names of the parameters whose gradient holds inf or NaN, in order; empty when none does
+        (or none has a gradient).
     """
     if isinstance(params, torch.nn.Module):
         named = list(params.named_parameters())
