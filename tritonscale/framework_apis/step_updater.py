@@ -123,14 +123,14 @@ class Updater:
         max_retries: the retries with ``on_overflow="retry"``; None for 3.
         autocast_dtype: run each forward under ``torch.autocast`` of this dtype; None (the default): no autocast.
         set_to_none: ``zero_grad(set_to_none=...)`` before each attempt (True).
-        forward_callback_on_start: ``fn(iteration)`` or a list of them, called at the start of each micro-batch's forward.
-        forward_callback_on_finish: ``fn(iteration)`` or a list of them, called at the end of each micro-batch's forward.
-        backward_callback_on_start: ``fn(iteration)`` or a list of them, called at the start of each micro-batch's scaled backward.
-        backward_callback_on_finish: ``fn(iteration)`` or a list of them, called at the end of each micro-batch's scaled backward.
-        comm_callback_on_start: ``fn(iteration)`` or a list of them, called at the start of each all-reduce.
-        comm_callback_on_finish: ``fn(iteration)`` or a list of them, called at the end of each all-reduce.
-        update_callback_on_start: ``fn(iteration)`` or a list of them, called at the start of each update.
-        update_callback_on_finish: ``fn(iteration)`` or a list of them, called at the end of each update.
+        forward_callback_on_start: ``fn(iteration)`` (or a list) before each micro-batch's forward.
+        forward_callback_on_finish: ``fn(iteration)`` (or a list) after each micro-batch's forward.
+        backward_callback_on_start: ``fn(iteration)`` (or a list) before each micro-batch's scaled backward.
+        backward_callback_on_finish: ``fn(iteration)`` (or a list) after each micro-batch's scaled backward.
+        comm_callback_on_start: ``fn(iteration)`` (or a list) before each all-reduce.
+        comm_callback_on_finish: ``fn(iteration)`` (or a list) after each all-reduce.
+        update_callback_on_start: ``fn(iteration)`` (or a list) before the weight decay, optimizer step and scale update.
+        update_callback_on_finish: ``fn(iteration)`` (or a list) after the weight decay, optimizer step and scale update.
 
     Raises:
         TypeError: a non-callable ``model_or_loss_fn``, ``loss_fn`` or callback, a ``data_feed`` that is

@@ -92,7 +92,14 @@ class _Installed:
 
 
 def installed_scaler(accelerator: Accelerator) -> GradScaler | None:
-    """The ``tritonscale.GradScaler`` that :func:`install` put on ``accelerator``, or None."""
+    """The ``tritonscale.GradScaler`` that :func:`install` put on ``accelerator``, or None.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` to look at.
+
+    Returns:
+        the scaler :func:`install` put on ``accelerator``; None where it installed none.
+    """
     installed = accelerator.__dict__.get(_INSTALLED_ATTR)
     return installed.scaler if installed is not None else None
 
@@ -129,6 +136,20 @@ def install(accelerator: Accelerator, **scaler_kwargs: Any) -> GradScaler:
         accelerator = Accelerator(mixed_precision="fp16")
         scaler = install(accelerator, growth_interval=1000)
         model, optimizer = accelerator.prepare(model, optimizer)
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` to install the scaler on.
+        **scaler_kwargs: ``tritonscale.GradScaler`` keywords, on top of the Accelerator's
+            ``GradScalerKwargs`` handler.
+
+    Returns:
+        the installed ``tritonscale.GradScaler`` (also ``accelerator.scaler``).
+
+    Raises:
+        TypeError: ``accelerator`` is not an ``accelerate.Accelerator``.
+        ValueError: a DeepSpeed, Megatron-LM, FSDP, XLA or FP8 set-up, or an enabled scaler without
+            ``mixed_precision="fp16"``.
+        RuntimeError: the accelerator's current scaler is mid-iteration.
     """
     _check_installable(accelerator)
     scaler = _new_scaler(accelerator, scaler_kwargs)
@@ -346,6 +367,12 @@ class FusedScalerTrainerMixin:
         trainer = FusedTrainer(model=model, args=TrainingArguments(..., fp16=True), train_dataset=ds,
                                tritonscale_scaler_kwargs={"growth_interval": 1000})
         trainer.train()
+
+    Args:
+        *args: the Trainer's positional arguments.
+        tritonscale_scaler_kwargs: keywords for :func:`install` (``tritonscale.GradScaler``'s); None
+            (the default) for none.
+        **kwargs: the Trainer's keyword arguments.
     """
 
     tritonscale_scaler: GradScaler | None = None

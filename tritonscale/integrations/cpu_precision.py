@@ -25,7 +25,15 @@ def warn_float16_on_cpu(
     """Warn once per process and framework that ``setting`` runs as float16 with a loss scale on
     CPU, where ``framework`` alone runs ``framework_default``; ``instead``: the setting for a CPU
     run. ``calls_to_user``: how many calls up from the caller the user's line is (the warning
-    points there). Example: ``warn_float16_on_cpu("Lightning", '"16-mixed"', "bfloat16", '"bf16-mixed"')``."""
+    points there). Example: ``warn_float16_on_cpu("Lightning", '"16-mixed"', "bfloat16", '"bf16-mixed"')``.
+
+    Args:
+        framework: the framework's name ("Lightning"); the warning is given once per name.
+        setting: the user's precision setting, as the message shows it ('"16-mixed"').
+        framework_default: what the framework alone runs that setting as on CPU ("bfloat16").
+        instead: the setting the message recommends for a CPU run ('"bf16-mixed"').
+        calls_to_user: how many calls up from the caller the user's line is (1).
+    """
     if framework in _warned:
         return
     _warned.add(framework)

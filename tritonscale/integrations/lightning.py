@@ -192,7 +192,21 @@ class FusedClipPrecision(MixedPrecision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """Run the closure (forward + backward), the hooks and the clip, then ``scaler.step`` + ``update``."""
+        """Run the closure (forward + backward), the hooks and the clip, then ``scaler.step`` + ``update``.
+
+        Args:
+            optimizer: the optimizer Lightning steps.
+            model: the LightningModule being trained.
+            closure: Lightning's closure: the training step and its backward.
+            **kwargs: passed to the optimizer's ``step``.
+
+        Returns:
+            what ``scaler.step`` returns (the optimizer step's output; None where the step was skipped),
+            or the closure's result where ``training_step`` returned None (no step taken).
+
+        Raises:
+            RuntimeError: an LBFGS optimizer with a loss scale (``"16-mixed"``).
+        """
         if isinstance(optimizer, LBFGS):
             if self.scaler.is_enabled():
                 raise RuntimeError("AMP and the LBFGS optimizer are not compatible.")
@@ -227,7 +241,13 @@ class FusedClipPrecision(MixedPrecision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip by norm with the fused pass (fused optimizers included); by value through torch."""
+        """Clip by norm with the fused pass (fused optimizers included); by value through torch.
+
+        Args:
+            optimizer: the optimizer whose gradients are clipped.
+            clip_val: the clip value (the norm bound, or the value bound).
+            gradient_clip_algorithm: ``"norm"`` (the default) or ``"value"``.
+        """
         if self._backward_skipped:
             return  # no gradients this step (training_step returned None): keep the scaler's stage clean
         # Lightning's MixedPrecision.clip_gradients refuses fused optimizers; the base class just
@@ -235,11 +255,23 @@ class FusedClipPrecision(MixedPrecision):
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``scaler.clip_grad_norm_``: unscale (if not done yet) + inf/NaN check + clip, one pass."""
+        """``scaler.clip_grad_norm_``: unscale (if not done yet) + inf/NaN check + clip, one pass.
+
+        The total norm before clipping is kept in ``self.last_grad_norm``.
+
+        Args:
+            optimizer: the optimizer whose gradients are clipped.
+            clip_val: the bound on the total norm.
+        """
         self.last_grad_norm = self.scaler.clip_grad_norm_(optimizer, clip_val)
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """torch's ``clip_grad_value_`` on unscaled gradients (no fused path for value clipping)."""
+        """torch's ``clip_grad_value_`` on unscaled gradients (no fused path for value clipping).
+
+        Args:
+            optimizer: the optimizer whose gradients are clipped.
+            clip_val: the bound on each gradient value.
+        """
         _unscale_once(self.scaler, optimizer)
         super().clip_grad_by_value(optimizer, clip_val)
 
@@ -297,7 +329,18 @@ class FabricFusedClipPrecision(FabricMixedPrecision):
         self.applied_steps = AppliedSteps()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """``scaler.step`` (skipped on inf/NaN, also with bf16-mixed after a norm clip) and ``update``."""
+        """``scaler.step`` (skipped on inf/NaN, also with bf16-mixed after a norm clip) and ``update``.
+
+        Args:
+            optimizer: the optimizer to step.
+            **kwargs: passed to the optimizer's ``step``.
+
+        Returns:
+            what ``scaler.step`` returns: the optimizer step's output, None where the step was skipped.
+
+        Raises:
+            TypeError: an LBFGS optimizer.
+        """
         if isinstance(optimizer, LBFGS):
             raise TypeError("AMP and the LBFGS optimizer are not compatible.")
         step_output = self.scaler.step(optimizer, **kwargs)
@@ -306,7 +349,11 @@ class FabricFusedClipPrecision(FabricMixedPrecision):
         return step_output
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """The fused unscale + inf/NaN check (once per iteration); fused optimizers are allowed."""
+        """The fused unscale + inf/NaN check (once per iteration); fused optimizers are allowed.
+
+        Args:
+            optimizer: the optimizer whose gradients are unscaled.
+        """
         _unscale_once(self.scaler, optimizer)
 
     def main_params(self, optimizer: Optimizer) -> Any:
@@ -315,13 +362,28 @@ class FabricFusedClipPrecision(FabricMixedPrecision):
         Only Fabric's own clipping path calls this, right after :meth:`unscale_gradients`. Its
         torch ``clip_grad_norm_`` raises on an inf/NaN norm by default; the scaler skips that step
         anyway, so there is nothing to clip.
+
+        Args:
+            optimizer: the optimizer whose parameters Fabric clips.
+
+        Returns:
+            an empty list on an overflowed step (enabled scaler), else the base plugin's ``main_params``.
         """
         if self.scaler.is_enabled() and self.scaler.overflowed(optimizer):
             return []
         return super().main_params(optimizer)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``scaler.clip_grad_norm_``: the total norm before clipping (inf/NaN on an overflow: the step is skipped)."""
+        """``scaler.clip_grad_norm_``: the total norm before clipping (inf/NaN on an overflow: the step is skipped).
+
+        Args:
+            optimizer: the optimizer whose gradients are clipped.
+            max_norm: the bound on the total norm.
+            norm_type: the norm's order (2.0).
+
+        Returns:
+            the total norm before clipping, a 0-dim device tensor (also kept in ``self.last_grad_norm``).
+        """
         self.last_grad_norm = self.scaler.clip_grad_norm_(optimizer, max_norm, norm_type)
         return self.last_grad_norm
 
@@ -340,6 +402,16 @@ def enable_fused_clipping(fabric: Fabric) -> Fabric:
         fabric = enable_fused_clipping(
             Fabric(accelerator="cuda", plugins=[FabricFusedClipPrecision("16-mixed", "cuda")])
         )
+
+    Args:
+        fabric: a ``Fabric`` whose precision plugin is a :class:`FabricFusedClipPrecision`.
+
+    Returns:
+        ``fabric`` itself, its strategy's norm clipping now the fused clip.
+
+    Raises:
+        TypeError: the precision plugin is not a :class:`FabricFusedClipPrecision`.
+        NotImplementedError: a strategy that clips its own way (FSDP, DeepSpeed, XLA).
     """
     strategy = fabric.strategy
     plugin = strategy.precision

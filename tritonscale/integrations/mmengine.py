@@ -153,6 +153,9 @@ class FusedClipAmpOptimWrapper(AmpOptimWrapper):
         """Clip (fused), step (skipped on inf/NaN) and update the scale.
 
         Called by ``update_params`` when ``should_update()``; ``kwargs`` go to the optimizer's step.
+
+        Args:
+            **kwargs: passed to the optimizer's ``step``.
         """
         if self._fused_clip is None or self._frozen_params_have_grads():
             super().step(**kwargs)  # mmengine's own AmpOptimWrapper.step, on our scaler

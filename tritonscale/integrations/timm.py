@@ -70,6 +70,10 @@ class FusedNativeScaler(NativeScaler):
 
         loss_scaler = FusedNativeScaler("cpu", backend="torch")
         loss_scaler(loss, optimizer, clip_grad=1.0, parameters=model.parameters())
+
+    Args:
+        device: the scaler's device, as in timm ("cuda").
+        **scaler_kwargs: ``tritonscale.GradScaler`` keywords.
     """
 
     state_dict_key = NativeScaler.state_dict_key  # timm's CheckpointSaver files the state under it
@@ -81,7 +85,11 @@ class FusedNativeScaler(NativeScaler):
 
     @property
     def scaler(self) -> GradScaler:
-        """The ``tritonscale.GradScaler`` inside (``stats()``, ``last_step_skipped()``, ...)."""
+        """The ``tritonscale.GradScaler`` inside (``stats()``, ``last_step_skipped()``, ...).
+
+        Returns:
+            the ``tritonscale.GradScaler`` this scaler runs on.
+        """
         return self._scaler
 
     def __call__(
@@ -94,6 +102,19 @@ class FusedNativeScaler(NativeScaler):
         create_graph: bool = False,
         need_update: bool = True,
     ) -> None:
+        """timm's ``loss_scaler(...)`` call: scaled backward and, where ``need_update``, the clip, the
+        step (skipped on inf/NaN) and the scale update; the fused pass for a norm clip of the
+        optimizer's own gradients, timm's ``NativeScaler.__call__`` otherwise (see the module docstring).
+
+        Args:
+            loss: the loss to scale and backpropagate.
+            optimizer: the optimizer to step.
+            clip_grad: the clip threshold; None (the default): no clipping.
+            clip_mode: timm's clip mode: "norm" (the default, fused), "value" or "agc".
+            parameters: the tensors timm clips; None (the default) for the optimizer's.
+            create_graph: passed to ``backward()`` (False).
+            need_update: whether this call clips, steps and updates (False: an accumulation micro-step).
+        """
         if parameters is not None:
             parameters = list(parameters)  # a generator would be spent by the check below
         if (
