@@ -129,8 +129,8 @@ class Updater:
         backward_callback_on_finish: ``fn(iteration)`` (or a list) after each micro-batch's scaled backward.
         comm_callback_on_start: ``fn(iteration)`` (or a list) before each all-reduce.
         comm_callback_on_finish: ``fn(iteration)`` (or a list) after each all-reduce.
-        update_callback_on_start: ``fn(iteration)`` (or a list) before the weight decay, optimizer step and scale update.
-        update_callback_on_finish: ``fn(iteration)`` (or a list) after the weight decay, optimizer step and scale update.
+        update_callback_on_start: ``fn(iteration)`` (or a list) before weight decay, step and scale update.
+        update_callback_on_finish: ``fn(iteration)`` (or a list) after weight decay, step and scale update.
 
     Raises:
         TypeError: a non-callable ``model_or_loss_fn``, ``loss_fn`` or callback, a ``data_feed`` that is
