@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.test_public_modules import PUBLIC_MODULES, load
+from test_public_modules import PUBLIC_MODULES, load
 
 
 def _defined_in_tritonscale(obj) -> bool:
