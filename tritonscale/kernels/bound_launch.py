@@ -23,6 +23,14 @@ the JIT path's work once per specialization and keeps its result:
 * **hit**: the launch the JIT path makes, made directly: ``CompiledKernel.run(gx, gy, gz, stream,
   function, packed_metadata, launch_metadata, enter_hook, exit_hook, *every argument, constexprs
   included, in declaration order)``, with the current stream and the launch hooks read at the call.
+  While Triton's hook chains call nothing (``knobs.runtime.launch_enter_hook`` and
+  ``launch_exit_hook`` empty), the hooks and the launch metadata go as None (the JIT path's
+  launcher then calls an empty chain: nothing runs either way) and each plain tensor as its
+  address, the ``data_ptr()`` the guard read (the int Triton's launcher reads from it). The
+  launcher's check that an address is device memory (``cuPointerGetAttribute``) then ran at the
+  bind only: every caller in this package passes tensors on the launch's device, checked by its
+  wrapper. With a hook added, a hit passes what the JIT path passes: the chains, the metadata and
+  the tensors. An autotuned kernel's hits pass the tensors (its tuning key reads their dtypes).
 * **miss**: the call goes through ``kernel[grid]`` (so Triton decides, compiles and raises exactly
   as it would), and its specialization is bound beside the others: one small dict per launcher,
   keyed by the guard.
@@ -181,8 +189,7 @@ def _splitter(names: list[str], runtime: set[str], defaults: dict[str, Any], add
     returns (every argument in declaration order, the guard's specializations: :func:`specialization`
     of each runtime argument, each constexpr's value, the options). Generated, as Triton generates
     its binder, so a call binds its keywords in C. A runtime argument that is the same object as the
-    one before it (the padded flags of the policy update) takes that one's specialization: the same
-    object, the same answer.
+    one before it takes that one's specialization: the same object, the same answer.
 
     ``addresses``: each plain tensor argument comes back as its address (``data_ptr()``, the int
     its specialization was read from), the value Triton's C launcher would read from it; the
