@@ -28,8 +28,8 @@ the JIT path's work once per specialization and keeps its result:
   launcher then calls an empty chain: nothing runs either way) and each plain tensor as its
   address, the ``data_ptr()`` the guard read (the int Triton's launcher reads from it). The
   launcher's check that an address is device memory (``cuPointerGetAttribute``) then ran at the
-  bind only: every caller in this package passes tensors on the launch's device, checked by its
-  wrapper. With a hook added, a hit passes what the JIT path passes: the chains, the metadata and
+  bind only: every caller in this package passes tensors on the launch's device (its wrapper
+  checks them or moves them there). With a hook added, a hit passes what the JIT path passes: the chains, the metadata and
   the tensors. An autotuned kernel's hits pass the tensors (its tuning key reads their dtypes).
 * **miss**: the call goes through ``kernel[grid]`` (so Triton decides, compiles and raises exactly
   as it would), and its specialization is bound beside the others: one small dict per launcher,
