@@ -28,17 +28,15 @@ import time
 from pathlib import Path
 
 import torch
+from phase_step import PHASES, PhaseStep
 from timing import describe, machine, quantiles, write_results
 
-import tritonscale
 from tritonscale import host_reads
 
-PHASES = ("scale", "clip", "step", "update", "lr")
 POLICIES = {"defaults": {}, "rich": {"hysteresis": 2, "skip_norm_factor": 5.0}}
 #: (tensors, elements per tensor)
 CASES = ((1, 1024), (148, 64))
 VARIANTS = ("torch", "ours")
-MAX_NORM = 1.0
 #: The environment switch that turns the pre-bound launcher off ("0").
 SWITCH = "TRITONSCALE_BOUND_LAUNCH"
 
@@ -59,45 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def bound_launch() -> str:
     """What the environment says of the pre-bound launcher: ``"off"`` when the switch is "0", else ``"on"``."""
     return "off" if os.environ.get(SWITCH) == "0" else "on"
-
-
-class PhaseStep:
-    """One scaler on its own parameters, AdamW(fused=True) with a tensor lr and an LR schedule."""
-
-    def __init__(self, variant: str, tensors: int, each: int, knobs: dict, device: torch.device, total: int) -> None:
-        torch.manual_seed(0)
-        self.variant, self.device = variant, device
-        self.params = [torch.nn.Parameter(torch.randn(each, device=device)) for _ in range(tensors)]
-        self.inputs = [torch.randn(each, device=device) for _ in range(tensors)]
-        lr = torch.tensor(1e-3, device=device)
-        self.opt = torch.optim.AdamW(self.params, lr=lr, fused=True)
-        schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda k: 1.0 / (1 + k))
-        kw = dict(init_scale=2.0**16, growth_interval=2000)
-        if variant == "torch":
-            self.scaler = torch.amp.GradScaler(device.type, **kw)
-            self.schedule = schedule
-        else:
-            backend = "triton" if device.type == "cuda" else "torch"
-            self.scaler = tritonscale.GradScaler(device.type, backend=backend, **kw, **knobs)
-            self.schedule = tritonscale.SkipAwareLR(schedule, self.scaler, total_steps=total)
-        self.calls = {"scale": None, "clip": self.clip, "step": lambda: self.scaler.step(self.opt),
-                      "update": self.scaler.update, "lr": self.schedule.step}  # fmt: skip
-
-    def clip(self) -> None:
-        if self.variant == "torch":
-            self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.params, MAX_NORM)
-        else:
-            self.scaler.clip_grad_norm_(self.opt, MAX_NORM)
-
-    def step(self, around) -> None:
-        """One whole step; ``around(name, call)`` runs each phase's call (timing or profiling it)."""
-        loss = sum((p * x).sum() for p, x in zip(self.params, self.inputs))
-        scaled = around("scale", lambda: self.scaler.scale(loss))
-        scaled.backward()
-        for name in PHASES[1:]:
-            around(name, self.calls[name])
-        self.opt.zero_grad()
 
 
 def sync(device: torch.device) -> None:
@@ -151,7 +110,9 @@ def launches_per_phase(setup: PhaseStep) -> dict[str, dict]:
 def run_case(args, device: torch.device, tensors: int, each: int, policy: str) -> dict:
     """Per variant: each phase's host µs (quantiles) and launches. The variants alternate step by step."""
     total = args.warmup + args.steps + len(PHASES) + 1
-    setups = {v: PhaseStep(v, tensors, each, POLICIES[policy], device, total) for v in VARIANTS}
+    backend = "triton" if device.type == "cuda" else "torch"
+    setups = {v: PhaseStep(v, tensors, each, POLICIES[policy], device=device, backend=backend, total_steps=total)
+              for v in VARIANTS}  # fmt: skip
     seconds = {v: {name: [] for name in PHASES} for v in VARIANTS}
     warm = {v: {name: [] for name in PHASES} for v in VARIANTS}
     for _ in range(args.warmup):

@@ -44,19 +44,19 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from bars import ratio_line  # noqa: E402
 from launch_count import no_op_launches  # noqa: E402
+from phase_step import PHASES as STEP_PHASES  # noqa: E402
+from phase_step import PhaseStep  # noqa: E402
 from timing import describe, interleaved, machine, quantiles, write_results  # noqa: E402
 
-import tritonscale  # noqa: E402
 from tritonscale import host_reads  # noqa: E402
 from tritonscale.kernels.jit_helpers import INTERPRETING  # noqa: E402
 
-PHASES = ("scale", "clip", "step", "update")
+PHASES = STEP_PHASES[:-1]  # no LR schedule here: no "lr" phase
 POLICIES = {"defaults": {}, "rich": {"hysteresis": 2, "skip_norm_factor": 5.0}}
 #: (tensors, elements per tensor): one tensor, and GPT-2 small's 148 tensors at a size the host dominates
 CASES = ((1, 1024), (148, 64))
 VARIANTS = ("torch", "ours", "ours (torch backend)")
 STEPS_PER_SAMPLE = 10
-MAX_NORM = 1.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,73 +72,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-class PhaseStep:
-    """One scaler on its own parameters and AdamW(fused=True); ``steps(n)`` runs ``n`` whole steps
-    and adds each phase's host time to ``self.seconds``."""
+def _setup(variant: str, tensors: int, each: int, knobs: dict) -> PhaseStep:
+    """A variant's step: torch's GradScaler, ours on the kernels, or ours on torch's ops; the policy
+    eager (``compile_policy=False``), no LR schedule (a float lr)."""
+    backend = "triton" if variant == "ours" else "torch"
+    return PhaseStep(variant, tensors, each, knobs, backend=backend, compile_policy=False)
 
-    def __init__(self, variant: str, tensors: int, each: int, knobs: dict) -> None:
-        torch.manual_seed(0)
-        self.variant = variant
-        self.params = [torch.nn.Parameter(torch.randn(each)) for _ in range(tensors)]
-        self.inputs = [torch.randn(each) for _ in range(tensors)]
-        self.opt = torch.optim.AdamW(self.params, lr=1e-3, fused=True)
-        kw = dict(init_scale=2.0**16, growth_interval=2000)
-        if variant == "torch":
-            self.scaler = torch.amp.GradScaler("cpu", **kw)
-        else:
-            backend = "triton" if variant == "ours" else "torch"
-            self.scaler = tritonscale.GradScaler("cpu", backend=backend, compile_policy=False, **kw, **knobs)
-        self.seconds = dict.fromkeys(PHASES, 0.0)
 
-    def clip(self) -> None:
-        if self.variant == "torch":
-            self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.params, MAX_NORM)
-        else:
-            self.scaler.clip_grad_norm_(self.opt, MAX_NORM)
+def timed_steps(setup: PhaseStep, n: int) -> dict[str, float]:
+    """``n`` steps; each phase's host seconds, summed over them."""
+    clock, seconds = time.perf_counter, dict.fromkeys(PHASES, 0.0)
 
-    def steps(self, n: int, phase=None) -> None:
-        """``n`` steps; ``phase(name)`` (a context manager, e.g. a launch counter's) wraps each phase."""
-        clock, seconds, s = time.perf_counter, self.seconds, self.scaler
-        for _ in range(n):
-            loss = sum((p * x).sum() for p, x in zip(self.params, self.inputs))
-            start = clock()
-            scaled = s.scale(loss)
-            seconds["scale"] += clock() - start
-            scaled.backward()
-            for name, call in (("clip", self.clip), ("step", lambda: s.step(self.opt)), ("update", s.update)):
-                start = clock()
-                call()
-                seconds[name] += clock() - start
-            self.opt.zero_grad()
+    def around(name, call):
+        start = clock()
+        result = call()
+        seconds[name] += clock() - start
+        return result
+
+    for _ in range(n):
+        setup.step(around)
+    return seconds
 
 
 def count_launches(setup: PhaseStep) -> dict[str, int]:
     """Our Triton launches in each phase of one step (the no-op launcher's count around each)."""
-    s = setup.scaler
+    counts = {}
     with no_op_launches() as launched:
-        loss = sum((p * x).sum() for p, x in zip(setup.params, setup.inputs))
-        marks = [sum(launched.values())]
-        scaled = s.scale(loss)
-        marks.append(sum(launched.values()))
-        scaled.backward()
-        for call in (setup.clip, lambda: s.step(setup.opt), s.update):
-            call()
-            marks.append(sum(launched.values()))
-        setup.opt.zero_grad()
-    return {name: marks[k + 1] - marks[k] for k, name in enumerate(PHASES)}
+
+        def around(name, call):
+            before = sum(launched.values())
+            result = call()
+            counts[name] = sum(launched.values()) - before
+            return result
+
+        setup.step(around)
+    return counts
 
 
 def run_case(args, tensors: int, each: int, policy: str) -> tuple[dict, dict]:
     """The interleaved per-phase timings (per step, ``"<variant> <phase>"`` keys) and our launches."""
-    setups = {v: PhaseStep(v, tensors, each, POLICIES[policy]) for v in VARIANTS}
+    setups = {v: _setup(v, tensors, each, POLICIES[policy]) for v in VARIANTS}
     samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
 
     def sample(variant: str) -> None:
-        setup = setups[variant]
-        setup.seconds = dict.fromkeys(PHASES, 0.0)
-        setup.steps(args.steps)
-        samples[variant].append(dict(setup.seconds))
+        samples[variant].append(timed_steps(setups[variant], args.steps))
 
     with no_op_launches():
         interleaved({v: (lambda v=v: sample(v)) for v in VARIANTS}, args.repeats, reset=lambda v: None)

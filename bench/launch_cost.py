@@ -62,15 +62,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from phase_step import PHASES, PhaseStep  # (imports torch only when a step is built)
+
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("scale", "clip", "step", "update", "lr")
 #: The phases the last line compares, and their targets (ours/torch at one tensor).
 TARGETS = {"scale": 1.0, "clip": 1.0, "step": 1.0, "update": 2.0}
 POLICIES = {"defaults": {}, "rich": {"hysteresis": 2, "skip_norm_factor": 5.0}}
 #: (tensors, elements per tensor)
 CASES = ((1, 1024), (148, 64))
 SWITCH = "TRITONSCALE_BOUND_LAUNCH"
-MAX_NORM = 1.0
 MARKS_SOURCE = r"""
 #include <valgrind/callgrind.h>
 typedef void (*thunk_t)(void);
@@ -188,52 +188,6 @@ def gpu_paths() -> None:
     kernel_form._RUNS.clear()
 
 
-class Case:
-    """One scaler on its own parameters: AdamW(fused=True) with a tensor lr, an LR schedule."""
-
-    def __init__(self, variant: str, tensors: int, each: int, policy: str, total_steps: int) -> None:
-        import torch
-
-        import tritonscale
-
-        torch.manual_seed(0)
-        self.variant, self.tensors, self.each, self.policy = variant, tensors, each, policy
-        self.params = [torch.nn.Parameter(torch.randn(each)) for _ in range(tensors)]
-        self.inputs = [torch.randn(each) for _ in range(tensors)]
-        self.opt = torch.optim.AdamW(self.params, lr=torch.tensor(1e-3), fused=True)
-        schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda k: 1.0 / (1 + k))
-        kw = dict(init_scale=2.0**16, growth_interval=2000)
-        if variant == "torch":
-            self.scaler, self.schedule = torch.amp.GradScaler("cpu", **kw), schedule
-        else:
-            self.scaler = tritonscale.GradScaler("cpu", backend="triton", **kw, **POLICIES[policy])
-            self.schedule = tritonscale.SkipAwareLR(schedule, self.scaler, total_steps=total_steps)
-        self.calls = {"clip": self.clip, "step": lambda: self.scaler.step(self.opt), "update": self.scaler.update,
-                      "lr": self.schedule.step}  # fmt: skip
-
-    @property
-    def label(self) -> str:
-        return f"{self.variant}|{self.tensors}x{self.each}|{self.policy}"
-
-    def clip(self) -> None:
-        if self.variant == "torch":
-            self.scaler.unscale_(self.opt)
-            import torch
-
-            torch.nn.utils.clip_grad_norm_(self.params, MAX_NORM)
-        else:
-            self.scaler.clip_grad_norm_(self.opt, MAX_NORM)
-
-    def step(self, run) -> None:
-        """One whole step, each phase's call made by ``run(phase, fn)``."""
-        loss = sum((p * x).sum() for p, x in zip(self.params, self.inputs))
-        scaled = run("scale", lambda: self.scaler.scale(loss))
-        scaled.backward()
-        for name in PHASES[1:]:
-            run(name, self.calls[name])
-        self.opt.zero_grad()
-
-
 def worker_cases(spec: str | None, quick: bool) -> list[tuple[str, int, int, str]]:
     """(variant, tensors, each, policy) of every case the worker runs."""
     cases = [(1, 1024)] if quick else list(CASES)
@@ -264,10 +218,13 @@ def worker(args) -> int:
     gpu_paths()
     marks = Marks(build_marks())
     total = args.warmup + args.calls + 2
-    cases = [Case(*c, total_steps=total) for c in worker_cases(args.cases, args.quick)]
+    cases = {
+        f"{variant}|{tensors}x{each}|{policy}": PhaseStep(variant, tensors, each, POLICIES.get(policy), total_steps=total)
+        for variant, tensors, each, policy in worker_cases(args.cases, args.quick)
+    }  # ours on the Triton backend (the GPU paths, gpu_paths()), torch's GradScaler on its CPU ops
     plain = lambda phase, fn: fn()  # noqa: E731
     measured = set(args.phases)
-    for case in cases:
+    for case in cases.values():
         for _ in range(args.warmup):
             case.step(plain)
             stub.reset()
@@ -279,22 +236,21 @@ def worker(args) -> int:
         bound = False
     info = {"python": sys.executable, "python_version": platform.python_version(), "torch": torch.__version__,
             "triton": triton.__version__, "bound_launch": bound, "on_valgrind": marks.on_valgrind,
-            "calls": args.calls, "warmup": args.warmup, "cases": [c.label for c in cases]}  # fmt: skip
+            "calls": args.calls, "warmup": args.warmup, "cases": list(cases)}  # fmt: skip
     if not args.warm_only:
         marks.start_instrumentation()
         gc.collect()
         gc.disable()
         launched = info["stub_launches"] = {}
         marked = lambda phase, fn: marks.run(phase, fn) if phase in measured else fn()  # noqa: E731
-        for case in cases:
-            run = marked
+        for label, case in cases.items():
             for k in range(args.calls):
-                case.step(run)
+                case.step(marked)
                 if k == 0:  # what reached cuLaunchKernelEx in one step
-                    launched[case.label] = [launch.name for launch in stub.launches()]
+                    launched[label] = [launch.name for launch in stub.launches()]
                 stub.reset()  # outside the markers: the stub's records never grow inside a phase
                 marks.run("bare", _noop)
-            marks.dump(case.label)
+            marks.dump(label)
             gc.enable()
             gc.collect()
             gc.disable()
