@@ -139,6 +139,7 @@ def drive(policy: LossScalePolicy, seed: int, steps: int) -> None:
     start = start if policy.max_scale is None else min(start, policy.max_scale)
     ours, host = (HostState.initial(start, policy).to_device(torch.device("cpu")) for _ in range(2))
     checks = policy.needs_host_check()
+    prepared = kernel.PreparedUpdates()  # as the runner launches it: the calls after the first prepared
     for step in range(steps):
         kind = rng.choice(["step"] * 6 + ["unscale_only", "new_scale"])
         if kind == "new_scale":
@@ -153,7 +154,7 @@ def drive(policy: LossScalePolicy, seed: int, steps: int) -> None:
         tensors = tuple(getattr(ours, name) for name in STATE)
         result = kernel.update_policy_state_(
             tensors, it.found_infs, it.skips, it.norm, kernel_rule(policy),
-            count_only=kind == "new_scale", checks=checks and kind != "new_scale", hold=True,
+            count_only=kind == "new_scale", checks=checks and kind != "new_scale", hold=True, prepared=prepared,
         )  # fmt: skip
         where = f"step {step} ({kind}, {len(it.found_infs)} optimizers)"
         for name in STATE:

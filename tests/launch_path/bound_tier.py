@@ -47,7 +47,7 @@ from triton.runtime.jit import JITFunction, compute_cache_key  # noqa: E402
 
 import tritonscale  # noqa: E402
 from tritonscale import LossScalePolicy  # noqa: E402
-from tritonscale.kernels.bound_launch import BoundLaunch  # noqa: E402
+from tritonscale.kernels.bound_launch import BoundLaunch, PreparedLaunch  # noqa: E402
 
 from launch_path.scenarios import gpu_paths_on_cpu  # noqa: E402  (with the host-read guard of the step)
 
@@ -80,15 +80,17 @@ def test_bound_launches_are_on_here():
 
 # ---------------------------------------------------------------------------------------- twins
 class Twin(NamedTuple):
-    """One call of a BoundLaunch: its launch, the JIT path's launch for the same arguments, whether
-    the bound call was a hit (it did not enter ``JITFunction.run``), and at level 2 the parameter
-    blocks the stub's ``cuLaunchKernelEx`` received for the two."""
+    """One call of a BoundLaunch (or of a PreparedLaunch, ``prepared``): its launch, the JIT path's
+    launch for the same arguments, whether the bound call was a hit (it did not enter
+    ``JITFunction.run``), and at level 2 the parameter blocks the stub's ``cuLaunchKernelEx``
+    received for the two."""
 
     launcher: BoundLaunch
     bound: Any
     jit: Any
     hit: bool
     blocks: tuple | None
+    prepared: bool = False
 
 
 def _stub_count() -> int:
@@ -101,6 +103,8 @@ def _no_earlier_launches():
     if LEVEL == 2:
         stub.reset()
     RECORDS.clear()
+    for launcher in LAUNCHERS.values():  # and prepares its call sites again (BoundLaunch.at)
+        launcher._sites.clear()
 
 
 @pytest.fixture
@@ -128,8 +132,35 @@ def twins(monkeypatch):
         blocks = (stub.launches()[stub_mid - 1].params, stub.launches()[-1].params) if LEVEL == 2 else None
         made.append(Twin(self, bound, RECORDS[-1], hit, blocks))
 
+    def twinned_direct(launch, launcher, grid, args, kwargs):
+        """A launch made through a prepared launch, twinned with the JIT path's launch for the
+        call's own arguments, unless it went through the launcher's call (twinned there)."""
+        start, runs, twins_before = len(RECORDS), entered[0], len(made)
+        result = launch()
+        if len(made) > twins_before:
+            return result
+        assert entered[0] == runs and len(RECORDS) - start == 1, "a prepared launch launches once, directly"
+        bound, stub_mid = RECORDS[-1], _stub_count()
+        launcher.kernel[grid](*args, **kwargs)
+        blocks = (stub.launches()[stub_mid - 1].params, stub.launches()[-1].params) if LEVEL == 2 else None
+        made.append(Twin(launcher, bound, RECORDS[-1], True, blocks, prepared=True))
+        return result
+
+    prepared_call, at = PreparedLaunch.__call__, BoundLaunch.at
+
+    def twinned_prepared(self, *varying):
+        grid, args, kwargs = self.full_call(*varying)
+        return twinned_direct(lambda: prepared_call(self, *varying), self.launcher, grid, args, kwargs)
+
+    def twinned_at(self, site, grid, args, kwargs, varying):
+        # The oracle is the JIT path for the caller's own arguments: a site key that left out
+        # something an argument depends on would launch the prepared call's stale value, and differ.
+        return twinned_direct(lambda: at(self, site, grid, args, kwargs, varying), self, grid, args, kwargs)
+
     monkeypatch.setattr(JITFunction, "run", counted)
     monkeypatch.setattr(BoundLaunch, "__call__", twinned)
+    monkeypatch.setattr(PreparedLaunch, "__call__", twinned_prepared)
+    monkeypatch.setattr(BoundLaunch, "at", twinned_at)
     return made
 
 
@@ -170,6 +201,8 @@ def assert_same_launch(twin: Twin) -> None:
     def same(ours, theirs) -> bool:
         if ours is theirs:
             return True
+        if type(ours) is type(theirs) and type(ours) in (int, float, bool):  # (a prepared launch's own copy)
+            return ours == theirs
         return quiet and addresses and type(theirs) is torch.Tensor and type(ours) is int and ours == theirs.data_ptr()
 
     differ = [name for name, a, b in zip(names, bound.args, jit.args) if not same(a, b)]
@@ -258,6 +291,9 @@ def _check_round_two(made: list[Twin], rounds: int = 2) -> None:
     last = made[len(made) * (rounds - 1) // rounds :]
     missed = [twin.jit.name for twin in last if not twin.hit]
     assert not missed, f"launches of the last round that took the JIT path: {missed}"
+    # The policy update's launches after the first are prepared ones (policy_update.PreparedUpdates).
+    updates = [twin.prepared for twin in made if twin.launcher is LAUNCHERS["policy_update"]]
+    assert updates[0] is False and updates[-1] is True, updates
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -322,6 +358,7 @@ def _base_calls() -> dict[str, tuple]:
             return call(self, grid, *args, **kwargs)
 
         patch.setattr(BoundLaunch, "__call__", captured)
+        patch.setattr(BoundLaunch, "at", lambda self, site, grid, args, kwargs, varying: captured(self, grid, *args, **kwargs))
         with gpu_paths_on_cpu():
             sgd_steps(POLICIES["hysteresis2_snf5"], "many_odd", torch.float32, rounds=1)
             sgd_steps({}, "flat_buffer", torch.bfloat16, rounds=1)
@@ -652,6 +689,156 @@ def test_launch_hooks_that_call_something_get_what_the_jit_path_gives_them(twins
     assert not any(isinstance(a, torch.Tensor) for a in quiet.bound.args), "tensors pass as their addresses"
     assert_same_launch(twins[0])
     assert_same_launch(quiet)
+
+
+# ------------------------------------------------------------------------------ prepared launches
+PREPARABLE = [name for name, launcher in LAUNCHERS.items() if not isinstance(launcher.kernel, Autotuner)]
+
+
+def _prepared_from(name: str, base_calls) -> tuple[PreparedLaunch, list[int], tuple]:
+    """A launch prepared from ``name``'s base call (its tensors copied, so that the test may move
+    them), the first and the last tensor argument varying; and the call's arguments."""
+    grid, args, kwargs = base_calls[name]
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    launcher = LAUNCHERS[name]
+    launcher(grid, *args, **kwargs)  # bound
+    tensors = [i for i, _ in _runtime_positions(launcher, args) if isinstance(args[i], torch.Tensor)]
+    varying = sorted({tensors[0], tensors[-1]})
+    return launcher.prepare(grid, args, kwargs, tuple(varying)), varying, args
+
+
+def _made_by(twins: list[Twin], before: int) -> Twin:
+    (twin,) = twins[before:]
+    return twin
+
+
+@pytest.mark.parametrize("name", PREPARABLE)
+def test_a_prepared_launch_is_the_jit_paths_or_goes_through_the_launcher(twins, base_calls, name):
+    """A prepared launch with the arguments it was prepared from launches directly, as the JIT path
+    launches them; one varying argument in another dtype, as an unaligned view or as None, and a
+    fixed tensor whose memory moved, go through the launcher's call instead (which launches what
+    the JIT path launches for them), and the next call with the prepared arguments is direct again."""
+    prepared, varying, args = _prepared_from(name, base_calls)
+    assert prepared.direct, prepared.why_not
+    same = [args[i] for i in varying]
+    before = len(twins)
+    prepared(*same)
+    direct = _made_by(twins, before)
+    assert direct.prepared and direct.hit
+    assert_same_launch(direct)
+    for label, index, value in [
+        ("other dtype", 0, _other_dtype(same[0])), ("unaligned", 0, _unaligned(same[0])), ("None", 0, None),
+        ("last unaligned", len(same) - 1, _unaligned(same[-1])),
+    ]:  # fmt: skip
+        mutated = list(same)
+        mutated[index] = value
+        before = len(twins)
+        error = _outcome(lambda: prepared(*mutated))
+        if error is not None:  # Triton refuses the call: the launcher's call raised Triton's error
+            assert _outcome(lambda: LAUNCHERS[name].kernel[prepared.grid](*prepared.full_call(*mutated)[1],
+                                                                          **prepared.kwargs)) == error, label  # fmt: skip
+            continue
+        through = _made_by(twins, before)
+        assert not through.prepared, f"{label}: launched directly"
+        assert_same_launch(through)
+    fixed = next(i for i, _ in _runtime_positions(LAUNCHERS[name], args) if isinstance(args[i], torch.Tensor)
+                 and i not in varying)  # fmt: skip
+    moved = args[fixed]
+    old = moved.data_ptr()
+    moved.set_(moved.clone().untyped_storage(), 0, moved.shape, moved.stride())
+    assert moved.data_ptr() != old
+    before = len(twins)
+    prepared(*same)
+    through = _made_by(twins, before)
+    assert not through.prepared, "a fixed tensor moved: the prepared launch must not pass its old address"
+    assert_same_launch(through)
+    assert moved.data_ptr() in through.bound.args or moved in through.bound.args
+
+
+def test_call_sites_key_every_argument_they_fix(twins):
+    """The wrappers that launch through ``BoundLaunch.at`` (the check pass, the finalize) name in
+    their site key everything that fixes the arguments they do not pass as varying: a sequence of
+    calls each differing from the one before in one argument of the wrapper launches, every time,
+    what the JIT path launches for that call's own arguments (a key that left something out would
+    launch the prepared call's stale value)."""
+    from tritonscale.kernels import describe_grads
+    from tritonscale.kernels.interfaces import STEP_OFF, FinalizeStep
+
+    torch.manual_seed(0)
+    layouts = [
+        describe_grads([torch.randn(48, 32)]),  # FLAT
+        describe_grads([torch.randn(48, 31)]),  # FLAT, another numel
+        describe_grads([torch.randn(7, 5), torch.randn(3), torch.randn(33, 2)]),  # TABLE, not aligned
+        describe_grads([torch.randn(32, 16), torch.randn(16)]),  # TABLE, aligned
+    ]
+    wide = torch.zeros(3, 64)
+    for layout in layouts:
+        for code in (2, 1, 0):
+            for partials in (wide, torch.zeros(3, 32)):
+                check_pass.check_pass(layout, partials, code)
+                check_pass.check_pass(layout, partials, code)  # (the second: through the prepared launch)
+    scale = torch.tensor(1024.0)
+    earlier = torch.zeros(1)
+    norm_stats = torch.tensor([2.0, 3.0])
+    steps = [
+        None, FinalizeStep(dict(STEP_OFF, FOLD=True)), FinalizeStep(dict(STEP_OFF, FOLD=True, DECIDE=True)),
+        FinalizeStep(dict(STEP_OFF, DECIDE=True), earlier), FinalizeStep(dict(STEP_OFF, DECIDE=True), None),
+        FinalizeStep(dict(STEP_OFF, DECIDE=True, NORM_FACTOR=5.0, NORM_WARMUP=2), None, norm_stats),
+        FinalizeStep(dict(STEP_OFF, DECIDE=True, NORM_FACTOR=4.0, NORM_WARMUP=2), None, norm_stats),
+    ]  # fmt: skip
+    for partials in (wide, torch.rand(3, 32)):
+        for columns in (1, 3, 32):
+            for code in (2, 0):
+                for max_norm in (None, 1.0, 0.5):
+                    for step in steps:
+                        finalize.finalize(partials, columns, scale, code, max_norm, step)
+    assert sum(twin.prepared for twin in twins) > len(twins) // 3, "the calls went through prepared launches"
+    for twin in twins:
+        assert_same_launch(twin)
+
+
+def test_a_prepared_launch_proves_globals_hooks_knobs_on_each_call(twins, base_calls):
+    """What a hit's guard reads besides the arguments, a prepared launch reads on each call: a
+    pre-run hook, a knob in Triton's key and a launch hook each send it through the launcher."""
+    prepared, varying, args = _prepared_from("check_pass", base_calls)
+    same = [args[i] for i in varying]
+    seen = []
+    launcher = LAUNCHERS["check_pass"]
+    launcher._jit.add_pre_run_hook(lambda *a, **k: seen.append(1))
+    try:
+        prepared(*same)
+        assert seen and not twins[-1].prepared and not twins[-1].hit
+    finally:
+        launcher._jit.pre_run_hooks.clear()
+    with knobs.runtime.scope():
+        knobs.runtime.debug = True  # another key: another compiled kernel
+        prepared(*same)
+        assert not twins[-1].prepared and twins[-1].jit.metadata.debug
+        assert_same_launch(twins[-1])
+    knobs.runtime.launch_enter_hook.add(hook := lambda metadata: None)
+    try:
+        prepared(*same)
+        assert not twins[-1].prepared
+        assert_same_launch(twins[-1])
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    prepared(*same)
+    assert twins[-1].prepared
+    assert_same_launch(twins[-1])
+
+
+def test_a_prepared_launch_of_an_unbound_call_goes_through_the_launcher(twins, base_calls):
+    """Prepared from a call no launch has bound (an autotuned kernel, a call that was never made):
+    every call goes through the launcher's own call."""
+    grid, args, kwargs = base_calls["check_pass"]
+    fresh = BoundLaunch(check_pass.check_pass_kernel)
+    prepared = fresh.prepare(grid, args, kwargs, ())
+    assert not prepared.direct and "not bound" in prepared.why_not
+    prepared()
+    assert not twins[-1].prepared
+    assert_same_launch(twins[-1])
+    tuner = LAUNCHERS["apply_flat"]
+    assert not tuner.prepare(*base_calls["apply_flat"], ()).direct
 
 
 def test_a_backend_with_its_own_tensor_rule_stays_on_the_jit_path(twins, monkeypatch):

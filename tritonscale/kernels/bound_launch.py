@@ -34,6 +34,11 @@ the JIT path's work once per specialization and keeps its result:
 * **miss**: the call goes through ``kernel[grid]`` (so Triton decides, compiles and raises exactly
   as it would), and its specialization is bound beside the others: one small dict per launcher,
   keyed by the guard.
+* **prepared** (:class:`PreparedLaunch`; ``BoundLaunch.prepare`` and ``BoundLaunch.at``): a call
+  site whose calls differ only in a few tensors skips the guard's generic split of every parameter;
+  one generated function proves the varying arguments' specializations, the fixed tensors'
+  addresses and dtypes and what a hit's guard reads besides the arguments, then launches as a hit.
+  Anything else goes through the launcher's own call.
 
 Off (every call is ``kernel[grid]``): under the interpreter (``TRITON_INTERPRET=1``), on a Triton
 whose launch path this was not tested on (``TESTED_TRITON``: the rules below are those of 3.6 and
@@ -76,6 +81,8 @@ from .jit_helpers import INTERPRETING
 TESTED_TRITON = ((3, 6), (3, 9))
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
+#: Call sites ``BoundLaunch.at`` keeps prepared per launcher (a few per step in practice).
+MAX_SITES = 64
 #: Whether launches are bound at all (see the module docstring for when they are not).
 ENABLED = (
     not INTERPRETING
@@ -267,6 +274,7 @@ class BoundLaunch:
         self.kernel = kernel
         self.bound: dict[tuple, _Bound] = {}
         self._last: tuple[tuple, _Bound] | None = None  # the last hit's (key, entry): compared before hashing
+        self._sites: dict[Any, PreparedLaunch] = {}  # at(): a call site's key -> its prepared launch
         #: Why this launcher never binds (None when it does); why the last bind was refused.
         self.declined: str | None = None if ENABLED else "bound launches are off"
         self.refused: str | None = None
@@ -341,6 +349,50 @@ class BoundLaunch:
             config = self._tuned_config(values)
             config = id(config) if config is not None else None
         return (specs, tuple(options.items()), key_knobs(self._jit), device, config), values
+
+    def prepare(self, grid: tuple[int, ...], args: tuple, kwargs: dict, varying: tuple[int, ...]) -> PreparedLaunch:
+        """``self(grid, *args, **kwargs)`` for calls that differ from this one only in the arguments
+        at the positions ``varying`` (tensors or None): see :class:`PreparedLaunch`.
+
+        Args:
+            grid: the launch grid, a tuple.
+            args: the call's positional arguments (every runtime parameter among them).
+            kwargs: its keyword arguments (the constexprs and options), fixed from now on.
+            varying: the positions in ``args`` that a call of the prepared launch passes.
+
+        Returns:
+            the prepared launch.
+        """
+        return PreparedLaunch(self, grid, args, kwargs, varying)
+
+    def at(self, site: Any, grid: tuple[int, ...], args: tuple, kwargs: dict, varying: tuple[int, ...]) -> Any:
+        """``self(grid, *args, **kwargs)`` at a call site whose calls differ only in the arguments at
+        the positions ``varying`` while ``site`` is the same: the first call goes through ``self``,
+        later ones through the launch prepared from it (:class:`PreparedLaunch`).
+
+        ``site`` is the caller's promise: a hashable key that is equal only for calls equal in the
+        grid, in every argument outside ``varying`` and in ``kwargs`` (the launch-path tier holds
+        each caller to it: every launch made here equals the JIT path's for the call's own
+        arguments). At most ``MAX_SITES`` sites are kept; more start again from none.
+
+        Args:
+            site: the call site's key (a tuple of the values that fix the other arguments).
+            grid: the launch grid, a tuple.
+            args: the call's positional arguments (every runtime parameter among them).
+            kwargs: its keyword arguments (constexprs and options).
+            varying: the positions in ``args`` that change between calls at ``site``.
+
+        Returns:
+            what ``self(grid, *args, **kwargs)`` returns.
+        """
+        prepared = self._sites.get(site)
+        if prepared is not None:
+            return prepared.from_args(args)
+        compiled = self(grid, *args, **kwargs)
+        if len(self._sites) >= MAX_SITES:
+            self._sites.clear()
+        self._sites[site] = self.prepare(grid, args, kwargs, varying)
+        return compiled
 
     def lookup(self, *args, **kwargs) -> Any:
         """The compiled kernel a call with these arguments would launch without the JIT path, or
@@ -432,6 +484,172 @@ class BoundLaunch:
                     raise _Refused(f"{param.name} specializes as {triton_spec} in Triton, as {spec} here")
         self._globals = _global_reads(jit)  # the objects that just passed Triton's own check
         return _Bound(compiled, config, order)
+
+
+class PreparedLaunch:
+    """One call site's launch, prepared: ``prepared(*varying)`` is ``launcher(grid, *args, **kwargs)``
+    with the arguments at the positions ``varying`` replaced by the ones given, as fast as a launch
+    whose other arguments are already known can be proved.
+
+    Prepared from a call that is bound (:meth:`BoundLaunch.prepare`), it holds that call's compiled
+    kernel, its constexprs, options and non-tensor arguments, and its fixed tensors themselves. Each
+    call then proves, in one generated function, what the guard of a hit would read for it:
+
+    * each fixed tensor still has the address and the dtype it was prepared with (a tensor whose
+      memory moved, ``set_``, ``resize_``, ``.data = ...``, fails here);
+    * each varying argument has the prepared one's specialization (a plain tensor of the same dtype
+      and 16-byte alignment, on the same device; a float where that was a float; None where that
+      was None);
+    * the kernel's globals and pre-run hooks, the knobs in Triton's key and the current device are
+      as at the bind, and the launch hooks call nothing.
+
+    It then calls the launcher with the addresses, the current stream and no hooks, as a hit does.
+    Anything else -- and every call where launches are not bound (the interpreter, an untested
+    Triton, ``TRITONSCALE_BOUND_LAUNCH=0``), for an autotuned kernel, or where the call it was
+    prepared from was not bound -- goes through ``launcher(grid, *args, **kwargs)``, which decides as
+    always. A prepared launch therefore never launches another kernel than the launcher would; it
+    only skips the guard's generic work (the split of every parameter, the key's hash).
+
+    Example::
+
+        prepared = _UPDATE.prepare((1,), args, kwargs, varying=(5, 9))
+        prepared(found_inf, skip)  # as _UPDATE((1,), *args[:5], found_inf, *args[6:9], skip, ...)
+    """
+
+    def __init__(self, launcher: BoundLaunch, grid: tuple[int, ...], args: tuple, kwargs: dict, varying: tuple):
+        self.launcher, self.grid, self.kwargs = launcher, grid, dict(kwargs)
+        self.varying = tuple(varying)
+        if len(set(self.varying)) != len(self.varying) or not all(0 <= i < len(args) for i in self.varying):
+            raise ValueError(f"varying positions {varying} are not distinct positions of the {len(args)} arguments")
+        #: Whether calls launch directly (True) or always go through the launcher (False), and why not.
+        self.direct, self.why_not = False, None
+        self._call, self.from_args = self._generate(tuple(args))
+        # What is kept of the call: its fixed arguments (a varying one is not kept alive by it).
+        self.args = tuple(None if i in self.varying else a for i, a in enumerate(args))
+
+    def __call__(self, *varying: Any) -> Any:
+        """Launch with ``varying`` at the prepared positions; returns what the launcher returns.
+        (``from_args(args)``: the same with a whole argument tuple, its varying positions read.)"""
+        return self._call(*varying)
+
+    def full_call(self, *varying: Any) -> tuple[tuple[int, ...], tuple, dict]:
+        """(grid, args, kwargs) of the launcher's call that ``self(*varying)`` stands for."""
+        args = list(self.args)
+        for position, value in zip(self.varying, varying, strict=True):
+            args[position] = value
+        return self.grid, tuple(args), self.kwargs
+
+    def _through_launcher(self, *varying: Any) -> Any:
+        grid, args, kwargs = self.full_call(*varying)
+        return self.launcher(grid, *args, **kwargs)
+
+    def _bound_entry(self) -> tuple[tuple, _Bound] | None:
+        launcher = self.launcher
+        if launcher.declined is not None or launcher._tuner is not None:
+            self.why_not = launcher.declined or "an autotuned kernel (its key reads the tensors)"
+            return None
+        if not (_calls_nothing(knobs.runtime.launch_enter_hook) and _calls_nothing(knobs.runtime.launch_exit_hook)):
+            self.why_not = "a launch hook is set"
+            return None
+        try:
+            key, _ = launcher.guard(self.args, self.kwargs, addresses=True)
+        except Unbindable as why:
+            self.why_not = str(why)
+            return None
+        bound = launcher.bound.get(key)
+        if bound is None or not launcher._still_valid():
+            self.why_not = "the call it was prepared from is not bound"
+            return None
+        return key, bound
+
+    def _slow_args(self, args: tuple) -> Any:
+        return self._through_launcher(*(args[i] for i in self.varying))
+
+    def _generate(self, args: tuple):
+        """The prepared call, taking the varying arguments and taking a whole argument tuple: the
+        proofs and the launch, or the launcher's call (the class docstring)."""
+        self.args = args
+        found = self._bound_entry()
+        if found is None:
+            return self._through_launcher, self._slow_args
+        key, bound = found
+        launcher, names = self.launcher, self.launcher._names
+        runtime = {p.name for p in launcher._jit.params if not p.is_constexpr}
+        if any(name in runtime for name in names[len(args) :]):
+            self.why_not = "a runtime argument passed by keyword"
+            return self._through_launcher, self._slow_args
+        params = [f"a{i}" for i in range(len(self.varying))]
+        namespace: dict[str, Any] = {
+            "_T": _Tensor, "_valid": launcher._still_valid, "_knobs": key_knobs, "_jit": launcher._jit,
+            "_K": key[_KNOBS], "_DEV": key[_DEVICE], "_driver": driver, "_rt": knobs.runtime,
+            "_HC": HookChain, "_run": bound.run, "_fn": bound.function, "_md": bound.metadata,
+            "_slow": self._through_launcher, "_G": self.grid + (1,) * (3 - len(self.grid)),
+        }  # fmt: skip
+        checks = [
+            "_valid()", "_knobs(_jit) == _K", "_active.get_current_device() == _DEV",
+            # (_calls_nothing, inline)
+            "((h := _rt.launch_enter_hook) is None or (type(h) is _HC and not h.calls))",
+            "((h := _rt.launch_exit_hook) is None or (type(h) is _HC and not h.calls))",
+        ]  # fmt: skip
+        lines, values = [], []
+        where = {position: index for index, position in enumerate(self.varying)}
+        for i, value in enumerate(args):
+            tensor = type(value) is _Tensor
+            if i in where:
+                name = params[where[i]]
+                if value is None:
+                    checks.append(f"{name} is None")
+                    values.append("None")
+                    continue
+                if type(value) is float:  # Triton's fp32 whatever the value: only the type is proved
+                    checks.append(f"type({name}) is float")
+                    values.append(name)
+                    continue
+                if not tensor:
+                    raise ValueError(f"a varying argument must be a tensor, a float or None, not {type(value).__name__}")
+                namespace[f"_D{i}"], namespace[f"_G{i}"] = value.dtype, value.get_device()
+                aligned = value.data_ptr() & 15 == 0
+                lines.append(f"    if type({name}) is not _T or {name}.dtype is not _D{i} or {name}.get_device() != _G{i}:")
+                lines.append(f"        return _slow({', '.join(params)})")
+                lines.append(f"    p{i} = {name}.data_ptr()")
+                checks.append(f"p{i} & 15 {'==' if aligned else '!='} 0")
+                values.append(f"p{i}")
+            elif tensor:
+                namespace[f"_F{i}"], namespace[f"_D{i}"] = value, value.dtype
+                namespace[f"_A{i}"] = value.data_ptr()
+                checks.append(f"_F{i}.data_ptr() == _A{i}")
+                checks.append(f"_F{i}.dtype is _D{i}")
+                values.append(f"_A{i}")
+            else:
+                namespace[f"_C{i}"] = value
+                values.append(f"_C{i}")
+        _, all_args, _ = _bound_call(launcher, args, self.kwargs)
+        values += [f"_X{j}" for j in range(len(args), len(all_args))]
+        namespace.update({f"_X{j}": all_args[j] for j in range(len(args), len(all_args))})
+        unpack = f"    {', '.join(params)}{',' if len(params) == 1 else ''} = {', '.join(f'_args[{i}]' for i in self.varying)}"
+        body = [
+            *lines,
+            "    _active = _driver.active",
+            f"    if not ({' and '.join(checks)}):",
+            f"        return _slow({', '.join(params)})",
+            f"    _run(_G[0], _G[1], _G[2], _active.get_current_stream(_DEV), _fn, _md, None, None, None, {', '.join(values)})",
+            "    return _bound",
+        ]  # fmt: skip
+        source = "\n".join([
+            f"def prepared({', '.join(params)}):", *body, "",
+            "def prepared_args(_args):", *([unpack] if params else []), *body, "",
+        ])  # fmt: skip
+        namespace["_bound"] = bound.kernel
+        exec(source, namespace)
+        self.direct = True
+        return namespace["prepared"], namespace["prepared_args"]
+
+
+def _bound_call(launcher: BoundLaunch, args: tuple, kwargs: dict) -> tuple[tuple, tuple, dict]:
+    """(specializations, every argument in declaration order, options) of a call, as the
+    launcher's split makes them (constexprs and defaults included)."""
+    values, specs, options = launcher._split(*args, **kwargs)
+    return specs, values, options
 
 
 def _calls_nothing(hook: Any) -> bool:

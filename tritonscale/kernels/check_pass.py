@@ -104,6 +104,7 @@ def check_pass_kernel(
 
 
 _CHECK_PASS = BoundLaunch(check_pass_kernel)
+_CHECK_VARYING = (0, 1, 2, 4)  # the gradients (or buffer), the tables, the partials
 
 
 def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> None:
@@ -123,18 +124,13 @@ def check_pass(layout: GradLayout, partials: torch.Tensor, norm: int = 2) -> Non
             f"norm code must be one of {sorted(NORM_CODES.values())} (see supported.norm_code), got {norm}"
         )
     config = check_config(layout.device, layout.numel)
-    _CHECK_PASS(
+    block, warps, stride = config.kwargs["BLOCK"], config.num_warps, partials.stride(0)
+    # What fixes every argument but the tensors (BoundLaunch.at): equal sites, equal launches.
+    site = (layout.programs, layout.num_items, stride, norm, layout.flat, layout.aligned, block, warps)
+    _CHECK_PASS.at(
+        site,
         (layout.programs,),
-        layout.first,
-        layout.tensors,
-        layout.chunks,
-        layout.num_items,
-        partials,
-        partials.stride(0),
-        NORM=norm,
-        FLAT=layout.flat,
-        ALIGNED=layout.aligned,
-        CHUNK_SIZE=CHUNK,
-        BLOCK=config.kwargs["BLOCK"],
-        num_warps=config.num_warps,
+        (layout.first, layout.tensors, layout.chunks, layout.num_items, partials, stride),
+        dict(NORM=norm, FLAT=layout.flat, ALIGNED=layout.aligned, CHUNK_SIZE=CHUNK, BLOCK=block, num_warps=warps),
+        _CHECK_VARYING,
     )

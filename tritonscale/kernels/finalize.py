@@ -43,7 +43,7 @@ from .bound_launch import BoundLaunch
 from .check_pass import PARTIAL_ROWS
 from .interfaces import KERNEL_CONSTANTS, RESULT_FIELDS, STEP_FIELDS, FinalizeStep
 from .jit_helpers import pow2_inverse
-from .launch_config import FINALIZE_MAX_BLOCK, FINALIZE_NUM_WARPS
+from .launch_config import FINALIZE_MAX_BLOCK, FINALIZE_NUM_WARPS, next_power_of_2
 from .skip_rule import skip_decision, zclip_max_norm
 
 
@@ -159,6 +159,7 @@ def finalize_kernel(
 
 
 _FINALIZE = BoundLaunch(finalize_kernel)
+_FINALIZE_VARYING = (0, 3, 4, 5, 6, 7, 8)  # partials, scale, result, max_norm and the step's state
 
 
 def finalize(
@@ -185,30 +186,32 @@ def finalize(
         raise ValueError("scale must be a 1-element float32 tensor on the partials' device")
     fields = len(RESULT_FIELDS) + (len(STEP_FIELDS) if step is not None else 0)
     result = torch.empty(fields, dtype=torch.float32, device=partials.device)
-    block_p = min(triton.next_power_of_2(num_partials), FINALIZE_MAX_BLOCK)
+    block_p = min(next_power_of_2(num_partials), FINALIZE_MAX_BLOCK)
     step = step if step is not None else _NO_STEP
-    _FINALIZE(
+    earlier, norm_stats, spike_stats = step.earlier, step.norm_stats, step.spike_stats
+    has_clip, stride, constexprs = max_norm is not None, partials.stride(0), step.constexprs
+    # What fixes every argument but the tensors and max_norm (BoundLaunch.at): equal sites, equal launches.
+    site = (
+        num_partials, stride, norm, has_clip, block_p, earlier is None, norm_stats is None, spike_stats is None,
+        step.key if step.key is not None else tuple((name, type(value), value) for name, value in constexprs.items()),
+    )  # fmt: skip
+    _FINALIZE.at(
+        site,
         (1,),
-        partials,
-        num_partials,
-        partials.stride(0),
-        scale,
-        result,
-        float(max_norm) if max_norm is not None else 0.0,
-        step.earlier,  # None where unread (a constexpr: neither specialized nor launched)
-        step.norm_stats,
-        step.spike_stats,
-        NORM=norm,
-        HAS_CLIP=max_norm is not None,
-        BLOCK_P=block_p,
-        HAS_EARLIER=step.earlier is not None,
-        **step.constexprs,
-        num_warps=FINALIZE_NUM_WARPS,
-        # Each operation rounded on its own, as torch's ops round: a fused multiply-add would give
-        # the rules' float64 thresholds (ZClip's mean + z * std) other bits. The norm is unchanged
-        # (its products are by powers of two: exact either way).
-        enable_fp_fusion=False,
-    )
+        (
+            partials, num_partials, stride, scale, result, float(max_norm) if has_clip else 0.0,
+            earlier, norm_stats, spike_stats,  # None where unread (a constexpr: neither specialized nor launched)
+        ),
+        dict(
+            NORM=norm, HAS_CLIP=has_clip, BLOCK_P=block_p, HAS_EARLIER=earlier is not None, **constexprs,
+            num_warps=FINALIZE_NUM_WARPS,
+            # Each operation rounded on its own, as torch's ops round: a fused multiply-add would
+            # give the rules' float64 thresholds (ZClip's mean + z * std) other bits. The norm is
+            # unchanged (its products are by powers of two: exact either way).
+            enable_fp_fusion=False,
+        ),
+        _FINALIZE_VARYING,
+    )  # fmt: skip
     return result
 
 

@@ -15,8 +15,9 @@ value would reuse a stale compiled kernel from Triton's disk cache.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -49,18 +50,20 @@ STEP_OFF = {
 }
 
 
-@dataclass(frozen=True)
-class FinalizeStep:
+class FinalizeStep(NamedTuple):
     """What ``finalize`` decides for the step besides the clip: ``constexprs`` (STEP_OFF's names,
     the policy's rule as ``passes/step_decision.py`` maps it), the flag recorded ``earlier`` in the
     iteration (fp32 [1] or 0-dim, or None), and the policy's state the rules read (``norm_stats``
     fp32 [2], ``spike_stats`` fp64; None where no rule reads them), all on the partials' device.
     Example: ``FinalizeStep({**STEP_OFF, "FOLD": True})``."""
 
-    constexprs: dict = field(default_factory=lambda: dict(STEP_OFF))
+    constexprs: Mapping[str, Any] = MappingProxyType(STEP_OFF)
     earlier: torch.Tensor | None = None
     norm_stats: torch.Tensor | None = None
     spike_stats: torch.Tensor | None = None
+    #: A number naming ``constexprs`` (equal numbers: equal constexprs, never changed in place), or
+    #: None: ``finalize`` then compares the constexprs themselves.
+    key: int | None = None
 
 
 # ----------------------------------------- the policy's state (policy/counters.py, policy/spike_rules.py)

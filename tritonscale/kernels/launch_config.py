@@ -52,6 +52,7 @@ def autotune_enabled() -> bool:
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
+    """The device's SM count (asked once per device: every pass's layout reads it)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -77,8 +78,19 @@ def check_config(device: torch.device, numel: int) -> triton.Config:
 
         >>> check_config(torch.device("cpu"), 10_000).kwargs
         {'BLOCK': 4096}
+
+    (The one config is made once: a ``triton.Config`` costs more to build than the launch's guard.)
     """
-    return triton.Config({"BLOCK": DEFAULT_BLOCK}, num_warps=DEFAULT_NUM_WARPS)
+    return _CHECK_CONFIG
+
+
+_CHECK_CONFIG = triton.Config({"BLOCK": DEFAULT_BLOCK}, num_warps=DEFAULT_NUM_WARPS)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= ``n`` >= 1, as ``triton.next_power_of_2`` (whose wrapper for use
+    inside kernels costs more per call than this whole expression)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _first_config_only(configs, named_args, **kwargs):

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .bound_launch import BoundLaunch
 from .interfaces import SLOT_BYTES
+from .launch_config import next_power_of_2
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def advance_lr(
         lr_addresses,
         tables.shape[1] - 1,
         NUM_GROUPS=groups,
-        BLOCK_G=triton.next_power_of_2(groups),
+        BLOCK_G=next_power_of_2(groups),
         num_warps=1,
     )
 

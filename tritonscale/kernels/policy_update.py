@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bound_launch import BoundLaunch
+from .bound_launch import BoundLaunch, PreparedLaunch
 from .interfaces import KERNEL_CONSTANTS, MAX_FLAGS, UpdateRule
 
 
@@ -319,6 +319,7 @@ class UpdateResult(NamedTuple):
 
 _ONE_PROGRAM = (1,)
 _UPDATE = BoundLaunch(policy_update_kernel)
+_AT = {name: i for i, name in enumerate(policy_update_kernel.arg_names)}  # a parameter's position
 
 
 def _slots(flags: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
@@ -328,6 +329,34 @@ def _slots(flags: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
 
 
 _NONE = (None,) * MAX_FLAGS
+
+
+class PreparedUpdates:
+    """One caller's policy-update launches, prepared (``bound_launch.PreparedLaunch``): a call with
+    the state tensors and the rule object of the caller's last call, and flag counts it made before,
+    launches through the launch prepared from that earlier call, with only the flags, the norm and
+    the outputs passed. Another state or rule drops them all. One per scaler (``PolicyRunner``).
+    Example: ``update_policy_state_(state, [found_inf], [skip], norm, rule, prepared=PreparedUpdates())``.
+    """
+
+    __slots__ = ("state", "rule", "launches")
+
+    def __reduce__(self) -> tuple:  # a copy or an unpickled scaler prepares its own
+        return (PreparedUpdates, ())
+
+    def __init__(self) -> None:
+        self.state: tuple = (None,) * 5
+        self.rule: UpdateRule | None = None
+        #: (flags, skips, has a norm, count_only, checks, hold) -> the launch prepared for it.
+        self.launches: dict[tuple, PreparedLaunch] = {}
+
+    def held(self, state: tuple, rule: UpdateRule) -> bool:
+        """Whether the launches were prepared for ``state`` (these very tensors) and ``rule``."""
+        held = self.state
+        return (
+            self.rule is rule and held[0] is state[0] and held[1] is state[1] and held[2] is state[2]
+            and held[3] is state[3] and held[4] is state[4]
+        )  # fmt: skip
 
 
 def update_policy_state_(
@@ -340,10 +369,12 @@ def update_policy_state_(
     count_only: bool = False,
     checks: bool = False,
     hold: bool = False,
+    prepared: PreparedUpdates | None = None,
 ) -> UpdateResult:
     """One launch: the policy's update (or, ``count_only``, its record_iteration_) of ``state`` =
     (scale, growth_tracker, counters, norm_stats, spike_stats), in place, from up to ``MAX_FLAGS``
-    0-dim flags each (on the state's device). Example::
+    0-dim flags each (on the state's device). ``prepared``: the caller's :class:`PreparedUpdates`,
+    through which a call like its last one launches. Example::
 
         update_policy_state_(state, [found_inf], [skip], norm, rule_of(policy))
     """
@@ -354,10 +385,34 @@ def update_policy_state_(
     # Every pointer the kernel does not follow is None: a constexpr, never specialized nor launched.
     found_out = torch.empty((), dtype=torch.float32, device=scale.device) if num_found > 1 else None
     check_out = torch.empty(4, dtype=torch.float64, device=scale.device) if checks else None
-    _UPDATE(
-        _ONE_PROGRAM, scale, tracker, counters, norm_stats, spike_stats if spike_stats.numel() else None,
+    result = UpdateResult(found_out if found_out is not None else found_infs[0], check_out)
+    varying = [*found_infs, *skips]
+    if norm is not None:
+        varying.append(norm)
+    if found_out is not None:
+        varying.append(found_out)
+    if check_out is not None:
+        varying.append(check_out)
+    shape = (num_found, num_skips, norm is not None, count_only, checks, hold)
+    if prepared is not None and prepared.held(state, rule):
+        launch = prepared.launches.get(shape)
+        if launch is not None:
+            launch(*varying)
+            return result
+    args = (
+        scale, tracker, counters, norm_stats, spike_stats if spike_stats.numel() else None,
         *_slots(found_infs), *_slots(skips), norm, found_out, check_out, int(hold),
+    )  # fmt: skip
+    kwargs = dict(
         NUM_FOUND=num_found, NUM_SKIPS=num_skips, HAS_NORM=norm is not None, COUNT_ONLY=count_only,
         CHECKS=checks, R=rule, num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
-    return UpdateResult(found_out if found_out is not None else found_infs[0], check_out)
+    _UPDATE(_ONE_PROGRAM, *args, **kwargs)
+    if prepared is not None:  # the next call like this one: its flags, norm and outputs vary
+        positions = [*range(_AT["found0_ptr"], _AT["found0_ptr"] + num_found)]
+        positions += range(_AT["skip0_ptr"], _AT["skip0_ptr"] + num_skips)
+        positions += [_AT[name] for name in ("norm_ptr", "found_out_ptr", "check_out_ptr") if args[_AT[name]] is not None]
+        if not prepared.held(state, rule):
+            prepared.state, prepared.rule, prepared.launches = tuple(state), rule, {}
+        prepared.launches[shape] = _UPDATE.prepare(_ONE_PROGRAM, args, kwargs, tuple(positions))
+    return result

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 
 from .launch_config import CHUNK, program_cap
 from .supported import is_supported_grad, raise_unsupported_grad
@@ -232,7 +231,7 @@ def describe_grads(
     if base is not None:
         placeholder = _placeholder(base.device)
         numel = base.numel()
-        programs = max(1, min(triton.cdiv(numel, CHUNK), cap))
+        programs = max(1, min(-(-numel // CHUNK), cap))  # (triton.cdiv, without its wrapper's cost)
         return GradLayout(base, True, numel, placeholder, placeholder, programs, numel)
     tensors, chunks, aligned = _tables_for(grads)
     num_chunks = chunks.shape[0]

@@ -15,8 +15,7 @@ a new ``max_norm`` without recompiling, and recompiles (then raises) only for a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -93,8 +92,7 @@ def check_max_norm(max_norm: float | torch.Tensor) -> float | torch.Tensor:
     return value
 
 
-@dataclass(frozen=True)
-class ClipRequest:
+class ClipRequest(NamedTuple):
     """One clip as the passes take it (``grad_passes.clip_grads``): the checked ``max_norm`` and
     ``norm_type`` (``check_max_norm``, ``check_norm_type``); ``fold``: the clip folds into a fused
     optimizer's step (``result.grad_scale``, what it divides by) instead of being applied to the

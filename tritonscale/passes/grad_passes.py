@@ -274,7 +274,7 @@ def _clip_device(grads: Grads, scale: torch.Tensor | None, group: Any) -> torch.
     """The one device a clip runs on; several devices, or replicas marked with no group to
     combine them, are refused before anything is read."""
     replicas = grads.replicas
-    devices = list(dict.fromkeys([*grads.devices, *(replicas.devices if replicas else [])]))
+    devices = grads.devices if replicas is None else list(dict.fromkeys([*grads.devices, *replicas.devices]))
     if len(devices) > 1:
         raise NotImplementedError(
             f"clip_grad_norm_() over gradients on several devices ({', '.join(map(str, devices))})"

@@ -9,8 +9,8 @@ arithmetic rounds them. tests/kernels/test_skip_rule.py holds the kernel to the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import itertools
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,8 +22,7 @@ from ..policy.spike_rules import window_size
 WINDOW_BLOCK = 1024
 
 
-@dataclass(frozen=True)
-class StepDecision:
+class StepDecision(NamedTuple):
     """The step's skip, to be decided by the clip's finalize: the ``policy``, the scaler's device
     ``state`` (its ``norm_stats`` and ``spike_stats``) and the optimizer's flags recorded earlier in
     the iteration (``found_before``, per device). Example:
@@ -89,14 +88,48 @@ def finalize_step(
     (the skip and the earlier flag, where ``decision`` allows it on ``device``). ZClip's max_norm
     is always the kernel's when ``decision``'s policy has it (the caller checked ``decision``).
     ``with_norm`` False: a check without a clip, whose skip decides on found_inf alone."""
-    constexprs = dict(STEP_OFF, FOLD=fold, UNFIT_OVERFLOWS=unfit_overflows, UNSCALE_ON_OVERFLOW=unscale_on_overflow)
     if decision is None:
-        return FinalizeStep(constexprs), False
-    rule = rule_constexprs(decision.policy, with_norm=with_norm)
+        constexprs, key = _step_constexprs(None, fold, unfit_overflows, unscale_on_overflow, with_norm, False)
+        return FinalizeStep(constexprs, key=key), False
     decides, earlier = decision.earlier_on(device) if decide else (False, None)
-    if not decides:  # the ZClip knobs only
-        rule = {name: value for name, value in rule.items() if name.startswith("ZCLIP_")}
-        earlier = None
+    policy = decision.policy
+    constexprs, key = _step_constexprs(policy, fold, unfit_overflows, unscale_on_overflow, with_norm, decides)
     state = decision.state
-    spike_stats = state.spike_stats if decision.policy.has_spike_state() else None  # else empty: no pointer
-    return FinalizeStep({**constexprs, **rule}, earlier, state.norm_stats, spike_stats), decides
+    spike_stats = state.spike_stats if policy.has_spike_state() else None  # else empty: no pointer
+    return FinalizeStep(constexprs, earlier if decides else None, state.norm_stats, spike_stats, key), decides
+
+
+def _step_constexprs(
+    policy: Any, fold: bool, unfit_overflows: bool, unscale_on_overflow: bool, with_norm: bool, decides: bool
+) -> tuple[dict[str, Any], int]:
+    """(finalize's step constexprs, the number naming them) for a policy's stamp and the clip's
+    switches, made once: a knob set since takes a new stamp, so a new entry. Without ``decides`` the
+    ZClip knobs only (``policy`` None: none of the rule's)."""
+    made_key = (policy.stamp if policy is not None else None, fold, unfit_overflows, unscale_on_overflow, with_norm,
+                decides)  # fmt: skip
+    made = _MADE.get(made_key)
+    if made is None:
+        constexprs = dict(STEP_OFF, FOLD=fold, UNFIT_OVERFLOWS=unfit_overflows, UNSCALE_ON_OVERFLOW=unscale_on_overflow)
+        if policy is not None:
+            rule = rule_constexprs(policy, with_norm=with_norm)
+            if not decides:
+                rule = {name: value for name, value in rule.items() if name.startswith("ZCLIP_")}
+            constexprs.update(rule)
+        if len(_MADE) >= 64:  # knobs that keep changing: keep it small
+            _MADE.clear()
+        # Equal constexprs get the one number, whichever stamp made them (FinalizeStep.key).
+        values = tuple((name, type(value), value) for name, value in constexprs.items())
+        key = _KEYS.get(values)
+        if key is None:
+            if len(_KEYS) >= 1024:  # a number is never reused: a set made again takes a new one
+                _KEYS.clear()
+            key = _KEYS[values] = next(_NUMBERS)
+        made = _MADE[made_key] = (constexprs, key)
+    return made
+
+
+#: (stamp, fold, unfit_overflows, unscale_on_overflow, with_norm, decides) -> (constexprs, key).
+_MADE: dict[tuple, tuple[dict[str, Any], int]] = {}
+#: The distinct sets of step constexprs made lately -> the number naming each (from _NUMBERS).
+_KEYS: dict[tuple, int] = {}
+_NUMBERS = itertools.count()

@@ -28,7 +28,7 @@ from .spike_rules import zclip_max_norm
 from .state import DeviceState
 
 if TRITON_FOUND:  # a CPU install without triton runs the rule's other forms (kernel_form.kernel_runs)
-    from ..kernels.policy_update import update_policy_state_
+    from ..kernels.policy_update import PreparedUpdates, update_policy_state_
 
 
 class IterationOutcome(NamedTuple):
@@ -57,6 +57,8 @@ class PolicyRunner:
         # the eager rule reads it at each call, a compiled one recompiles on Dynamo's guards.
         self._rules: dict[tuple[str, int, RuleForm, bool], Callable[..., Any]] = {}
         self._unread = UpdatesWithoutRead()  # the host check's reads the device may skip
+        # The policy kernel's last launch, prepared: the next one like it skips the generic guard.
+        self._prepared = PreparedUpdates() if TRITON_FOUND else None
 
     def _compiles(self, device: torch.device) -> bool:
         """The tensor-op rule is compiled: on request, or (None) on CUDA where the kernels cannot
@@ -151,8 +153,9 @@ class PolicyRunner:
         reads = checks and not self._unread.skips_read(policy, state)
         tensors = (state.scale, state.growth_tracker, state.counters, state.norm_stats, state.spike_stats)
         result = update_policy_state_(
-            tensors, found_infs, skips, norm, kernel_rule(policy), count_only=count_only, checks=reads, hold=reads
-        )
+            tensors, found_infs, skips, norm, kernel_rule(policy), count_only=count_only, checks=reads, hold=reads,
+            prepared=self._prepared,
+        )  # fmt: skip
         if reads:
             flags, scale, in_a_row, step = result.checks.tolist()  # the one host read
             self._unread.set(policy, scale, int(in_a_row))

@@ -312,7 +312,7 @@ class OptimizerStep(OptimizerRecord):
             inner, allow_fp16=folds, kernels=kernels, allow_sparse=sparse_ok, split_replicas=True, takes_norm=True
         )
         group = scaler._group(grads, process_group)
-        checked = bool(grads.devices or grads.replicas) or group is not None  # no gradients: no inf check
+        checked = bool(grads.kernel or grads.other or grads.replicas) or group is not None  # no gradients: no inf check
         # With a process group, the collective: one row per rank, the agreement checked (rank_checks.py).
         device, result = clip_grads(
             grads,
