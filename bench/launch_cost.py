@@ -34,6 +34,13 @@ minus the bare marker's, over the calls. One torch thread, the garbage collector
 measuring, ``PYTHONHASHSEED=0``. torch runs in every valgrind process: its figures in two runs are
 a repeatability check (printed and recorded).
 
+``--breakdown MODULE:QUALNAME ...`` says where a phase's instructions go: after a case's measured
+steps, one round of ``--calls`` steps per named callable, that callable alone replaced (where its
+callers look it up) by a wrapper that calls it inside a marker of its own (``tsmark_part<k>``,
+which does not toggle collection: it counts only inside a measured phase); its inclusive
+instructions per step, the bare marker's cost subtracted per call (within ~1k per call), and its
+calls per step, printed after the table and recorded as each case's ``breakdown``.
+
 Printed: per Python, a table of instructions per call (torch, ours for each launcher setting) and
 ours/torch. The last line: ``host instructions at 1 tensor, ours/torch: scale A, clip B, step C,
 update D``: the largest ratio over the policies and the Pythons run, with the pre-bound launcher
@@ -43,6 +50,7 @@ Install valgrind with ``apt-get install valgrind`` (Debian's package brings ``ca
     python bench/launch_cost.py --out out/launch_cost.json          # this Python, on and off: 5-10 min on 2 cores
     python bench/launch_cost.py --python /work/venv36/bin/python --python .venv/bin/python --out out/lc.json
     python bench/launch_cost.py --quick --bound on --out /tmp/launch_cost.json   # the smoke run, ~2 min
+    python bench/launch_cost.py --bound on --phases update --breakdown tritonscale.policy.runner:PolicyRunner.update_ --out /tmp/lc.json
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ POLICIES = {"defaults": {}, "rich": {"hysteresis": 2, "skip_norm_factor": 5.0}}
 #: (tensors, elements per tensor)
 CASES = ((1, 1024), (148, 64))
 SWITCH = "TRITONSCALE_BOUND_LAUNCH"
+#: The markers ``--breakdown`` wraps callables in (``tsmark_part0`` ...): at most this many targets.
+PARTS = 12
 MARKS_SOURCE = r"""
 #include <valgrind/callgrind.h>
 typedef void (*thunk_t)(void);
@@ -81,6 +91,12 @@ static volatile long tsmark_calls;
   __attribute__((noinline)) static void tsin_##phase(thunk_t f) { f(); tsmark_calls++; } \
   void tsmark_##phase(thunk_t f) { tsin_##phase(f); }
 MARK(bare) MARK(scale) MARK(clip) MARK(step) MARK(update) MARK(lr)
+/* --breakdown's markers inside a phase: tspart_<k> does not toggle collection (a nested toggle
+   would switch it off), so it counts only inside a tsin_. */
+#define PART(k) \
+  __attribute__((noinline)) static void tspart_##k(thunk_t f) { f(); tsmark_calls++; } \
+  void tsmark_part##k(thunk_t f) { tspart_##k(f); }
+PART(0) PART(1) PART(2) PART(3) PART(4) PART(5) PART(6) PART(7) PART(8) PART(9) PART(10) PART(11)
 void tsctl_start_instrumentation(void) { CALLGRIND_START_INSTRUMENTATION; }
 void tsctl_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 int tsctl_on_valgrind(void) { return RUNNING_ON_VALGRIND; }
@@ -102,12 +118,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
                         help="the phases measured (the others run unmarked): with --keep, a dump of one "
                         "phase for callgrind_annotate")  # fmt: skip
+    parser.add_argument("--breakdown", nargs="+", default=[], metavar="MODULE:QUALNAME",
+                        help=f"callables (at most {PARTS}) to count inside the measured phases, each where its "
+                        "callers look it up (tritonscale.policy.runner:PolicyRunner.update_): their inclusive "
+                        "instructions per step, printed and recorded beside the phases")  # fmt: skip
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # the measured process: its JSON
     parser.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--cases", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cases", default=None, help="the cases run, comma-separated labels as the JSON names "
+                        "them (torch|1x1024|torch,ours|1x1024|defaults); default: every case")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.calls, args.warmup = min(args.calls, 3), min(args.warmup, 2)
+    if len(args.breakdown) > PARTS:
+        parser.error(f"--breakdown takes at most {PARTS} callables, got {len(args.breakdown)}")
     return args
 
 
@@ -138,7 +161,7 @@ class Marks:
         self._fn, self._result, self._error = None, None, None
         self._thunk = thunk_type(self._call)
         self._marks = {}
-        for phase in ("bare",) + PHASES:
+        for phase in ("bare",) + PHASES + tuple(f"part{k}" for k in range(PARTS)):
             mark = getattr(lib, f"tsmark_{phase}")
             mark.argtypes, mark.restype = [thunk_type], None
             self._marks[phase] = mark
@@ -153,9 +176,11 @@ class Marks:
             self._error = error
 
     def run(self, phase: str, fn):
+        saved = self._fn, self._result, self._error  # a marked callable inside a marked phase: reentrant
         self._fn = fn
         self._marks[phase](self._thunk)
-        result, error, self._result, self._error, self._fn = self._result, self._error, None, None, None
+        result, error = self._result, self._error
+        self._fn, self._result, self._error = saved
         if error is not None:
             raise error
         return result
@@ -188,6 +213,47 @@ def gpu_paths() -> None:
     kernel_form._RUNS.clear()
 
 
+class Breakdown:
+    """``--breakdown``'s callables, each looked up where its callers look it up. ``install(k)``
+    replaces callable ``k`` by a wrapper that counts its calls and calls it inside its own marker
+    (``tsmark_part<k>``); ``remove(k)`` puts the original back. One callable is wrapped at a time, so
+    no figure carries another wrapper's cost."""
+
+    def __init__(self, targets: list[str], marks: Marks) -> None:
+        import importlib
+
+        self.targets, self._marks, self._sites = list(targets), marks, []
+        self.calls = [0] * len(targets)  # inside a measured phase only, as the instructions
+        self.inside = False  # the worker's marked phases set it
+        for target in self.targets:
+            module_name, _, qualname = target.partition(":")
+            owner = importlib.import_module(module_name)
+            *path, name = qualname.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            if name not in vars(owner):
+                raise SystemExit(f"--breakdown {target}: {owner!r} has no attribute {name!r} of its own")
+            self._sites.append((owner, name, vars(owner)[name]))
+
+    def install(self, k: int) -> None:
+        owner, name, original = self._sites[k]
+        kind = type(original) if isinstance(original, (staticmethod, classmethod)) else None
+        function = original.__func__ if kind else original
+        phase, calls, marks = f"part{k}", self.calls, self._marks
+
+        def counted(*args, **kwargs):
+            if not self.inside:  # not collected there: not counted
+                return function(*args, **kwargs)
+            calls[k] += 1
+            return marks.run(phase, lambda: function(*args, **kwargs))
+
+        setattr(owner, name, kind(counted) if kind else counted)
+
+    def remove(self, k: int) -> None:
+        owner, name, original = self._sites[k]
+        setattr(owner, name, original)
+
+
 def worker_cases(spec: str | None, quick: bool) -> list[tuple[str, int, int, str]]:
     """(variant, tensors, each, policy) of every case the worker runs."""
     cases = [(1, 1024)] if quick else list(CASES)
@@ -217,7 +283,7 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     gpu_paths()
     marks = Marks(build_marks())
-    total = args.warmup + args.calls + 2
+    total = args.warmup + args.calls * (1 + len(args.breakdown)) + 2  # SkipAwareLR's steps, the rounds included
     cases = {
         f"{variant}|{tensors}x{each}|{policy}": PhaseStep(variant, tensors, each, POLICIES.get(policy), total_steps=total)
         for variant, tensors, each, policy in worker_cases(args.cases, args.quick)
@@ -228,6 +294,7 @@ def worker(args) -> int:
         for _ in range(args.warmup):
             case.step(plain)
             stub.reset()
+    breakdown = Breakdown(args.breakdown, marks) if args.breakdown else None
     try:
         from tritonscale.kernels import bound_launch
 
@@ -242,7 +309,19 @@ def worker(args) -> int:
         gc.collect()
         gc.disable()
         launched = info["stub_launches"] = {}
-        marked = lambda phase, fn: marks.run(phase, fn) if phase in measured else fn()  # noqa: E731
+        info["breakdown_calls"] = {}
+
+        def marked(phase, fn):
+            if phase not in measured:
+                return fn()
+            if breakdown is None:
+                return marks.run(phase, fn)
+            breakdown.inside = True
+            try:
+                return marks.run(phase, fn)
+            finally:
+                breakdown.inside = False
+
         for label, case in cases.items():
             for k in range(args.calls):
                 case.step(marked)
@@ -251,6 +330,17 @@ def worker(args) -> int:
                 stub.reset()  # outside the markers: the stub's records never grow inside a phase
                 marks.run("bare", _noop)
             marks.dump(label)
+            if breakdown is not None and label.startswith("ours|"):  # then one round per callable, its own dump
+                breakdown.calls[:] = [0] * len(breakdown.targets)
+                for target in range(len(breakdown.targets)):
+                    breakdown.install(target)
+                    for _ in range(args.calls):
+                        case.step(marked)
+                        stub.reset()
+                        marks.run("bare", _noop)
+                    breakdown.remove(target)
+                marks.dump(f"{label}|breakdown")
+                info["breakdown_calls"][label] = dict(zip(breakdown.targets, breakdown.calls))
             gc.enable()
             gc.collect()
             gc.disable()
@@ -262,7 +352,7 @@ def worker(args) -> int:
 # ----------------------------------------------------------------------------- callgrind's dumps
 
 
-def inclusive_costs(path: Path, prefix: str = "tsin_") -> tuple[str, int, dict[str, int]]:
+def inclusive_costs(path: Path, prefix: str | tuple[str, ...] = "tsin_") -> tuple[str, int, dict[str, int]]:
     """From one callgrind dump: its description (the ``DUMP_STATS_AT`` label), its total ``Ir`` and
     the inclusive ``Ir`` of every function whose name starts with ``prefix`` (its own cost lines
     plus the cost of the calls it makes; the markers are not recursive)."""
@@ -311,6 +401,27 @@ def per_call(costs: dict[str, int], calls: int) -> dict[str, float]:
     return {phase: (costs[f"tsin_{phase}"] - bare) / calls for phase in PHASES if f"tsin_{phase}" in costs}
 
 
+def breakdown_per_step(costs: dict[str, int], steps: int, calls: dict[str, int]) -> dict[str, dict[str, float]]:
+    """From a case's breakdown dump (one round of ``steps`` steps per callable, a bare marker after
+    each step): each callable's calls and inclusive instructions per step, the bare marker's cost
+    subtracted per call."""
+    bare = costs.get("tsin_bare", 0) / (steps * len(calls))
+    return {target: {"calls": n / steps, "per_step": (costs.get(f"tspart_{k}", 0) - n * bare) / steps}
+            for k, (target, n) in enumerate(calls.items())}  # fmt: skip
+
+
+def breakdown_table(runs: list[dict]) -> str:
+    """One line per (run, case of ours, callable): calls per step and inclusive instructions per step."""
+    lines = ["| triton | pre-bound | case | callable | calls per step | instructions per step |", "|---" * 6 + "|"]
+    for run in runs:
+        for label, case in run["results"].items():
+            for target, figure in case.get("breakdown", {}).items():
+                if figure["calls"]:
+                    lines.append(f"| {run['triton']} | {run['bound']} | {label} | `{target}` | {figure['calls']:g} | "
+                                 f"{figure['per_step'] / 1e3:.1f}k |")  # fmt: skip
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- the driver
 
 
@@ -337,6 +448,8 @@ def worker_env(bound: str) -> dict[str, str]:
 def worker_argv(python: str, args, info_path: Path, *extra: str) -> list[str]:
     argv = [python, str(Path(__file__).resolve()), "--worker", str(info_path), "--calls", str(args.calls),
             "--warmup", str(args.warmup), "--phases", *args.phases] + (["--quick"] if args.quick else [])  # fmt: skip
+    argv += ["--breakdown", *args.breakdown] if args.breakdown else []
+    argv += ["--cases", args.cases] if args.cases else []
     return argv + list(extra)
 
 
@@ -361,13 +474,18 @@ def run_once(python: str, bound: str, args, folder: Path) -> dict:
     if info["bound_launch"] != (bound == "on"):
         raise RuntimeError(f"asked for the pre-bound launcher {bound}, the library says "
                            f"{'on' if info['bound_launch'] else 'off'}")  # fmt: skip
-    cases = {}
+    cases, breakdowns = {}, {}
     for dump in sorted(folder.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0):
-        label, totals, costs = inclusive_costs(dump)
-        if label in info["cases"]:
-            marked = sum(costs.values())
+        label, totals, costs = inclusive_costs(dump, ("tsin_", "tspart_"))
+        if label.endswith("|breakdown"):
+            case = label.removesuffix("|breakdown")
+            breakdowns[case] = breakdown_per_step(costs, info["calls"], info["breakdown_calls"][case])
+        elif label in info["cases"]:
+            marked = sum(v for k, v in costs.items() if k.startswith("tsin_"))
             cases[label] = {"per_call": per_call(costs, info["calls"]), "inclusive": costs, "totals": totals,
                             "unmarked": totals - marked, "stub_launches": info["stub_launches"][label]}  # fmt: skip
+    for label, figures in breakdowns.items():
+        cases[label]["breakdown"] = figures
     missing = set(info["cases"]) - set(cases)
     if missing:
         raise RuntimeError(f"no callgrind dump for {sorted(missing)} in {folder}")
@@ -472,6 +590,9 @@ def main(argv=None) -> int:
         repeat = f"; torch's figures in two runs differ by at most {max(r['torch_spread'] for r in rows):.2%}"
     print(f"host instructions per call (callgrind Ir), {info['processor']}, {info['cores']} cores{repeat}")
     print(table(rows, args.bound))
+    if args.breakdown:
+        print("inside the measured phases, per step (inclusive; each callable wrapped alone):")
+        print(breakdown_table(runs))
     args.out.write_text(json.dumps({"machine": info, "args": meta, "runs": runs, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
     print(last_line(rows, args.bound))

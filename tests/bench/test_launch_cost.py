@@ -60,13 +60,43 @@ def test_inclusive_costs_sum_each_markers_own_lines_and_its_calls(tmp_path):
     assert launch_cost.per_call(costs, 3) == {"update": (934 - 303) / 3}
 
 
+def test_breakdown_wraps_one_callable_at_a_time_and_restores_it():
+    import tritonscale.policy.runner as runner
+    from tritonscale.scaler.optimizer_step import OptimizerRecord
+
+    class Marks:  # the marker library's stand-in: runs the callable, notes the marker
+        def __init__(self):
+            self.phases = []
+
+        def run(self, phase, fn):
+            self.phases.append(phase)
+            return fn()
+
+    marks = Marks()
+    targets = ["tritonscale.policy.runner:_last_norm", "tritonscale.scaler.optimizer_step:OptimizerRecord.outcome"]
+    originals = (runner._last_norm, vars(OptimizerRecord)["outcome"])
+    breakdown = launch_cost.Breakdown(targets, marks)
+    breakdown.install(1)
+    assert runner._last_norm is originals[0] and isinstance(vars(OptimizerRecord)["outcome"], staticmethod)
+    assert OptimizerRecord.outcome([]) == originals[1].__func__([])  # outside a measured phase: not marked
+    assert marks.phases == [] and breakdown.calls == [0, 0]
+    breakdown.inside = True
+    assert OptimizerRecord.outcome([]) == originals[1].__func__([])  # the wrapper returns the callable's value
+    assert marks.phases == ["part1"] and breakdown.calls == [0, 1]
+    breakdown.remove(1)
+    assert (runner._last_norm, vars(OptimizerRecord)["outcome"]) == originals
+    with pytest.raises(SystemExit, match="no attribute 'missing'"):
+        launch_cost.Breakdown(["tritonscale.policy.runner:missing"], marks)
+
+
 @pytest.mark.slow
 def test_one_tiny_run_counts_every_phase_through_the_stub(tmp_path, capsys):
     missing = launch_cost.valgrind_missing()
     if missing:
         pytest.skip(f"bench/launch_cost.py needs callgrind: {missing}")
     out = tmp_path / "launch_cost.json"
-    assert launch_cost.main(["--quick", "--bound", "on", "--out", str(out)]) == 0
+    inside = "tritonscale.policy.runner:PolicyRunner.update_"  # called once per update(), inside it
+    assert launch_cost.main(["--quick", "--bound", "on", "--out", str(out), "--breakdown", inside]) == 0
     data = json.loads(out.read_text())
     (run,) = data["runs"]
     assert run["on_valgrind"] and run["bound"] == "on" and run["calls"] == 3
@@ -80,6 +110,10 @@ def test_one_tiny_run_counts_every_phase_through_the_stub(tmp_path, capsys):
         ours["stub_launches"]
     )
     assert theirs["stub_launches"] == []
+    # The breakdown: the callable ran once per step inside update(), and cost part of it.
+    (figure,) = ours["breakdown"].values()
+    assert figure["calls"] == 1 and 0 < figure["per_step"] < ours["per_call"]["update"]
+    assert "breakdown" not in theirs
     assert [(r["phase"], r["policy"]) for r in data["rows"]] == [(p, "defaults") for p in launch_cost.PHASES]
     last = capsys.readouterr().out.strip().splitlines()[-1]
     number = r"\d+\.\d\d"
