@@ -1,6 +1,6 @@
 """Count the device launches a step's phases make on the GPU paths, on the CPU.
 
-One home for the counting: ``tests/launches.py`` (the launch-count tests), ``bench/launch_table.py``
+One home for the counting: ``tests/support/launches.py`` (the launch-count tests), ``bench/launch_table.py``
 (the docs' table) and ``bench/host_time.py`` (the host-time bar, which replaces every Triton launch
 by ``no_op_launches``) import it.
 

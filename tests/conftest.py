@@ -11,7 +11,7 @@ test: every test that shares a fixture wider than a function with others lands w
 worker (``pytest_collection_modifyitems`` below groups them, so a module fixture that starts ranks
 or compiles every kernel runs once); each worker has its own ``tmp_path`` tree, Dynamo state and
 torch threads (one CPU's worth each, ``pytest_configure``); ranks rendezvous through a file in their
-own temporary folder and gloo and torchrun bind free ports (tests/multiprocess.py; no test names a
+own temporary folder and gloo and torchrun bind free ports (tests/support/multiprocess.py; no test names a
 port); Triton's and hypothesis's caches take concurrent writers (each writes a temporary file and
 renames it). docs/testing.md, "Running the tests", has the tiers.
 """
@@ -25,7 +25,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's d
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from host_reads import HostReadGuard  # noqa: E402
+from support.host_reads import HostReadGuard  # noqa: E402
 
 from tritonscale.kernels import TRITON_FOUND  # noqa: E402
 from tritonscale.passes.backends import BACKENDS as BACKEND_CHOICES  # noqa: E402
@@ -146,7 +146,7 @@ def _code_in_tests(function) -> types.CodeType | None:
 
 
 #: A name that, in a test's code, in its fixtures' or in the functions of tests/ they call, means
-#: the test starts processes: torch.distributed ranks (tests/multiprocess.py) or a subprocess.
+#: the test starts processes: torch.distributed ranks (tests/support/multiprocess.py) or a subprocess.
 PROCESS_STARTERS = frozenset({"run_ranks", "subprocess"})
 _starts: dict[types.CodeType, bool] = {}
 

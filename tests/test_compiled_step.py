@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from compiled_placements import needs_compiled_clip
+from support.compiled_placements import needs_compiled_clip
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler, LossScaleOptimizer, Updater, presets

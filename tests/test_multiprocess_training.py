@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import CollectiveCounter, RanksFailed, run_ranks
+from support.multiprocess import CollectiveCounter, RanksFailed, run_ranks
 from oracles.training_runs import OVERFLOW_STEP, SCALE, STEPS, make_model, make_optimizer, rows_of, train
 
 import tritonscale

@@ -25,7 +25,7 @@ def _calls_a_helper_that_runs_a_script():
 
 
 def _imports_the_ranks_inside():
-    from multiprocess import run_ranks
+    from support.multiprocess import run_ranks
 
     return run_ranks
 
@@ -56,7 +56,7 @@ def _fixture(func, scope="function", argname="made"):
     [
         (_run_a_script, True),
         (_calls_a_helper_that_runs_a_script, True),  # through a function of tests/ it calls
-        (_imports_the_ranks_inside, True),  # tests/multiprocess.py's ranks, imported in the body
+        (_imports_the_ranks_inside, True),  # tests/support/multiprocess.py's ranks, imported in the body
         (lambda: _calls_a_helper_that_runs_a_script(), True),
         (_ping, False),
         (_plain, False),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from host_reads import SYNCING
+from support.host_reads import SYNCING
 
 import tritonscale
 from tritonscale import host_reads

@@ -1,4 +1,4 @@
-"""The rank column's scenarios, run on two gloo ranks (tests/multiprocess.py) one after another.
+"""The rank column's scenarios, run on two gloo ranks (tests/support/multiprocess.py) one after another.
 
 ZeRO-style: two optimizers, A and B, each over half of the model's parameters on each rank (rank
 r holds parameter i of each where i % 2 == r), one GradScaler with ``process_group=`` a group of

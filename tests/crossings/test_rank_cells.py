@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from multiprocess import RanksFailed, run_ranks
+from support.multiprocess import RanksFailed, run_ranks
 from oracles.tolerances import NORM_RTOL
 
 from .rank_scenarios import MAX_NORM, OVERFLOW, SCALE, SCENARIOS, SHAPES, STEPS, full_grads, held, scenario_worker

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from multiprocess import run_ranks
+from support.multiprocess import run_ranks
 from oracles.scaler_twins import Snapshot, bits, same_bits
 
 import tritonscale

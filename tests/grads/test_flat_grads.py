@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from compiled_placements import needs_compiled_clip
+from support.compiled_placements import needs_compiled_clip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracles.grad_twins import ENTRIES, Twins

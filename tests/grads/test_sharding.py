@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiprocess import run_ranks
+from support.multiprocess import run_ranks
 from oracles.training_runs import (
     OVERFLOW_STEP,
     SCALE,

@@ -265,7 +265,7 @@ def ddp_worker(rank: int, world_size: int, case: str) -> dict:
 def test_every_rank_reports_the_skip_a_peer_caused():
     """Two DDP ranks, the inf written on rank 0 only: after the all-reduce both skip, and both
     report it; Accelerate's prepared scheduler steps num_processes times per applied step."""
-    from multiprocess import run_ranks
+    from support.multiprocess import run_ranks
 
     for run in run_ranks(ddp_worker, 2, "fused_adamw"):
         assert run["truth"] == [step in INJECTED for step in range(STEPS)]

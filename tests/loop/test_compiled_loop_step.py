@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
-from compiled_placements import needs_compiled_clip
+from support.compiled_placements import needs_compiled_clip
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import tritonscale

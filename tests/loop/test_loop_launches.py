@@ -2,7 +2,7 @@
 one launch and the log's copy (issue 41), whatever the policy and the number of param groups, and
 the values are those of the torch ops they replace, bit for bit.
 
-Launches are counted on the CPU (tests/launches.py): the host-read switch off, the Triton backend.
+Launches are counted on the CPU (tests/support/launches.py): the host-read switch off, the Triton backend.
 The oracle of the values is the same run with the torch ops (``one_launch`` switched off), and the
 existing oracles beside them (torch's scheduler stepped on applied steps, stats() read at once).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from integrations.skip_truth import SKIP_CASES, GradInjector, injected_kind, scaler_kwargs
-from launches import LaunchCounter
+from support.launches import LaunchCounter
 from oracles.stats import exact, oracle_rows, run_case
 
 import tritonscale

@@ -445,7 +445,7 @@ def _one_rank_schedules(rank: int, world: int) -> dict:
     the lr; then the same on the GPU paths (no host read: the step is skipped, the next read raises),
     and a control where both ranks wrap and step it."""
     import torch.distributed as dist
-    from host_reads import HostReadGuard
+    from support.host_reads import HostReadGuard
 
     import tritonscale.host_reads
 
@@ -488,7 +488,7 @@ def _one_rank_schedules(rank: int, world: int) -> dict:
 def test_a_tensor_lr_scheduled_on_one_rank_raises_on_every_rank_and_changes_nothing():
     """Before: rank 0 trained at 0.00625 and rank 1 at 0.05 after 3 steps, and nothing raised (the
     row counted a tensor lr by dtype and shape only)."""
-    from multiprocess import run_ranks
+    from support.multiprocess import run_ranks
 
     for rank, out in enumerate(run_ranks(_one_rank_schedules, 2)):
         assert out["both"] == [None] * 3 and out["both", "lr"] == pytest.approx(0.00625), f"rank {rank}: {out}"

@@ -2,7 +2,7 @@
 
 Each module restates, independently of tritonscale's code, what tritonscale must equal. Tests
 import them by name (``from oracles.peer_rules import RULES``): pytest puts tests/ on sys.path (the
-folder of the top-level conftest.py), and ranks spawned by tests/multiprocess.py inherit it.
+folder of the top-level conftest.py), and ranks spawned by tests/support/multiprocess.py inherit it.
 
 * ``scaler_twins``: torch's ``GradScaler`` and ``clip_grad_norm_`` on twin tiny models (the oracle
   of the misuse matrix, the call sequences, the fold guard and the crossing rows), with bitwise
@@ -25,8 +25,8 @@ folder of the top-level conftest.py), and ranks spawned by tests/multiprocess.py
   reference (``tritonscale.kernels.reference``), bitwise where a pass must be exact.
 * ``tolerances``: the one tolerance table for norms compared with a float64 oracle, derived.
 
-Left beside the tests, because they compare nothing: tests/host_reads.py (the guard that makes a
-host read raise: a check, not a reference), tests/multiprocess.py (runs a function on gloo ranks)
-and tests/compiled_placements.py (where a compiled caller finds the scaler: a context; the compiled
-tests' oracle is the same steps eager). The crossing harness's twin stays in tests/crossings/.
+Kept apart in tests/support/, because they compare nothing: host_reads.py (the guard that makes a
+host read raise: a check, not a reference), multiprocess.py (runs a function on gloo ranks),
+compiled_placements.py (where a compiled caller finds the scaler: a context; the compiled
+tests' oracle is the same steps eager) and launches.py (the launch counter). The crossing harness's twin stays in tests/crossings/.
 """

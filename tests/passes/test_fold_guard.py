@@ -20,7 +20,7 @@ import weakref
 
 import pytest
 import torch
-from compiled_placements import needs_compiled_clip
+from support.compiled_placements import needs_compiled_clip
 from oracles.scaler_twins import COPIES as WHOLE_COPIES
 from oracles.scaler_twins import Snapshot, bits, same_bits, torch_clip
 from torch._dynamo.testing import CompileCounterWithBackend

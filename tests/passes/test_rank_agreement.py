@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from support.multiprocess import run_ranks
 from oracles.scaler_twins import bits, same_bits
 from oracles.tolerances import NORM_RTOL
 
@@ -164,7 +164,7 @@ def scenarios_worker(rank: int, world: int) -> dict:
 def _alike_on_the_gpu_paths(rank: int) -> dict:
     """Two alike fused AdamW where reads are not free (last: it turns them off for the process): the
     step reads nothing on the host, nothing changes, and the next host read raises the refusal."""
-    from host_reads import HostReadGuard
+    from support.host_reads import HostReadGuard
 
     import tritonscale.host_reads
 

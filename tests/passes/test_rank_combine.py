@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from host_reads import HostReadGuard
-from multiprocess import CollectiveCounter, run_ranks
+from support.host_reads import HostReadGuard
+from support.multiprocess import CollectiveCounter, run_ranks
 from oracles.tolerances import NORM_RTOL
 
 import tritonscale

@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from host_reads import HostReadGuard
-from multiprocess import CollectiveCounter, run_ranks
+from support.host_reads import HostReadGuard
+from support.multiprocess import CollectiveCounter, run_ranks
 from oracles.scaler_twins import bits, same_bits
 
 import tritonscale

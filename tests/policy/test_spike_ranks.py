@@ -13,7 +13,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from support.multiprocess import run_ranks
 from oracles.tolerances import NORM_RTOL, TORCH_CLIP_COEF_RTOL
 
 import tritonscale
@@ -93,7 +93,7 @@ def _loaded_on_rank_1(rank: int, fused: bool):
 
 
 def loaded_state_worker(rank: int, world: int) -> dict:
-    from host_reads import HostReadGuard
+    from support.host_reads import HostReadGuard
     from oracles.scaler_twins import bits, same_bits
 
     import tritonscale.host_reads

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from compiled_placements import needs_compiled_clip, placed
+from support.compiled_placements import needs_compiled_clip, placed
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler, flatten_grads_

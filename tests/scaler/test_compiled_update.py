@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from compiled_placements import placed
+from support.compiled_placements import placed
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tritonscale import GradScaler

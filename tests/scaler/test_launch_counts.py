@@ -1,4 +1,4 @@
-"""Device launches per phase of a step on the GPU paths, counted on the CPU (tests/launches.py).
+"""Device launches per phase of a step on the GPU paths, counted on the CPU (tests/support/launches.py).
 
 The host-read switch is off (the paths a GPU takes), the gradient passes are the Triton kernels
 (through the interpreter) and the policy runs on the device; the counts are what a GPU launches.
@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 import torch
-from launches import LaunchCounter, count_scaled_step
+from support.launches import LaunchCounter, count_scaled_step
 
 from tritonscale import GradScaler
 

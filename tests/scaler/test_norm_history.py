@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 import torch
-from compiled_placements import needs_compiled_clip
+from support.compiled_placements import needs_compiled_clip
 from oracles.spike_rules import OlmoSkip
 
 import tritonscale

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from host_reads import HostReadGuard
+from support.host_reads import HostReadGuard
 from hypothesis import example, given
 from hypothesis import strategies as st
 from oracles.kernel_cases import SETTINGS, f32

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-_BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+_BENCH = str(Path(__file__).resolve().parents[2] / "bench")
 if _BENCH not in sys.path:
     sys.path.append(_BENCH)
 
