@@ -43,7 +43,9 @@ def refuse_compiled_clip() -> None:
 
 
 # What torch.compiler.assume_constant_result sets, set without importing Dynamo: Dynamo runs the
-# function for real while it traces (as passes/step_protocols.guard_direct_step).
+# function for real while it traces (as passes/step_protocols.guard_direct_step). The decorator
+# itself sets only this attribute, after ``import torch._dynamo`` (about 2 s at ``import
+# tritonscale``; tests/scaler/test_compile_boundary.py's no-Dynamo-import test fails with it).
 refuse_compiled_clip._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 

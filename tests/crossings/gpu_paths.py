@@ -11,7 +11,8 @@ the same answers.
 
 Inside the step (``STEP_METHODS``: the scaler's calls of an iteration and the loop pieces' records)
 every Tensor -> host read raises, naming itself and where it was read, except the reads the docs
-name (``DOCUMENTED_READS``). The harness's own read-outs around the step (``get_scale()``,
+name (``DOCUMENTED_READS``) and StepLog's of its host ring, which are no reads of a device value
+(``host_reads.HostRingReads``). The harness's own read-outs around the step (``get_scale()``,
 ``last_step_skipped()``, the comparisons) are not the step and stay free.
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.host_reads import SYNCING
+from support.host_reads import SYNCING, HostRingReads
 
 import tritonscale
 from tritonscale import host_reads
@@ -66,10 +67,12 @@ DOCUMENTED_READS = {
 
 class StepGuard:
     """While armed (inside a STEP_METHODS call, at any depth), each Tensor method of SYNCING raises
-    AssertionError naming itself and its caller, unless the caller is a DOCUMENTED_READS site."""
+    AssertionError naming itself and its caller, unless the caller is a DOCUMENTED_READS site or the
+    tensor is host memory (``HostRingReads``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.depth = 0
+        self.host_memory = HostRingReads(monkeypatch.setattr)
         for name in SYNCING:
             monkeypatch.setattr(torch.Tensor, name, self._guarded(name, getattr(torch.Tensor, name)))
         for owner, names in STEP_METHODS:
@@ -78,7 +81,7 @@ class StepGuard:
 
     def _guarded(self, name: str, original):
         def guard(tensor, *args, **kwargs):
-            if self.depth:
+            if self.depth and not self.host_memory.allows(tensor):
                 self.check(name, sys._getframe(1))
             return original(tensor, *args, **kwargs)
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from oracles.kernel_cases import SETTINGS_SMALL
 
 import tritonscale
+from tritonscale.grads import flat_runs as flat_runs_module
 from tritonscale.grads.flat_runs import as_runs, flat_runs
 
 
@@ -74,3 +75,21 @@ def test_non_contiguous_views_stay_as_they_are():
     tail = bucket[6:12]
     runs = as_runs([t, tail])
     assert any(r is t for r in runs) and sum(r.numel() for r in runs) == 12
+
+
+def test_the_layouts_kept_are_the_16_last_used():
+    """The cache's bound on memory: past 16 groups the least recently used layout is dropped; a
+    group used again is the most recent, and its runs are found as before."""
+    flat_runs_module._layouts.clear()
+    buckets = [torch.zeros(8) for _ in range(20)]
+    groups = [[b[:4], b[4:]] for b in buckets]
+    for group in groups[:16]:
+        flat_runs(group)
+    (run,) = flat_runs(groups[0])  # a hit: now the most recent
+    assert run.data_ptr() == buckets[0].data_ptr() and run.numel() == 8
+    for group in groups[16:]:
+        flat_runs(group)
+    kept = [key[2] for key in flat_runs_module._layouts]
+    assert len(kept) == flat_runs_module._LAYOUTS_KEPT == 16
+    assert ((buckets[0].data_ptr(), 4), (buckets[0].data_ptr() + 16, 4)) in kept  # the hit stayed
+    assert ((buckets[1].data_ptr(), 4), (buckets[1].data_ptr() + 16, 4)) not in kept  # the least recent went

@@ -1,4 +1,4 @@
-"""The host-side gradient layout (grads/flat_grads.py, flat_runs.py, bounded_cache.py) imports no
+"""The host-side gradient layout (grads/flat_grads.py, flat_runs.py) imports no
 triton: a step on the torch backend never runs a kernel, so its layout logic must not need one.
 Read from the sources (the import statements each module runs, and the packages they enter), since
 ``import tritonscale`` itself loads the backends."""
@@ -58,7 +58,7 @@ def import_chain_to(start: str, target: str) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("module", ["flat_grads", "flat_runs", "bounded_cache"])
+@pytest.mark.parametrize("module", ["flat_grads", "flat_runs"])
 def test_the_gradient_layout_needs_no_triton(module):
     chain = import_chain_to(f"tritonscale.grads.{module}", "triton")
     assert chain is None, " -> ".join(chain)

@@ -9,6 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from host_reads import HostReadGuard
 from integrations.skip_truth import SKIP_CASES
 from oracles.stats import POISONED, STEPS, exact, oracle_rows, read_at_once, run_case
 
@@ -77,6 +78,31 @@ def test_no_host_read_in_a_whole_step_record_and_ready(backend, forbid_host_read
     with forbid_host_reads.armed():
         run_case("fused_adamw", each_step, backend=backend)
     assert exact(rows + log.flush()) == exact(oracle_rows("fused_adamw", backend=backend))
+
+
+def test_the_guard_lets_the_log_read_its_ring_and_nothing_else(monkeypatch):
+    """The host-read guard allows StepLog's read of its own host ring (host memory, the copy done),
+    not a device value read there (what a regression reading the device row would do) nor the ring
+    read anywhere else."""
+    read, scales = StepLog._read, []
+
+    def reads_a_device_value_too(log, slot, layout):
+        scales[-1].item()
+        return read(log, slot, layout)
+
+    monkeypatch.setattr(StepLog, "_read", reads_a_device_value_too)
+    guard = HostReadGuard(monkeypatch.setattr)  # over the patched read, as over StepLog's own
+    log = StepLog(delay=0)
+
+    def each_step(step, scaler):
+        log.record(scaler, step)
+        scales.append(scaler.stats()["scale"])
+
+    run_case("sgd", each_step, steps=1)
+    with guard.armed(), pytest.raises(AssertionError, match="host read Tensor.item inside the step"):
+        log.ready()
+    with guard.armed(), pytest.raises(AssertionError, match="host read Tensor.tolist inside the step"):
+        log._ring.tolist()
 
 
 def test_a_disabled_scaler_is_refused_and_the_log_is_left_as_it_was():

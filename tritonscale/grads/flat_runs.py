@@ -33,19 +33,19 @@ object views it; an address the allocator reused for another dtype or another of
 address or a size, or fails (2), and the layout is found anew.
 
 Layouts are cached by what they are found from, (device, dtype, each gradient's address and size),
-and the rest of the proof is checked again on every call: a flatten_grads_ buffer is still alive
-at the address it had (held weakly), with the length it was made with, each run still inside the
-storage of its first gradient (one read per run). The runs themselves are made anew each time (a
-few ``as_strided`` views).
+the 16 last used, and the rest of the proof is checked again on every call: a flatten_grads_
+buffer is still alive at the address it had (held weakly), with the length it was made with, each
+run still inside the storage of its first gradient (one read per run). The runs themselves are
+made anew each time (a few ``as_strided`` views).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 
 import torch
-
-from .bounded_cache import BoundedCache
 
 #: Attribute set on a buffer made by tritonscale.flatten_grads_: its slots, as (element offset,
 #: numel) pairs, one per gradient view it was made with.
@@ -60,7 +60,13 @@ RUN_ATTR = "_tritonscale_run"
 #: gradient as it is, not merged with another
 Span = tuple[int, int]
 
-_layouts: BoundedCache[_Layout] = BoundedCache(16)
+#: The layouts last used, by memory key, least recent first; at most _LAYOUTS_KEPT. An OrderedDict,
+#: not ``functools.lru_cache``: a layout is found from the gradients, not from its key, and an entry
+#: whose proof failed is replaced. One for every thread's scaler: the lock keeps another thread's
+#: eviction out of a store's dictionary calls (a lookup is one call).
+_layouts: OrderedDict[tuple, _Layout] = OrderedDict()
+_layouts_lock = threading.Lock()
+_LAYOUTS_KEPT = 16
 
 
 def memory_key(grads: list[torch.Tensor]) -> tuple:
@@ -104,7 +110,11 @@ def flat_runs(grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
     if runs is STALE:  # never seen, or its proof no longer holds: found anew from the memory now
         layout = _Layout.find(grads)
         runs = layout.runs(grads)
-    _layouts.put(key, layout)
+    with _layouts_lock:  # the most recent entry now; the least recent dropped past _LAYOUTS_KEPT
+        _layouts[key] = layout
+        _layouts.move_to_end(key)
+        if len(_layouts) > _LAYOUTS_KEPT:
+            _layouts.popitem(last=False)
     return runs
 
 

@@ -11,10 +11,9 @@ after the copy. ``ready`` hands out the rows whose copy has finished (``event.qu
 never waits) and that are at least ``delay`` records old; ``flush`` waits for the rest, at the end.
 
 Reading a slot is a host-memory read, not a device read: once the copy's event has completed, the
-slot's bytes are in host memory and are read through ``ctypes`` from the slot's address. That is
-why no ``Tensor.item``/``tolist`` is called (the test suite's host-read guard forbids those, and
-on the CPU, where it makes the GPU paths run, every tensor is a CPU tensor). The values handed
-out are Python numbers, copies: the slot is reused, and a step's values stay that step's.
+slot's bytes are in host memory (the ring is a CPU tensor), and ``Tensor.item`` on each value's
+bytes waits for nothing. The values handed out are Python numbers, copies: the slot is reused, and
+a step's values stay that step's.
 
 The ring is allocated once, at the first record, with ``slots`` rows. It never hands out a slot
 still in flight: when every slot is taken, the oldest row is completed first, which on a GPU may
@@ -24,7 +23,6 @@ adds a few slots of slack for copies still running.
 
 from __future__ import annotations
 
-import ctypes
 import operator
 from collections import deque
 from collections.abc import Callable
@@ -41,13 +39,8 @@ from .scaler_arg import check_scaler
 INT_STATS = frozenset({"skipped", "skipped_steps", "consecutive_skips", "growth_tracker", "hysteresis_left"})
 SLACK = 4  # default slots beyond ``delay``: copies still running when the row is due
 ROW_BYTES = SLOT_BYTES * len(STAT_NAMES)  # a row in the ring: a slot of 8 bytes per stat
-#: The dtypes a row's value may have, and how the host reads each from the ring's memory.
-_CTYPES = {
-    torch.float64: ctypes.c_double,
-    torch.float32: ctypes.c_float,
-    torch.int64: ctypes.c_int64,
-    torch.int32: ctypes.c_int32,
-}
+#: The dtypes a row's value may have.
+_ROW_DTYPES = frozenset({torch.float64, torch.float32, torch.int64, torch.int32})
 #: Where each value lies in a row: (name, dtype, byte offset).
 Layout = tuple[tuple[str, torch.dtype, int], ...]
 STACKED: Layout = tuple((name, torch.float64, SLOT_BYTES * i) for i, name in enumerate(STAT_NAMES))
@@ -213,10 +206,10 @@ class StepLog:
         self._finished.append((pending.step, self._read(pending.slot, pending.layout)))
 
     def _read(self, slot: int, layout: Layout) -> dict:
-        """The slot's values as Python numbers: a read of host memory after its copy completed,
-        through ``ctypes`` at each value's address (no Tensor -> host read: see the module docstring)."""
-        address = self._ring[slot].data_ptr()
-        values = {name: _CTYPES[dtype].from_address(address + offset).value for name, dtype, offset in layout}
+        """The slot's values as Python numbers: a read of host memory after its copy completed (no
+        device read: see the module docstring), each value from its bytes in its own dtype."""
+        row = self._ring[slot]
+        values = {name: row[offset : offset + dtype.itemsize].view(dtype).item() for name, dtype, offset in layout}
         return {name: int(values[name]) if name in INT_STATS else float(values[name]) for name in STAT_NAMES}
 
     def _hand_out(self) -> list[tuple[int, dict]]:
@@ -238,7 +231,7 @@ def _row_of(stats: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Layout]:
     first = stats[STAT_NAMES[0]]
     storage = first.untyped_storage()
     gathered = storage.nbytes() == ROW_BYTES and all(
-        t.untyped_storage().data_ptr() == storage.data_ptr() and t.dtype in _CTYPES for t in stats.values()
+        t.untyped_storage().data_ptr() == storage.data_ptr() and t.dtype in _ROW_DTYPES for t in stats.values()
     )
     if not gathered:
         return torch.stack([stats[name].reshape(()).to(torch.float64) for name in STAT_NAMES]).view(

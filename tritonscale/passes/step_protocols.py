@@ -199,8 +199,10 @@ def guard_direct_step(optimizer: Any, scaler: Any, on_step: Callable[[Any, Any],
     return True
 
 
-# What torch.compiler.assume_constant_result sets, set without importing Dynamo
-# (tests/scaler/test_compile_boundary.py checks that it is the same mark).
+# What torch.compiler.assume_constant_result sets, set without importing Dynamo: the decorator sets
+# only this attribute, after ``import torch._dynamo`` (about 2 s at ``import tritonscale``; the
+# no-Dynamo-import test in tests/scaler/test_compile_boundary.py fails with it). That test file
+# checks that it is the same mark.
 guard_direct_step._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
