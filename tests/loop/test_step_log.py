@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from host_reads import HostReadGuard
+from support.host_reads import HostReadGuard
 from integrations.skip_truth import SKIP_CASES
 from oracles.stats import POISONED, STEPS, exact, oracle_rows, read_at_once, run_case
 
