@@ -637,11 +637,6 @@ class GradScaler:
         state["_norm_owner"] = NormHistoryOwner()  # a copy's optimizers are others: its first clip claims
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # A scaler pickled before the norm history had an owner: unowned, as any copy starts.
-        self.__dict__.update(state)
-        self.__dict__.setdefault("_norm_owner", NormHistoryOwner())
-
     # ----------------------------------------------------- torch.amp.GradScaler's names
     # With torch's meaning, for code that reaches past the public API: Lightning's and Accelerate's
     # checkpoint and clipping code read ``_scale``, ``_growth_tracker``, ``_init_scale``; fairseq-
