@@ -10,6 +10,7 @@ GradScaler.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import warnings
 
@@ -313,6 +314,18 @@ def test_constructor_checks():
         LossScaleOptimizer(inner, max_norm=-1.0)
     with pytest.raises(TypeError, match="minimize"):
         LossScaleOptimizer(inner).minimize(torch.ones(()))
+
+
+def test_init_scale_passed_overrides_the_presets_even_at_torchs_value():
+    """Oracles: Keras 3's initial scale (2**15, ``presets.keras()``) and torch's default (2**16)."""
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert LossScaleOptimizer(inner, "keras").scaler.get_scale() == tritonscale.presets.keras().init_scale == 2.0**15
+    assert LossScaleOptimizer(inner, "keras", init_scale=2.0**16).scaler.get_scale() == 2.0**16
+    assert LossScaleOptimizer(inner).scaler.get_scale() == 2.0**16
+    ours = inspect.signature(LossScaleOptimizer).parameters
+    torchs = inspect.signature(torch.amp.GradScaler).parameters["init_scale"].default
+    assert type(ours["init_scale"].default) is float and ours["init_scale"].default == torchs
+    assert "passed" not in ours
 
 
 # ------------------------------------ which gradients a step uses (issue 28, item 6)

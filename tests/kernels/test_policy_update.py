@@ -71,7 +71,7 @@ KNOB_COMBINATIONS = {
 
 def column_policy(context) -> LossScalePolicy:
     """The LossScalePolicy a crossing-harness column gives our scaler."""
-    policy, _ = peer_policy(context.kwargs().get("policy"), 2.0**16)
+    policy, _ = peer_policy(context.kwargs().get("policy"))
     return (policy or LossScalePolicy()).validate()
 
 

@@ -34,11 +34,3 @@ def test_ending_iterations_eagerly_runs_no_tensor_op():
     assert int(copy.iteration) == 11 and int(ranks.iteration) == 11
     copy.next_iteration()
     assert int(copy.iteration) == 12 and int(ranks.iteration) == 11
-
-
-def test_a_pickle_of_the_count_under_its_old_name_loads():
-    """A scaler pickled before the count moved to ``_iteration`` holds it as ``iteration``."""
-    ranks = RankChecks.__new__(RankChecks)
-    ranks.__setstate__({"iteration": torch.tensor(7), "_calls": {}, "pending": None, "_seen": None})
-    ranks.next_iteration()
-    assert int(ranks.iteration) == 8 and "iteration" not in vars(ranks)

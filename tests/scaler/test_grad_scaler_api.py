@@ -163,7 +163,7 @@ def test_init_scale_given_overrides_the_presets_even_when_it_is_torchs_value():
     assert GradScaler("cpu", policy="keras", init_scale=2.0**16).get_scale() == 2.0**16
     assert GradScaler("cpu", policy="keras", init_scale=8.0).get_scale() == 8.0
     assert GradScaler("cpu", 2.0**16, policy="megatron").get_scale() == 2.0**16  # positionally too
-    assert type(GradScaler("cpu").state_dict()["scale"]) is float  # the default's marker stays out
+    assert type(GradScaler("cpu").state_dict()["scale"]) is float
 
 
 def test_a_preset_takes_every_knob_beside_it_over_its_own_torchs_three_included():
@@ -180,6 +180,18 @@ def test_a_preset_takes_every_knob_beside_it_over_its_own_torchs_three_included(
     explicit_default = GradScaler("cpu", growth_interval=2000, policy=LossScalePolicy(growth_interval=5))
     assert explicit_default.get_policy().growth_interval == 2000
     assert GradScaler("cpu", policy=LossScalePolicy(growth_interval=5)).get_policy().growth_interval == 5
+
+
+def test_each_of_torchs_knobs_passed_at_torchs_value_overrides_the_policys():
+    """A knob passed at exactly torch's default (by keyword or position) still counts as passed;
+    left out, the policy's stays. Oracle: the policy's own values, which differ from torch's."""
+    policy = LossScalePolicy(growth_factor=4.0, backoff_factor=0.25, growth_interval=5)
+    assert GradScaler("cpu", policy=policy).get_policy().knobs() == policy.knobs()
+    for name, torchs in (("growth_factor", 2.0), ("backoff_factor", 0.5), ("growth_interval", 2000)):
+        by_keyword = GradScaler("cpu", policy=policy, **{name: torchs}).get_policy()
+        assert by_keyword.knobs() == {**policy.knobs(), name: torchs}, name
+    by_position = GradScaler("cpu", 2.0**16, 2.0, 0.5, 2000, policy=policy).get_policy()
+    assert by_position.knobs() == {**policy.knobs(), "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
 
 def test_megatrons_preset_takes_its_config_names():

@@ -23,11 +23,17 @@ from tritonscale.torch_compat import FUSED_ADAGRAD_AMP_SCALING, has_torch
 
 
 def test_constructor_defaults_are_torchs():
+    """Oracle: torch.amp.GradScaler's own signature. The defaults are its plain values (same type,
+    same repr: help() reads as torch's), in its positional order."""
     ours = inspect.signature(tritonscale.GradScaler).parameters
     theirs = inspect.signature(torch.amp.GradScaler).parameters
     for name in ("device", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"):
         assert ours[name].default == theirs[name].default, name
+        assert type(ours[name].default) is type(theirs[name].default), name
+        assert repr(ours[name].default) == repr(theirs[name].default), name
+        assert ours[name].kind == theirs[name].kind, name
     assert list(ours)[: len(theirs)] == list(theirs)  # same positional order
+    assert "passed" not in ours  # noting_passed's channel is not the caller's
 
 
 def test_state_dict_starts_with_torchs_keys_in_torchs_order():

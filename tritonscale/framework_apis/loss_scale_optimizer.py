@@ -20,7 +20,7 @@ from ..policy.loss_scale_policy import LossScalePolicy
 from ..policy.peer_presets import PeerPreset
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
-from ..scaler.scaler_args import TORCH_INIT_SCALE
+from ..scaler.scaler_args import noting_passed
 
 #: The key under which state_dict() carries the scaler's state beside the inner optimizer's.
 SCALER_KEY = "loss_scaler"
@@ -57,7 +57,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             torch's rule. Not with ``scaler``.
         max_norm: clip the gradients to this total norm in ``step()``; None (the default): no clip.
         norm_type: the norm's order (2.0).
-        init_scale: the initial scale of the scaler built here (torch's 2**16 by default).
+        init_scale: the initial scale of the scaler built here (torch's 2**16; not passed, the
+            initial scale of the preset given as ``policy``).
         backend: the built scaler's backend: "auto" (the default), "triton" or "torch".
         scaler: a ``GradScaler`` to use in place of one built here (on the device of the optimizer's
             first parameter); its policy is the rule.
@@ -76,6 +77,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         optimizer.zero_grad()
     """
 
+    @noting_passed  # hands __init__ the names of the arguments the caller passed, as ``passed``
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -83,9 +85,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         *,
         max_norm: float | None = None,
         norm_type: float = 2.0,
-        init_scale: float = TORCH_INIT_SCALE,
+        init_scale: float = 2.0**16,
         backend: str = "auto",
         scaler: GradScaler | None = None,
+        passed: frozenset[str] = frozenset(),
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -95,7 +98,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.norm_type = check_norm_type(norm_type)
         if scaler is None:
             device = _device_of(optimizer)
-            scaler = GradScaler(device.type, init_scale=init_scale, backend=backend, policy=policy)
+            given = {"init_scale": init_scale} if "init_scale" in passed else {}  # else the preset's, or torch's
+            scaler = GradScaler(device.type, backend=backend, policy=policy, **given)
         elif policy is not None:
             raise ValueError("pass either policy= or scaler= (whose policy it is), not both")
         self.optimizer = optimizer  # the real one: GradScaler unwraps wrappers through .optimizer

@@ -461,11 +461,8 @@ class RankChecks:
         return {"_iteration": self.iteration.cpu(), "_uncounted": 0, "_calls": {}, "pending": None, "_seen": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # Partners and digests name optimizers and groups of this process: none travel. Older pickles
-        # name the count "iteration".
-        count = state.get("_iteration", state.get("iteration"))
-        self.__dict__.update(state, _iteration=count, _uncounted=0, _partners=weakref.WeakKeyDictionary(), _digests={})
-        self.__dict__.pop("iteration", None)
+        # Partners and digests name optimizers and groups of this process: none travel.
+        self.__dict__.update(state, _partners=weakref.WeakKeyDictionary(), _digests={})
 
 
 #: The context update() runs its rule in while no mismatch is pending (a single process never has

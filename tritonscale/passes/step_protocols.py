@@ -241,15 +241,6 @@ def step_with_grad_scaler_argument(optimizer: Any, scaler: Any, args: tuple, kwa
     return optimizer.step(*args, **{**kwargs, "grad_scaler": scaler})
 
 
-def fold_clip(grad_scale: torch.Tensor, optimizer: Any, scaler: Any) -> torch.Tensor:
-    """The fold of a clip: ``grad_scale`` (``scale / clip_coef``, from ``grad_passes.clip_grads``)
-    is what ``scaler.step`` hands the fused ``optimizer``, whose dividing by it unscales and clips
-    in its own pass (about 1 ulp from torch's unscale-then-clip). The gradients stay scaled until
-    then, so ``scaler``'s guard goes on ``optimizer`` (:func:`guard_direct_step`); returns ``grad_scale``."""
-    guard_direct_step(optimizer, scaler)
-    return grad_scale
-
-
 def grad_scale_for_step(
     optimizer: torch.optim.Optimizer, scale: torch.Tensor, still_scaled: bool, folded: torch.Tensor | None
 ) -> torch.Tensor | None:

@@ -148,11 +148,11 @@ class LossScalePolicy:
     skip_norm_factor: float | None = None
     norm_average_decay: float = 0.99
     norm_warmup_steps: int = 10
-    # The peers' own rules (appended: the fields above keep their positions).
+    # The peers' own rules.
     growth_delay: int = 0
     overflow_tolerance: float = 0.0
     raise_at_scale: float | None = None
-    # Spike rules (spike_rules.py): OLMo-core's z-score skip and ZClip's adaptive clip (appended).
+    # Spike rules (spike_rules.py): OLMo-core's z-score skip and ZClip's adaptive clip.
     skip_norm_sigma: float | None = None
     skip_norm_window: int = 128
     skip_norm_min_steps: int = 2

@@ -227,7 +227,7 @@ class PolicyRunner:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Rules (compiled ones too) are rebuilt on use; a copy reads its first host check.
-        self.__init__(state["compile_policy"], state.get("backend", "auto"))
+        self.__init__(state["compile_policy"], state["backend"])
 
 
 def _flag_on(device: torch.device, flags: list[torch.Tensor]) -> torch.Tensor:

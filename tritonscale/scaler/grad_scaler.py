@@ -41,12 +41,12 @@ from .norm_history import NormHistoryOwner
 from .optimizer_step import OptimizerRecord, OptimizerStep, OptState, new_records, step_kind
 from .scale_outputs import scale_outputs
 from .scaler_args import (
-    TORCH_INIT_SCALE,
-    TORCH_KNOB_DEFAULTS,
+    TORCH_KNOBS,
     check_disabled_policy,
     checked_init_scale,
     cuda_missing,
     missing_state_error,
+    noting_passed,
     peer_policy,
     policy_from_torch_args,
     set_scale_,
@@ -66,8 +66,8 @@ class GradScaler:
     Args:
         device: the device the scale lives on, as torch's ("cuda" by default; with no CUDA available
             an enabled "cuda" scaler warns and is disabled, as torch's).
-        init_scale: the initial scale; the default means torch's 2**16, or the initial scale of the
-            preset given as ``policy`` (a tensor of one element is taken too).
+        init_scale: the initial scale (torch's 2**16; not passed, the initial scale of the preset
+            given as ``policy``; a tensor of one element is taken too).
         growth_factor: the factor the scale grows by after ``growth_interval`` steps without inf/NaN
             (torch's 2.0; one passed explicitly overrides the policy's).
         backoff_factor: the factor the scale is multiplied by on inf/NaN (torch's 0.5; one passed
@@ -100,13 +100,14 @@ class GradScaler:
         scaler.update()
     """
 
+    @noting_passed  # hands __init__ the names of the arguments the caller passed, as ``passed``
     def __init__(
         self,
         device: str = "cuda",
-        init_scale: float = TORCH_INIT_SCALE,
-        growth_factor: float = TORCH_KNOB_DEFAULTS["growth_factor"],
-        backoff_factor: float = TORCH_KNOB_DEFAULTS["backoff_factor"],
-        growth_interval: int = TORCH_KNOB_DEFAULTS["growth_interval"],
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
         enabled: bool = True,
         *,
         backend: str = "auto",
@@ -114,6 +115,7 @@ class GradScaler:
         fold_into_optimizer: bool = True,
         compile_policy: bool | None = None,
         process_group: Any = None,
+        passed: frozenset[str] = frozenset(),
         **knobs: Any,
     ) -> None:
         # The constructor's settings.
@@ -123,8 +125,12 @@ class GradScaler:
         self._process_group = check_process_group(process_group)
         self._rules = PolicyRunner(compile_policy, self._backend_name)
         self._enabled = False if cuda_missing(device, enabled) else enabled  # torch disables it then, too
-        policy, init_scale = peer_policy(policy, init_scale)  # a peer's preset brings its initial scale
-        self._policy = policy_from_torch_args(policy, knobs, growth_factor, backoff_factor, growth_interval)
+        # A peer's preset brings its initial scale and knobs; those the caller passed win, even at torch's values.
+        policy, policy_init_scale = peer_policy(policy)
+        init_scale = init_scale if "init_scale" in passed else policy_init_scale
+        torch_knobs = dict(growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
+        given = {name: torch_knobs[name] for name in TORCH_KNOBS if name in passed}
+        self._policy = policy_from_torch_args(policy, knobs, given)
         if not enabled:  # the norm rules would be ignored: refused (torch's knobs: kept unchecked, as torch's)
             check_disabled_policy(self._policy)
         # Like torch, a disabled scaler keeps its arguments unchecked.
@@ -636,11 +642,6 @@ class GradScaler:
             state["_host"], state["_tensors"] = self._host_state(), None
         state["_norm_owner"] = NormHistoryOwner()  # a copy's optimizers are others: its first clip claims
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # A scaler pickled before the norm history had an owner: unowned, as any copy starts.
-        self.__dict__.update(state)
-        self.__dict__.setdefault("_norm_owner", NormHistoryOwner())
 
     # ----------------------------------------------------- torch.amp.GradScaler's names
     # With torch's meaning, for code that reaches past the public API: Lightning's and Accelerate's

@@ -6,7 +6,10 @@ The constructor's (``init_scale``, torch's three knobs beside ``policy=`` and th
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,42 +20,39 @@ from ..policy.loss_scale_policy import NORM_RULE_KNOBS, LossScalePolicy
 from ..policy.peer_presets import PRESETS, PeerPreset, preset
 
 
-class DefaultInitScale(float):
-    """The type of the constructor's default ``init_scale``: torch's 2**16 (and equal to it, so the
-    signature reads as torch's), told apart from an explicit ``init_scale=65536.0`` by identity --
-    a peer's preset then brings its own initial scale (``peer_policy``). Only the default object
-    itself is ever of this type; the scaler keeps plain floats."""
-
-    def __repr__(self) -> str:
-        return "65536.0"
-
-
-class DefaultFloat(float):
-    """The type of the constructor's default ``growth_factor``/``backoff_factor``: torch's value,
-    told apart from the same number passed explicitly by identity, as ``DefaultInitScale`` is -- so
-    an explicit knob beside ``policy=`` overrides the policy's and the default leaves it."""
-
-    def __repr__(self) -> str:
-        return repr(float(self))
-
-
-class DefaultInt(int):
-    """``DefaultFloat`` for ``growth_interval``."""
-
-    def __repr__(self) -> str:
-        return repr(int(self))
-
-
 #: torch.amp.GradScaler's default ``init_scale`` (its other defaults are LossScalePolicy's).
-TORCH_INIT_SCALE = DefaultInitScale(2.0**16)
+TORCH_INIT_SCALE = 2.0**16
 #: The knobs torch's constructor and state_dict carry themselves (not inside ``policy``).
 TORCH_KNOBS = ("growth_factor", "backoff_factor", "growth_interval")
-#: The constructor's defaults of those three: LossScalePolicy's (torch's), as objects of their own.
-TORCH_KNOB_DEFAULTS = {
-    "growth_factor": DefaultFloat(LossScalePolicy.growth_factor),
-    "backoff_factor": DefaultFloat(LossScalePolicy.backoff_factor),
-    "growth_interval": DefaultInt(LossScalePolicy.growth_interval),
-}
+
+
+def noting_passed(init: Callable[..., None]) -> Callable[..., None]:
+    """Decorate an ``__init__`` that takes the keyword ``passed``: each call hands it the names of
+    the arguments the caller passed (by position or keyword), so that an argument left at its default
+    and the same value passed explicitly differ -- a knob passed beside ``policy=`` overrides the
+    policy's, one left out keeps it. The signature shown (``inspect.signature``, help()) is
+    ``init``'s without ``passed``: its defaults are the plain numbers.
+
+    Example::
+
+        @noting_passed
+        def __init__(self, device="cuda", init_scale=2.0**16, *, passed=frozenset()): ...
+        # GradScaler("cpu", init_scale=2.0**16) is handed passed == {"device", "init_scale"}
+    """
+    full = inspect.signature(init)
+    shown = full.replace(parameters=[p for p in full.parameters.values() if p.name != "passed"])
+    positional = [
+        p.name for p in shown.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ][1:]  # after self
+
+    @functools.wraps(init)
+    def noting(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) > len(positional):
+            init(self, *args, **kwargs)  # raises Python's TypeError for too many positional arguments
+        init(self, *args, **kwargs, passed=frozenset(positional[: len(args)]) | frozenset(kwargs))
+
+    noting.__signature__ = shown  # type: ignore[attr-defined]
+    return noting
 
 
 def cuda_missing(device: str, enabled: bool) -> bool:
@@ -67,26 +67,23 @@ def cuda_missing(device: str, enabled: bool) -> bool:
     return False
 
 
-def peer_policy(
-    policy: LossScalePolicy | PeerPreset | str | None, init_scale: float | torch.Tensor
-) -> tuple[LossScalePolicy | None, float | torch.Tensor]:
-    """``policy=`` as a policy, and the initial scale: ``init_scale`` as given, or -- where it is the
-    default ``TORCH_INIT_SCALE`` -- the one that goes with the policy: torch's 2**16 for a
-    ``LossScalePolicy`` (or None), the peer's for a preset (``tritonscale.presets.deepspeed(...)``)
-    or a preset's name ("deepspeed": the peer's defaults).
-    Example: ``peer_policy("keras", TORCH_INIT_SCALE)`` is Keras 3's policy and 32768.0."""
+def peer_policy(policy: LossScalePolicy | PeerPreset | str | None) -> tuple[LossScalePolicy | None, float]:
+    """``policy=`` as a policy, and the initial scale that goes with it (a scaler's where the caller
+    passed no ``init_scale``): torch's 2**16 for a ``LossScalePolicy`` (or None), the peer's for a
+    preset (``tritonscale.presets.deepspeed(...)``) or a preset's name ("deepspeed": the peer's defaults).
+    Example: ``peer_policy("keras")`` is Keras 3's policy and 32768.0."""
     if isinstance(policy, str):
         policy = preset(policy)
     if isinstance(policy, PeerPreset):
         policy, default = policy.policy, policy.init_scale
     elif policy is None or isinstance(policy, LossScalePolicy):
-        default = float(TORCH_INIT_SCALE)
+        default = TORCH_INIT_SCALE
     else:
         raise TypeError(
             "policy must be a tritonscale.LossScalePolicy, a peer's preset (tritonscale.presets.deepspeed(...)) "
             f"or a preset's name (one of {sorted(PRESETS)}), got {type(policy).__name__}"
         )
-    return policy, default if init_scale is TORCH_INIT_SCALE else init_scale
+    return policy, default
 
 
 def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy) -> float:
@@ -101,22 +98,18 @@ def checked_init_scale(init_scale: float | torch.Tensor, policy: LossScalePolicy
 def policy_from_torch_args(
     policy: LossScalePolicy | None,  # peer_policy's
     knobs: dict[str, Any],
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
+    given: Mapping[str, Any],
 ) -> LossScalePolicy:
     """The policy of ``GradScaler(..., growth_factor, backoff_factor, growth_interval, policy=, **knobs)``.
 
     One rule for every knob beside ``policy=`` (a policy, a preset or its name): a knob given
     explicitly overrides the policy's, one left out keeps it. torch's three knobs come positionally
-    or by keyword (their defaults are told apart from the same values passed explicitly by identity),
-    the others as keywords. Example: ``GradScaler("cuda", policy="megatron", growth_interval=10)``.
+    or by keyword (``given``: those of them the caller passed, even at torch's values), the others
+    as keywords. Example: ``GradScaler("cuda", policy="megatron", growth_interval=10)``.
     """
     unknown = sorted(set(knobs) - set(LossScalePolicy.knob_names()) | (set(knobs) & set(TORCH_KNOBS)))
     if unknown:
         raise TypeError(f"GradScaler got unexpected keyword arguments {unknown}")
-    torch_knobs = {"growth_factor": growth_factor, "backoff_factor": backoff_factor, "growth_interval": growth_interval}
-    given = {name: value for name, value in torch_knobs.items() if value is not TORCH_KNOB_DEFAULTS[name]}
     base = policy.knobs() if policy is not None else {name: getattr(LossScalePolicy, name) for name in TORCH_KNOBS}
     return LossScalePolicy(**{**base, **given, **knobs})
 
