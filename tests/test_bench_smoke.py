@@ -296,7 +296,7 @@ def test_progress_bar_prints_on_a_time_interval_in_a_log():
 
 
 BENCH_SCRIPTS = ("bars", "bench_clip_cpu", "collectives", "cpu_norms", "experiments", "gpu_check", "gpu_phases",
-                 "host_time", "kernel_report", "launch_cost", "launch_table", "run_all", "sweep", "train_step")  # fmt: skip
+                 "host_time", "kernel_report", "launch_cost", "launch_table", "run_all", "sweep", "train_step", "walks")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", BENCH_SCRIPTS)
@@ -306,6 +306,16 @@ def test_help_shows_the_whole_first_paragraph(name, capsys):
         module.parse_args(["--help"])
     shown = "".join(capsys.readouterr().out.split())  # argparse rewraps, breaking lines after hyphens too
     assert "".join(module.__doc__.split("\n\n")[0].split()) in shown
+
+
+def test_walks_follow_the_optimizer_from_the_call_into_the_package():
+    # The walk is made of the calls that took the optimizer: the first is the scaler's own method,
+    # a module is a room once, however often the walk stays in it.
+    found = load("walks").walks()
+    assert set(found) == {f"{o} {c}" for o in ("SGD", "AdamW(fused)") for c in ("clip_grad_norm_", "step")}
+    for name, walk in found.items():
+        assert walk["visits"][0].endswith("GradScaler." + name.split()[-1]) or "eager_call" in walk["visits"][0]
+        assert walk["rooms"] <= walk["stays"] <= walk["calls"] == len(walk["visits"])
 
 
 def test_bench_readme_commands_parse():
