@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import subprocess
 import sys
 from pathlib import Path
 from types import FrameType
@@ -140,7 +142,14 @@ def main(argv: list[str] | None = None) -> None:
         for q in w["climbing"]:
             print(f"    climbs into {q}")
     if args.json:
-        args.json.write_text(json.dumps({"torch": torch.__version__, "walks": found}, indent=1) + "\n")
+        made = {"torch": torch.__version__, "python": platform.python_version(), "git": _commit(), "walks": found}
+        args.json.write_text(json.dumps(made, indent=1) + "\n")
+
+
+def _commit() -> str:
+    """The commit of the tritonscale that was walked (the code's shape is all a walk measures)."""
+    done = subprocess.run(["git", "-C", str(PACKAGE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":
