@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..kernels.interfaces import STEP_OFF, FinalizeStep
-from ..policy.forms import rounded_to_float32
+from ..policy.rounding import rounded_to_float32
 from ..policy.spike_rules import window_size
 
 #: The widest block the z-score window is summed in (a longer window takes several, in order).
