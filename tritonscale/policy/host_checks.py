@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .counters import CONSECUTIVE_SKIPS, UPDATES
-from .rounding import as_float32
+from .rounding import as_float32, rounded_to_float32
 
 if TYPE_CHECKING:
     from .loss_scale_policy import LossScalePolicy
@@ -204,10 +204,13 @@ class UpdatesWithoutRead:
         self.witness = None
 
     def _backoffs_until(self, policy: LossScalePolicy, scale: float, level: float) -> int:
-        """The fewest backoffs from ``scale`` that reach ``level`` or below (LOOKAHEAD at most)."""
-        lowered = torch.tensor(scale, dtype=torch.float32)  # the rule's own ops, on the read value
+        """The fewest backoffs from ``scale`` that reach ``level`` or below (LOOKAHEAD at most).
+        On the value read, in Python numbers: ``LossScalePolicy.backed_off``'s float64 product
+        rounded once to float32, then its floor (tests/policy/test_host_checks.py holds the bound
+        to a scaler that reads every update)."""
+        floor = policy.backoff_floor()
         for count in range(1, self.LOOKAHEAD + 1):
-            lowered = policy.backed_off(lowered)
-            if lowered.item() <= level:
+            scale = max(rounded_to_float32(scale * policy.backoff_factor), floor)
+            if scale <= level:
                 return count
         return self.LOOKAHEAD
