@@ -165,7 +165,7 @@ def _check_decides(
     ):
         return (), False
     step, decides = finalize_step(
-        decision, device, fold=False, unfit_overflows=False, unscale_on_overflow=False, decide=True, with_norm=False
+        decision, device, fold=False, unfit_overflows=False, unscale_on_overflow=False, with_norm=False
     )
     return (step,), decides
 
@@ -250,7 +250,6 @@ def _clip_in_finalize(
         fold=request.fold,
         unfit_overflows=request.fold,
         unscale_on_overflow=request.unscale_on_overflow,
-        decide=True,
     )
     result = runner.check(grads.kernel[device], scale, request.norm_type, request.max_norm, step)
     if not decides:

@@ -187,7 +187,6 @@ class OptimizerStep(OptimizerRecord):
     _optimizer: Any = field(default=None, repr=False, compare=False)
     #: One of torch's own fused optimizers (which take dense gradients only), found once.
     _torch_fused: bool = field(default=False, repr=False, compare=False)
-    #: ``skip`` as the host decided it where reads are free (None: read ``skip`` to know).
     #: ``scaler.step`` is running this optimizer's step (a step its guard sees then is not direct).
     _in_step: bool = field(default=False, repr=False, compare=False)
     #: The optimizer stepped, not through ``scaler.step``, after this iteration's unscale_ or clip
