@@ -44,9 +44,9 @@ def backend(request) -> str:
 def forbid_host_reads(monkeypatch):
     """Make every Tensor->host read raise while the fixture's flag is on.
 
-    On the CPU the step reads values where that waits for nothing (the CPU is the host: the torch
-    backend's overflow probe, the policy rule on Python numbers); here it takes the paths it takes
-    on a GPU instead, which must read nothing."""
+    On the CPU a few paths read values where that waits for nothing (``host_reads.are_free``: a
+    rank mismatch raised at once, the torch backend's norm fallback); here they take the paths they
+    take on a GPU instead, which must read nothing."""
     from tritonscale import host_reads
 
     monkeypatch.setattr(host_reads, "are_free", lambda device: False)

@@ -299,7 +299,7 @@ def policy_case(target, name):
     }
     constexprs = {**launch, "COUNT_ONLY": False, "R": rule}
     case = _case(f"policy-{target}-{name}", POLICY, target, dict(_POLICY_SIG), constexprs, num_warps=1)
-    case["options"] = {"enable_fp_fusion": False}  # the rule rounds after every operation, as the host form
+    case["options"] = {"enable_fp_fusion": False}  # the rule rounds after every operation, as its tensor ops
     return case
 
 
@@ -525,7 +525,7 @@ def test_policy_kernel_compiles_with_its_float64_arithmetic(compiled, target, na
     # The rich policy's spike rules keep float64 averages. (A float32 scale times a float64 factor
     # rounded once is the float32 product where the factor is a float32 number: LLVM narrows it.)
     assert (result["float64_ops"] > 0) == (name == "rich"), result["float64_ops"]
-    if target in CUDA_TARGETS:  # contraction off: every product rounded, as the host form rounds it
+    if target in CUDA_TARGETS:  # contraction off: every product rounded, as the tensor ops round it
         assert result["fused_multiply_adds"] == 0
 
 

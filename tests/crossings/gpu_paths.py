@@ -1,10 +1,10 @@
 """The ``gpu_paths`` backend column: a cell run on the paths a GPU takes, on the CPU.
 
-On the CPU a read waits for nothing, so the step decides on the host there (the policy rule on
-Python numbers, the torch backend's overflow probe). On a GPU it must not: the update is one
-Triton launch (``kernels/policy_update.py``), the clip's finalize decides the step
-(``kernels/finalize.py``, ``kernels/skip_rule.py``), ``SkipAwareLR.step`` and ``stats()`` one launch
-each (``kernels/loop_state.py``). This column runs those paths: ``host_reads.are_free`` answers
+The policy rule and the clip's finalize are one program on every device (the ``triton`` cells run
+the update's kernel and the deciding finalize too). A few reads stay where a read on the CPU waits
+for nothing (``host_reads.are_free``): a rank mismatch raised at once, the torch backend's norm
+fallback, ``SkipAwareLR.step`` and ``stats()`` as torch ops (``kernels/loop_state.py`` launches on a
+GPU). This column runs a GPU's paths for those too, and checks no other read happens: ``host_reads.are_free`` answers
 False (as the ``forbid_host_reads`` fixture does) and the scaler's backend is ``"triton"`` (the
 kernels through the interpreter). The oracle is the CPU cell's, unchanged: the GPU paths must give
 the same answers.

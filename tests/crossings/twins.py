@@ -188,17 +188,17 @@ def torch_clip(side: Side, max_norm: float, norm_type: float, optimizer: Any = N
     values = [p.grad.values() if p.grad.is_sparse else p.grad for p in params]
     norm = torch.nn.utils.get_total_norm(values, norm_type)
     torch._foreach_mul_(values, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    unfit_fold_overflows(side, optimizer, norm, max_norm)
     return norm
 
 
 def unfit_fold_overflows(side: Side, optimizer: Any, norm: torch.Tensor, max_norm: float) -> None:
-    """docs/differences-from-torch.md, "A fold past float32's max": on the GPU paths (the gpu_paths
-    column) a fused optimizer's divisor ``scale / clip_coef`` that overflows float32 makes the step
-    count as an overflow (skipped, the scale backed off), as nothing is read back; the CPU applies
-    the clip instead (torch's step). The twin's torch scaler is told of that overflow. Not for
-    max_norm 0: its divisor scale / 0 = inf is the clip exactly (torch's step of zeros)."""
+    """docs/differences-from-torch.md, "A fold past float32's max": a fused optimizer's divisor
+    ``scale / clip_coef`` that overflows float32 makes the step count as an overflow (skipped, the
+    scale backed off), as nothing is read back. The twin's torch scaler is told of that overflow.
+    Not for max_norm 0: its divisor scale / 0 = inf is the clip exactly (torch's step of zeros)."""
     fused = getattr(optimizer, "_step_supports_amp_scaling", False) or optimizer.defaults.get("fused")
-    if side.cell.backend != "gpu_paths" or not fused or not side.scaler.is_enabled() or not torch.isfinite(norm):
+    if not fused or not side.scaler.is_enabled() or not torch.isfinite(norm):
         return
     clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if clip_coef == 0 or torch.isfinite(side.scaler._scale / clip_coef).all():

@@ -1,8 +1,7 @@
 """The policy kernel (``kernels/policy_update.py``) is the policy's rule, bit for bit.
 
-The oracle is the rule's host form (``LossScalePolicy.update_`` / ``record_iteration_`` on Python
-numbers, ``forms.ON_HOST``), itself held to the tensor-op form by ``tests/policy/test_forms.py``
-and to the peers and torch by the policy tests. Twin states are driven through trajectories of a
+The oracle is the rule's other executor, its tensor ops (``LossScalePolicy.update_`` /
+``record_iteration_``), held to the peers and torch by the policy tests. Twin states are driven through trajectories of a
 few dozen iterations (overflows, growth, spikes, NaN/inf norms, one to three optimizers' flags,
 unscale_-only iterations, ``update(new_scale)`` to float32's edges) for every policy column of the
 crossing harness and for knob combinations; after every call each state tensor is compared by its
@@ -27,7 +26,7 @@ from tritonscale.flags import combine_flags
 from tritonscale.kernels import policy_update as kernel
 from tritonscale.kernels.interfaces import KERNEL_CONSTANTS
 from tritonscale.policy import counters, spike_rules
-from tritonscale.policy.forms import ON_HOST, SCALE_FLOOR
+from tritonscale.policy.rounding import SCALE_FLOOR
 from tritonscale.policy.host_checks import HostCheck, host_check_flags
 from tritonscale.policy.kernel_form import kernel_rule
 from tritonscale.policy.state import HostState
@@ -98,7 +97,7 @@ def raises(policy: LossScalePolicy, flags: int) -> bool:
 
 
 class Iteration:
-    """One iteration's flags: each optimizer's found_inf and skip (the host form's skip_decision on
+    """One iteration's flags: each optimizer's found_inf and skip (the tensor-op skip_decision on
     its own found_inf), the last norm; no skips when only unscale_ ran."""
 
     def __init__(self, rng: random.Random, policy: LossScalePolicy, host, optimizers: int, unscale_only: bool):
@@ -106,29 +105,29 @@ class Iteration:
         self.found_infs = [torch.tensor(float(overflow and (k == 0 or rng.random() < 0.5))) for k in range(optimizers)]
         self.norm = None if rng.random() < 0.15 else torch.tensor(rng.choice(NORMS), dtype=torch.float32)
         self.skips = [] if unscale_only else [
-            policy.skip_decision(f, self.norm, host.norm_stats, form=ON_HOST, spike_stats=host.spike_stats)
+            policy.skip_decision(f, self.norm, host.norm_stats, spike_stats=host.spike_stats)
             for f in self.found_infs
         ]  # fmt: skip
         self.found_inf = combine_flags(self.found_infs)
         self.skipped = (
             combine_flags(self.skips)
             if self.skips
-            else policy.skip_decision(self.found_inf, None, host.norm_stats, form=ON_HOST)
+            else policy.skip_decision(self.found_inf, None, host.norm_stats)
         )
 
 
 def host_step(policy: LossScalePolicy, host, it: Iteration, count_only: bool) -> int:
-    """The oracle: the rule's host form; returns the host-check bits (0 without checks)."""
+    """The oracle: the rule's tensor ops; returns the host-check bits (0 without checks)."""
     if count_only:
-        policy.record_iteration_(host.counters, host.norm_stats, it.skipped, it.norm, ON_HOST, host.spike_stats)
+        policy.record_iteration_(host.counters, host.norm_stats, it.skipped, it.norm, host.spike_stats)
         return 0
     flags = 0
     if policy.needs_host_check():
-        flags = host_check_flags(policy, host.scale, host.counters, it.found_inf, it.skipped, form=ON_HOST)
+        flags = host_check_flags(policy, host.scale, host.counters, it.found_inf, it.skipped)
     if not raises(policy, flags):
         policy.update_(
             host.scale, host.growth_tracker, host.counters, host.norm_stats, it.found_inf, it.skipped, it.norm,
-            form=ON_HOST, spike_stats=host.spike_stats,
+            spike_stats=host.spike_stats,
         )  # fmt: skip
     return int(flags)
 
@@ -166,7 +165,7 @@ def drive(policy: LossScalePolicy, seed: int, steps: int) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_equals_the_host_form_bit_for_bit(case):
+def test_kernel_equals_the_tensor_ops_bit_for_bit(case):
     drive(CASES[case](), seed=sum(map(ord, case)), steps=36)
 
 

@@ -119,7 +119,6 @@ def test_finalize_decides_the_step_as_the_torch_ops_do(policy_id, bad, seed):
             fold=True,
             unfit_overflows=True,
             unscale_on_overflow=not policy.skip_on_overflow,
-            decide=True,
         )
         assert decides
         got = TritonBackend().check([grads], scale, 2.0, max_norm, step)
@@ -132,7 +131,7 @@ def _decided_fold(scale: float, grads_norm: float, max_norm: float):
     policy = LossScalePolicy().validate()
     state = _state(policy, 0, scale)
     step, _ = finalize_step(
-        StepDecision(policy, state, {}), CPU, fold=True, unfit_overflows=True, unscale_on_overflow=False, decide=True
+        StepDecision(policy, state, {}), CPU, fold=True, unfit_overflows=True, unscale_on_overflow=False
     )
     return TritonBackend().check([_grads(grads_norm, scale, None, 0)], torch.tensor(scale), 2.0, max_norm, step)
 

@@ -1,9 +1,9 @@
-"""The step decided in the clip's finalize (passes/step_decision.py) against the host path.
+"""The step decided in the clip's finalize (passes/step_decision.py) against the step's own rule.
 
-On the GPU paths (host reads not free) the clip's finalize decides the fold's divisor, ZClip's
-max_norm and the step's skip, and the step runs no rule of its own; where reads are free the same
-iteration runs the policy's rule on the host and the torch-op fold. Both are held to the same
-trajectory, bit for bit, through overflows, norm spikes, an unscale_ before the clip, and two clips
+The clip's finalize decides the fold's divisor, ZClip's max_norm and the step's skip, and the step
+runs no rule of its own. The oracle is the same iteration with the finalize kept from deciding
+(``StepDecision.earlier_on`` answering no): the step runs the policy's skip rule in tensor ops.
+Both are held to the same trajectory, bit for bit, through overflows, norm spikes, an unscale_ before the clip, and two clips
 in one iteration: parameters, optimizer state, the scale, the counters and every skip flag."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from tritonscale import GradScaler, host_reads
+from tritonscale import GradScaler
+from tritonscale.passes.step_decision import StepDecision
 
 POLICIES = {
     "rich": {
@@ -70,10 +71,10 @@ def _trajectory(kind: str, knobs: dict) -> list[list[torch.Tensor]]:
 
 @pytest.mark.parametrize("kind", ["fused", "sgd"])
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_the_gpu_path_steps_as_the_host_path(monkeypatch, kind, policy):
-    host = _trajectory(kind, POLICIES[policy])
-    monkeypatch.setattr(host_reads, "are_free", lambda device: False)  # the paths a GPU takes
+def test_the_finalizes_decision_steps_as_the_steps_own_rule(monkeypatch, kind, policy):
     device = _trajectory(kind, POLICIES[policy])
+    monkeypatch.setattr(StepDecision, "earlier_on", lambda self, device: (False, None))  # never decides
+    host = _trajectory(kind, POLICIES[policy])
     skipped = [bool(row[-1]) for row in host]
     assert any(skipped) and not all(skipped), skipped  # the rules fired, and not always
     for step, (want, got) in enumerate(zip(host, device)):
@@ -81,12 +82,13 @@ def test_the_gpu_path_steps_as_the_host_path(monkeypatch, kind, policy):
             assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), (step, a, b)
 
 
-@pytest.mark.parametrize("free", [False, True], ids=["gpu_paths", "host"])
-def test_a_knob_set_between_the_clip_and_the_step_decides_again(monkeypatch, free):
+@pytest.mark.parametrize("decides", [True, False], ids=["finalize_decides", "step_decides"])
+def test_a_knob_set_between_the_clip_and_the_step_decides_again(monkeypatch, decides):
     """The clip's finalize decided the skip by the policy as it was; a knob set before the step
     (here: overflowed steps go ahead) makes the step decide again, by the policy as it is now,
-    on the GPU paths as on the host."""
-    monkeypatch.setattr(host_reads, "are_free", lambda device: free)
+    as a step whose finalize did not decide does."""
+    if not decides:
+        monkeypatch.setattr(StepDecision, "earlier_on", lambda self, device: (False, None))
     param = torch.nn.Parameter(torch.ones(8))
     optimizer = torch.optim.SGD([param], lr=0.5)
     scaler = GradScaler("cpu", init_scale=4.0, backend="triton", compile_policy=False, dynamic=False)

@@ -1,10 +1,9 @@
 """The checks that must stop a run read the device only when they could fire, and never miss one.
 
-The oracle is the same scaler on the host form of the rule, which checks every update on Python
-numbers (a read there waits for nothing): on the device form (``host_reads.are_free`` False, what
-a GPU runs) the scaler must raise or warn at the same update with the same state, whatever else
-writes the state in between (``update(new_scale)``, a load, a knob's setter), while reading the
-device only when the scale or the skip count could have reached a limit.
+The oracle is the same scaler reading the checks at every update (``UpdatesWithoutRead`` never
+skipping a read): the scaler must raise or warn at the same update with the same state, whatever
+else writes the state in between (``update(new_scale)``, a load, a knob's setter), while reading
+the device only when the scale or the skip count could have reached a limit.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracles.scale_rules import Loop, call_outcome
 
-from tritonscale import GradScaler, LossScalePolicy, host_reads, presets
+from tritonscale import GradScaler, LossScalePolicy, presets
 from tritonscale.policy.host_checks import UpdatesWithoutRead
 
 POLICIES = st.one_of(
@@ -64,15 +63,14 @@ def apply(scaler, loop, op) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(policy=POLICIES, ops=OPS, init_scale=st.sampled_from([1.0, 16.0, 2.0**14]))
-def test_the_device_check_fires_where_the_host_check_does(monkeypatch, policy, ops, init_scale):
+def test_the_check_read_when_it_could_fire_fires_where_one_read_every_update_does(policy, ops, init_scale):
     init_scale = max(init_scale, policy.min_scale or 0.0)
     host, device = (GradScaler("cpu", init_scale=init_scale, policy=policy, backend="torch") for _ in range(2))
+    host._rules._unread.skips_read = lambda policy, state: False  # the oracle reads at every update
     loops = Loop(host, "torch"), Loop(device, "torch")
     for i, op in enumerate(ops):
         expected = call_outcome(lambda op=op: apply(host, loops[0], op))
-        with monkeypatch.context() as on_the_device:
-            on_the_device.setattr(host_reads, "are_free", lambda device: False)
-            seen = call_outcome(lambda op=op: apply(device, loops[1], op))
+        seen = call_outcome(lambda op=op: apply(device, loops[1], op))
         assert seen == expected, f"op {i} {op}"
         assert device.state_dict() == host.state_dict(), f"op {i} {op}"
         if expected[0] is not None:
@@ -80,7 +78,7 @@ def test_the_device_check_fires_where_the_host_check_does(monkeypatch, policy, o
 
 
 def reads_per_update(monkeypatch, scaler, overflows) -> list[tuple[int, float, int]]:
-    """Run ``overflows`` on the device form: (update, scale, skips in a row) of each host check's read."""
+    """Run ``overflows``: (update, scale, skips in a row) of each host check's read."""
     reads, update = [], [0]
     original = UpdatesWithoutRead.set
     monkeypatch.setattr(
@@ -88,7 +86,6 @@ def reads_per_update(monkeypatch, scaler, overflows) -> list[tuple[int, float, i
         "set",
         lambda self, policy, *read: (reads.append((update[0], *read)), original(self, policy, *read))[1],
     )
-    monkeypatch.setattr(host_reads, "are_free", lambda device: False)
     loop = Loop(scaler, "torch")
     for update[0], overflow in enumerate(overflows):
         loop.step(overflow)

@@ -22,7 +22,7 @@ from oracles.peer_rules import RULES, follow
 from oracles.scale_rules import Loop
 
 from tritonscale import GradScaler, ScalerConfigError, presets
-from tritonscale.policy.forms import SCALE_FLOOR
+from tritonscale.policy.rounding import SCALE_FLOOR
 
 #: Overflow sequences as bursts (so hysteresis budgets, tolerances and windows are spent and refilled).
 OVERFLOWS = st.lists(st.tuples(st.booleans(), st.integers(1, 3)), min_size=1, max_size=8).map(

@@ -16,7 +16,7 @@ from oracles.peer_rules import RULES, ApexHysteresisRule, f32, follow
 from oracles.scale_rules import Loop
 
 from tritonscale import GradScaler, presets
-from tritonscale.policy.forms import SCALE_FLOOR
+from tritonscale.policy.rounding import SCALE_FLOOR
 
 
 def run(name, overflows, backend, **peer_args):

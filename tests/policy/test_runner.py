@@ -1,8 +1,8 @@
-"""Where the rule runs (``PolicyRunner``): one kernel on the GPU paths, the tensor ops under Dynamo
-or on request, the host form where reads are free -- and the same state whichever it is.
+"""Where the rule runs (``PolicyRunner``): one kernel wherever it launches, the tensor ops
+elsewhere (the CPU with backend "auto", under Dynamo, on request) -- and the same state whichever.
 
-On the CPU the GPU paths are taken with the host-read switch off and the Triton backend (the kernel
-through the interpreter). The oracle is the same runner with reads free (the host form).
+On the CPU the kernel runs with the Triton backend (through the interpreter). The oracle is the
+same runner on the rule's tensor ops.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from oracles.scale_rules import Loop, call_outcome
 
 import tritonscale.policy.runner as runner_module
-from tritonscale import GradScaler, LossScalePolicy, host_reads, presets
+from tritonscale import GradScaler, LossScalePolicy, presets
 from tritonscale.kernels import policy_update
 from tritonscale.policy.runner import IterationOutcome, PolicyRunner
 from tritonscale.policy.state import HostState
@@ -50,37 +50,32 @@ def launches(monkeypatch) -> list:
         (None, "triton", True, False),  # Dynamo traces: the tensor ops, which inductor fuses
     ],
 )
-def test_the_kernel_runs_on_the_gpu_paths_only(monkeypatch, compile_policy, backend, compiling, expected):
-    monkeypatch.setattr(host_reads, "are_free", lambda device: False)
+def test_the_kernel_runs_where_it_launches(monkeypatch, compile_policy, backend, compiling, expected):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     assert PolicyRunner(compile_policy, backend).uses_kernel(CPU) is expected
 
 
-def test_the_host_form_stays_where_reads_are_free():
-    assert PolicyRunner(None, "triton").uses_kernel(CPU) is False
-
-
 @pytest.mark.parametrize("optimizers", [1, 2, 5])  # 5: more than the kernel reads by pointer
 @pytest.mark.parametrize("count_only", [False, True])
-def test_the_runner_on_the_kernel_equals_the_host_form(monkeypatch, optimizers, count_only):
+def test_the_runner_on_the_kernel_equals_the_tensor_ops(monkeypatch, optimizers, count_only):
     policy = LossScalePolicy(hysteresis=2, skip_norm_factor=2.0, skip_norm_sigma=2.0, skip_norm_window=3,
                              clip_norm_z=1.5, clip_norm_warmup_steps=2, growth_interval=2).validate()  # fmt: skip
     states = [HostState.initial(2.0**16, policy).to_device(CPU) for _ in range(2)]
     runners = [PolicyRunner(False, "triton") for _ in range(2)]
+    runners[1].uses_kernel = lambda device: False  # the other executor: the rule's tensor ops
     calls = launches(monkeypatch)
     for step in range(8):
         found = [torch.tensor(float(step % 3 == 1 and k == optimizers - 1)) for k in range(optimizers)]
         skips = [f.clone() for f in found] if step % 4 != 3 else []  # step 3, 7: unscale_ only
         outcome = IterationOutcome(found, skips, [torch.tensor(1.0 + step % 3)])
         results = []
-        for free, runner, state in zip((False, True), runners, states):
-            monkeypatch.setattr(host_reads, "are_free", lambda device, free=free: free)
+        for runner, state in zip(runners, states):
             run = runner.count_only_ if count_only else runner.update_
             results.append(run(policy, state, outcome))
         for name in ("scale", "growth_tracker", "counters", "norm_stats", "spike_stats"):
             assert bits(getattr(states[0], name)) == bits(getattr(states[1], name)), f"step {step}: {name}"
         assert bits(results[0][0]) == bits(results[1][0]), f"step {step}: found_inf"
-    assert len(calls) == 8  # the device side launched the kernel every time, the host side never
+    assert len(calls) == 8  # the kernel's side launched every time, the tensor ops' side never
 
 
 def test_a_raise_on_the_kernel_path_changes_nothing(monkeypatch, forbid_host_reads):
@@ -124,12 +119,12 @@ POLICIES = st.sampled_from([
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(policy=POLICIES, ops=OPS)
-def test_the_kernels_checks_fire_where_the_host_checks_do(monkeypatch, policy, ops):
+def test_the_kernels_checks_fire_where_the_tensor_ops_checks_do(monkeypatch, policy, ops):
     host, device = (GradScaler("cpu", init_scale=4.0, policy=policy, backend="triton") for _ in range(2))
+    host._rules.uses_kernel = lambda device: False  # the rule's tensor ops: the oracle
     loops = Loop(host, "triton"), Loop(device, "triton")
     for i, (kind, value) in enumerate(ops):
         for scaler, loop, free in ((host, loops[0], True), (device, loops[1], False)):
-            monkeypatch.setattr(host_reads, "are_free", lambda d, free=free: free)
             if kind == "step":
                 act = lambda lp=loop, v=value: lp.step(v)  # noqa: E731
             else:
@@ -138,7 +133,6 @@ def test_the_kernels_checks_fire_where_the_host_checks_do(monkeypatch, policy, o
                 expected = call_outcome(act)
             else:
                 seen = call_outcome(act)
-        monkeypatch.setattr(host_reads, "are_free", lambda d: True)
         assert seen == expected, f"op {i} {kind} {value}"
         assert device.state_dict() == host.state_dict(), f"op {i}"
         if expected[0] is not None:

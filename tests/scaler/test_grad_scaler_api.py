@@ -454,7 +454,6 @@ def test_unscale_clip_step_update_never_read_device_values(backend, forbid_host_
 
 
 def test_step_with_a_plain_optimizer_reads_found_inf_once(backend, monkeypatch):
-    # The GPU path: on the CPU the skip decision itself is taken on the host, where reads are free.
     monkeypatch.setattr(host_reads, "are_free", lambda device: False)
     params, opt, scaler = tiny_setup(backend)
     backward(params, scaler)

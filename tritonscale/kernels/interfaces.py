@@ -104,7 +104,7 @@ ZCLIP_ADAPTIVE, ZCLIP_MEAN = 0, 1
 
 class UpdateRule(NamedTuple):
     """A policy's knobs as the kernel's constexprs (``policy/kernel_form.py`` builds it). Floats
-    are the values the host form computes with: float64 factors, float32-rounded limits."""
+    are the values the rule's tensor ops compute with: float64 factors, float32-rounded limits."""
 
     DYNAMIC: bool
     SKIP_ON_OVERFLOW: bool

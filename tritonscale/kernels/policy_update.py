@@ -4,7 +4,7 @@ One launch per ``GradScaler.update()`` whatever the policy (torch's own update i
 ``_amp_update_scale_``). The rule is ``tritonscale/policy/loss_scale_policy.py``'s
 ``LossScalePolicy.update_`` + ``record_iteration_`` (read it there, top to bottom); this kernel is
 that rule for a GPU, written with the knobs as ``tl.constexpr`` (one compile per policy) and held to
-the policy's host form bit for bit by ``tests/kernels/test_policy_update.py``:
+the rule's tensor ops bit for bit by ``tests/kernels/test_policy_update.py``:
 
     found    = sum of the optimizers' found_inf flags        (torch combines them by summing)
     skipped  = sum of their skip flags > 0, or, when no optimizer stepped (unscale_ only),
@@ -23,7 +23,7 @@ the policy's host form bit for bit by ``tests/kernels/test_policy_update.py``:
 Contract: every state tensor is updated in place (one program, addresses fixed: a CUDA graph can
 capture it). Up to ``MAX_FLAGS`` optimizers' flags are read by pointer; a caller with more sums
 them first (extra launches, documented there). Floating-point contraction is off for this kernel
-(``enable_fp_fusion=False``): the rule rounds after every operation, as the host form does.
+(``enable_fp_fusion=False``): the rule rounds after every operation, as its tensor ops do.
 
 Slot layouts, the check bits and the scale floor are ``kernels/interfaces.py``'s (the policy
 imports them from there), read as ``K``: one constexpr parameter the kernel declares with its

@@ -20,7 +20,6 @@ import torch
 from .. import host_reads
 from ..flags import moved_to
 from ..grads.groups import Grads
-from ..policy.forms import ON_DEVICE, ON_HOST, RuleForm
 from .backends import Backend, CheckResult, clip_coefficient, gradient_factor, inverse_scale, resolve_backend
 from .backends.base import unscaled_on_overflow, with_clip
 from .backends.custom_ops import disjoint_at_run_time
@@ -155,19 +154,18 @@ def _check_decides(
     runner: Any, decision: StepDecision | None, device: torch.device, others: list, group: Any
 ) -> tuple[tuple, bool]:
     """(the check's extra arguments, whether its finalize decides the step's skip): where the clip's
-    finalize would (``_finalize_decides``: Triton, no process group, no torch-op gradients, eager,
-    nothing read on the host), the skip rule with no norm (``skip_decision``'s, without a clip)."""
+    finalize would (``_finalize_decides``: Triton, no process group, no torch-op gradients, eager),
+    the skip rule with no norm (``skip_decision``'s, without a clip)."""
     if (
         decision is None
         or not isinstance(runner, TritonBackend)
         or others
         or group is not None
-        or host_reads.are_free(device)
         or torch.compiler.is_compiling()
     ):
         return (), False
     step, decides = finalize_step(
-        decision, device, fold=False, unfit_overflows=False, unscale_on_overflow=False, decide=True, with_norm=False
+        decision, device, fold=False, unfit_overflows=False, unscale_on_overflow=False, with_norm=False
     )
     return (step,), decides
 
@@ -213,15 +211,12 @@ def clip_grads(
         result = with_clip(result, scale, request.limit_of(result.norm))
     if request.unscale_on_overflow:
         result = unscaled_on_overflow(result, scale)
-    applied = result
-    if request.fold:
+    if request.fold:  # the fused optimizer divides by it: no apply pass
         result.grad_scale = _fold_divisor(result, scale)
-        if result.grad_scale is not scale:
-            return device, result
-        applied = dataclasses.replace(result, factor=result.clip_coef)  # could not fold: the clip applied here
-    _apply_on(runner, grads, device, applied)
+        return device, result
+    _apply_on(runner, grads, device, result)
     if replicas is not None:
-        _apply_on(runner, replicas, device, dataclasses.replace(applied, plan=replica_result.plan))
+        _apply_on(runner, replicas, device, dataclasses.replace(result, plan=replica_result.plan))
     return device, result
 
 
@@ -246,17 +241,15 @@ def _finalize_decides(runner: Any, grads: Grads, device: torch.device, request: 
 def _clip_in_finalize(
     runner: TritonBackend, grads: Grads, device: torch.device, scale: torch.Tensor, request: ClipRequest
 ) -> CheckResult:
-    """Check pass -> finalize (-> apply pass): the finalize gives the clip, the fold's divisor and,
-    where nothing is read on the host, the step's skip (``passes/step_decision.py``). Where reads are
-    free the fold's unfit divisor is seen on the host, as ``_fold_divisor`` does."""
-    reads_free = host_reads.are_free(device)
+    """Check pass -> finalize (-> apply pass): the finalize gives the clip, the fold's divisor and
+    the step's skip (``passes/step_decision.py``); an unfit divisor counts as an overflow, as
+    ``_fold_divisor`` has it."""
     step, decides = finalize_step(
         request.decision,
         device,
         fold=request.fold,
-        unfit_overflows=request.fold and not reads_free,
+        unfit_overflows=request.fold,
         unscale_on_overflow=request.unscale_on_overflow,
-        decide=not reads_free,
     )
     result = runner.check(grads.kernel[device], scale, request.norm_type, request.max_norm, step)
     if not decides:
@@ -264,9 +257,6 @@ def _clip_in_finalize(
     if not request.fold:
         result.grad_scale = None
         runner.apply_(result)
-    elif reads_free and not _fits_on_host(result, result.grad_scale):
-        result.grad_scale = scale  # could not fold: the clip applied here, the optimizer divides by the scale
-        runner.apply_(dataclasses.replace(result, factor=result.clip_coef))
     return result
 
 
@@ -292,36 +282,26 @@ def _fold_divisor(result: CheckResult, scale: torch.Tensor) -> torch.Tensor:
     ``scale / clip_coef``. Where it is unfit (``unfit_divisor``: it overflowed float32, which
     happens only near the top of its range, the scaled gradients' norm above float32's max times
     max_norm), an optimizer dividing by it would apply zeros where the clip keeps tiny gradients.
-    Where host reads are free that case is seen on the host: ``scale`` itself is returned and the
-    caller applies the clip to the gradients (one pass, that step only), so the step is torch's.
-    Elsewhere (a GPU, a compiled step) nothing is read and no pass is added: the step counts as an
-    overflow instead (``found_inf`` raised: skipped, the scale backed off), never a silent step of
-    zeros. Example: ``_fold_divisor(result, scale)``."""
+    Nothing is read and no pass is added: the step counts as an overflow instead (``found_inf``
+    raised: skipped, the scale backed off), never a silent step of zeros. Example:
+    ``_fold_divisor(result, scale)``."""
     clip_coef = moved_to(result.clip_coef, scale.device)
     divisor = scale / clip_coef
-    if host_reads.are_free(divisor.device):
-        return divisor if _fits_on_host(result, divisor) else scale
     unfit = unfit_divisor(divisor, clip_coef).to(result.found_inf.dtype).reshape(())
     result.found_inf = torch.maximum(result.found_inf, unfit.to(result.found_inf.device, non_blocking=True))
     return divisor
 
 
-def unfit_divisor(divisor: Any, clip_coef: Any, form: RuleForm = ON_DEVICE) -> Any:
+def unfit_divisor(divisor: torch.Tensor, clip_coef: torch.Tensor) -> torch.Tensor:
     """The fold's rule: whether ``divisor`` (``scale / clip_coef``) cannot stand for the unscale
     and the clip, i.e. it is not finite and ``clip_coef`` is not 0. A clip coefficient of 0
     (``max_norm=0``: torch's clip multiplies the gradients by 0) gives scale / 0 = inf, which
     stands for it exactly: a finite gradient divided by +inf is the signed zero that ``g * 0``
     is, so that divisor is handed over and the step goes ahead, as torch's does. The one home of
-    the rule: ``form`` ON_DEVICE on 0-dim tensors, ON_HOST on Python floats (where reads are
-    free); the clip's finalize computes the same on the device (kernels/finalize.py, held to it
-    by tests/kernels/test_skip_rule.py). Example: ``unfit_divisor(math.inf, 0.0, ON_HOST) is False``."""
-    return form.not_(form.isfinite(divisor)) & (clip_coef != 0)
-
-
-def _fits_on_host(result: CheckResult, divisor: torch.Tensor) -> bool:
-    """The fold's divisor fits (``unfit_divisor``), read on the host; an overflowed step is skipped
-    anyway, whatever its divisor."""
-    return result.found_inf.item() > 0 or not unfit_divisor(divisor.item(), result.clip_coef.item(), ON_HOST)
+    the rule in tensor ops (0-dim tensors); the clip's finalize computes the same in the kernels
+    (kernels/finalize.py, held to it by tests/kernels/test_skip_rule.py). Example:
+    ``unfit_divisor(torch.tensor(math.inf), torch.tensor(0.0))`` is False."""
+    return ~torch.isfinite(divisor) & (clip_coef != 0)
 
 
 def holds_grads(grads: Grads) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..kernels.interfaces import STEP_OFF, FinalizeStep
-from ..policy.forms import rounded_to_float32
+from ..policy.rounding import rounded_to_float32
 from ..policy.spike_rules import window_size
 
 #: The widest block the z-score window is summed in (a longer window takes several, in order).
@@ -79,19 +79,18 @@ def finalize_step(
     fold: bool,
     unfit_overflows: bool,
     unscale_on_overflow: bool,
-    decide: bool,
     with_norm: bool = True,
 ) -> tuple[FinalizeStep, bool]:
     """The ``FinalizeStep`` of a clip on ``device`` and whether it decides the skip: ``fold`` (the
     divisor), ``unfit_overflows`` (a divisor that is not finite counts as an overflow: where nothing
-    is read on the host), ``unscale_on_overflow`` (the policy's overflowed steps go ahead), ``decide``
-    (the skip and the earlier flag, where ``decision`` allows it on ``device``). ZClip's max_norm
+    is read on the host), ``unscale_on_overflow`` (the policy's overflowed steps go ahead); the skip
+    and the earlier flag are decided where ``decision`` allows it on ``device``. ZClip's max_norm
     is always the kernel's when ``decision``'s policy has it (the caller checked ``decision``).
     ``with_norm`` False: a check without a clip, whose skip decides on found_inf alone."""
     if decision is None:
         constexprs, key = _step_constexprs(None, fold, unfit_overflows, unscale_on_overflow, with_norm, False)
         return FinalizeStep(constexprs, key=key), False
-    decides, earlier = decision.earlier_on(device) if decide else (False, None)
+    decides, earlier = decision.earlier_on(device)
     policy = decision.policy
     constexprs, key = _step_constexprs(policy, fold, unfit_overflows, unscale_on_overflow, with_norm, decides)
     state = decision.state

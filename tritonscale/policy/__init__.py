@@ -1,2 +1,2 @@
 """The loss-scale policy: its knobs and their checks, the backoff/growth rule, and how the rule
-runs (on Python numbers where reads are free, as device ops elsewhere)."""
+runs (one Triton kernel where kernels launch, the same rule in tensor ops elsewhere)."""

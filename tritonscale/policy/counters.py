@@ -14,8 +14,6 @@ Example: ``counters[SKIPPED_STEPS]`` is the number of optimizer steps skipped so
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..kernels.interfaces import (  # the slots' one home, shared with the kernels
@@ -29,7 +27,6 @@ from ..kernels.interfaces import (  # the slots' one home, shared with the kerne
     UPDATES,
     UPDATES_SINCE_RESCALE,
 )
-from .forms import ON_DEVICE, ON_HOST, RuleForm
 
 # The int32 counters tensor's slots, by name (kernels/interfaces.py numbers them in this order).
 COUNTER_NAMES = (
@@ -62,15 +59,12 @@ def _count_vectors(device: torch.device) -> tuple[torch.Tensor, ...]:
     return _count_vector_cache[device]
 
 
-def count_step_(counters: torch.Tensor, skipped: Any, form: RuleForm = ON_DEVICE) -> None:
+def count_step_(counters: torch.Tensor, skipped: torch.Tensor) -> None:
     """The skip counters of one finished iteration, in place (also when the scale was set by hand).
 
-    ``skipped``: a bool 0-dim tensor (ON_DEVICE) or a bool (ON_HOST). ``counters <- counters *
-    keep + add``, the operands picked by the flag: two vector ops, one ``addcmul`` on the host form.
+    ``skipped``: a bool 0-dim tensor. ``counters <- counters * keep + add``, the operands picked by
+    the flag: two vector ops.
     """
     keep_stepped, keep_skipped, add_stepped, add_skipped = _count_vectors(counters.device)
-    keep, add = form.where(skipped, keep_skipped, keep_stepped), form.where(skipped, add_skipped, add_stepped)
-    if form is ON_HOST:  # one dispatch instead of two (the same integers); never traced, unlike out=
-        torch.addcmul(add, counters, keep, out=counters)
-    else:
-        counters.mul_(keep).add_(add)
+    keep, add = torch.where(skipped, keep_skipped, keep_stepped), torch.where(skipped, add_skipped, add_stepped)
+    counters.mul_(keep).add_(add)

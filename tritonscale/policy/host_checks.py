@@ -8,8 +8,7 @@ Three of the peers' rules end a run from inside the scale update, and a device v
 * fairseq's ``min_loss_scale`` (``raise_at_scale``): an overflow that leaves the scale at or below it
   raises ``FloatingPointError``.
 
-``host_check_flags`` computes the conditions before the update, in either form of the rule (on the
-device: one integer tensor); the runner reads that one value and ``act_on_host_checks`` raises or
+``host_check_flags`` computes the conditions before the update as tensor ops (one integer tensor); the runner reads that one value and ``act_on_host_checks`` raises or
 warns. A raising update changes nothing. Example: ``flags = host_check_flags(policy, scale,
 counters, found_inf, skipped)``, then ``act_on_host_checks(policy, HostCheck(int(flags)),
 HostCheckRead.of(scale, counters))``. On a GPU the policy kernel computes the same bits in its one
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .counters import CONSECUTIVE_SKIPS, UPDATES
-from .forms import ON_DEVICE, ON_HOST, RuleForm, as_float32
+from .rounding import as_float32, rounded_to_float32
 
 if TYPE_CHECKING:
     from .loss_scale_policy import LossScalePolicy
@@ -86,24 +85,21 @@ def host_check_flags(
     counters: torch.Tensor,
     found_inf: torch.Tensor,
     skipped: torch.Tensor,
-    form: RuleForm = ON_DEVICE,
-) -> Any:
-    """``HostCheck`` bits (an int, or an integer 0-dim tensor on the device) computed before the update."""
-    read = form.read(counters)
-    overflow = form.read(found_inf) > 0
-    flags = 0
+) -> torch.Tensor:
+    """``HostCheck`` bits, an integer 0-dim tensor on ``scale``'s device, computed before the update."""
+    overflow = found_inf > 0
+    flags = torch.zeros((), dtype=torch.int64, device=scale.device)
     if policy.dynamic and policy.min_scale is not None and policy.on_min_scale != "clamp":
-        at_floor = policy.backs_off(overflow, read, form) & (form.read(scale) <= as_float32(policy.min_scale))
-        flags = flags + form.where(at_floor, int(HostCheck.AT_MIN_SCALE), 0)
+        at_floor = policy.backs_off(overflow, counters) & (scale <= as_float32(policy.min_scale))
+        flags = flags + torch.where(at_floor, int(HostCheck.AT_MIN_SCALE), 0)
     if policy.max_consecutive_skips is not None:
         # Counted with this update's skip, before the update.
-        limit = (form.read(skipped) > 0) & past_skip_limit(read[CONSECUTIVE_SKIPS] + 1, policy.max_consecutive_skips)
-        flags = flags + form.where(limit, int(HostCheck.TOO_MANY_SKIPS), 0)
+        limit = (skipped > 0) & past_skip_limit(counters[CONSECUTIVE_SKIPS] + 1, policy.max_consecutive_skips)
+        flags = flags + torch.where(limit, int(HostCheck.TOO_MANY_SKIPS), 0)
     if policy.dynamic and policy.raise_at_scale is not None:
-        now = form.read(scale)
-        after = form.where(policy.backs_off(overflow, read, form), policy.backed_off(now, form), now)
-        too_low = overflow & (form.as_float64(after) <= policy.raise_at_scale)  # fairseq compares Python floats
-        flags = flags + form.where(too_low, int(HostCheck.AT_RAISE_SCALE), 0)
+        after = torch.where(policy.backs_off(overflow, counters), policy.backed_off(scale), scale)
+        too_low = overflow & (after.double() <= policy.raise_at_scale)  # fairseq compares Python floats
+        flags = flags + torch.where(too_low, int(HostCheck.AT_RAISE_SCALE), 0)
     return flags
 
 
@@ -208,9 +204,13 @@ class UpdatesWithoutRead:
         self.witness = None
 
     def _backoffs_until(self, policy: LossScalePolicy, scale: float, level: float) -> int:
-        """The fewest backoffs from ``scale`` that reach ``level`` or below (LOOKAHEAD at most)."""
+        """The fewest backoffs from ``scale`` that reach ``level`` or below (LOOKAHEAD at most).
+        On the value read, in Python numbers: ``LossScalePolicy.backed_off``'s float64 product
+        rounded once to float32, then its floor (tests/policy/test_host_checks.py holds the bound
+        to a scaler that reads every update)."""
+        floor = policy.backoff_floor()
         for count in range(1, self.LOOKAHEAD + 1):
-            scale = policy.backed_off(scale, ON_HOST)
+            scale = max(rounded_to_float32(scale * policy.backoff_factor), floor)
             if scale <= level:
                 return count
         return self.LOOKAHEAD

@@ -1,12 +1,11 @@
-"""The rule's third form: one Triton launch (``kernels/policy_update.py``) on a GPU.
+"""The rule's second executor: one Triton launch (``kernels/policy_update.py``).
 
 Where the rule runs (docs/policies.md, "Where the rule runs"):
 
-* on the host, on Python numbers, where reading a value is free (the CPU; ``forms.ON_HOST``);
-* as tensor ops (``forms.ON_DEVICE``) while Dynamo traces a step (inductor fuses them), when the
-  caller asks for ``compile_policy=True``, or where the Triton kernels cannot launch;
-* everywhere else on the device (CUDA and ROCm with Triton; the CPU under ``TRITON_INTERPRET=1``
-  when the scaler's backend is "triton") as one kernel, whatever the policy.
+* as one kernel, whatever the policy, wherever the Triton kernels launch (CUDA and ROCm with
+  Triton; the CPU under ``TRITON_INTERPRET=1`` when the scaler's backend is "triton");
+* elsewhere as the rule's tensor ops (``loss_scale_policy.py``): on the CPU, while Dynamo traces a
+  step (inductor fuses them), and when the caller asks for ``compile_policy=True``.
 
 ``kernel_rule`` maps a policy's knobs to the kernel's constexprs, once per set of knob values.
 """
@@ -26,7 +25,7 @@ from ..kernels.interfaces import (
     ZCLIP_ZSCORE,
     UpdateRule,
 )
-from .forms import SCALE_FLOOR, as_float32
+from .rounding import SCALE_FLOOR, as_float32
 from .loss_scale_policy import LossScalePolicy
 from .spike_rules import warmup_size, window_size
 

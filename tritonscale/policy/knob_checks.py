@@ -18,7 +18,7 @@ import numbers
 from typing import Any
 
 from ..errors import ScalerConfigError
-from .forms import as_float32
+from .rounding import as_float32
 
 #: The device state's int32 counters (growth tracker, counters) hold values below this.
 INT32_LIMIT = 2**31

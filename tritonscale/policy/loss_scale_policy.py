@@ -29,12 +29,12 @@ Every policy other frameworks ship is a setting of these knobs (README, "Policie
   deviations above the mean of the last ``skip_norm_window`` norms) and ZClip's adaptive clip
   (``clip_norm_z`` and its ``clip_norm_*`` knobs: the clip's max_norm from an average of the norm).
 
-The rule is written once, over the device-resident state, and runs in one of two forms
-(``forms.py``): on the device with tensor ops (so nothing branches on a device value on a
-GPU, and the update can be compiled and captured in a CUDA graph), or, on the CPU, where reading a
-value waits for nothing, on Python numbers read from the state and written back -- bit for bit the
-same state, at a fraction of the cost of ~10-40 tiny tensor ops. Every tensor is updated in place
-at a fixed address. On the device, only the opt-in checks that must stop training ("warn"/"raise"
+The rule is written once, as tensor ops over the device-resident state (so nothing branches on a
+device value, and the update can be compiled and captured in a CUDA graph); the same tensor ops
+run on every device, the CPU included. Its other executor is the one Triton kernel
+(``kernels/policy_update.py``, where kernels launch; ``kernel_form.py``), held to these ops by
+tests/kernels/test_policy_update.py. Every tensor is updated in place at a fixed address. Only the
+opt-in checks that must stop training ("warn"/"raise"
 at the floor, ``max_consecutive_skips``, ``raise_at_scale``; ``host_checks.py``) read a device value
 on the host, and only in the updates where they could fire. Each peer's rule as these knobs, by the
 peer's own argument names: ``peer_presets.py``.
@@ -58,7 +58,7 @@ from .counters import (
     UPDATES_SINCE_RESCALE,
     count_step_,
 )
-from .forms import ON_DEVICE, SCALE_FLOOR, RuleForm, as_float32
+from .rounding import SCALE_FLOOR, as_float32
 from .knob_checks import (
     check_backoff_factor,
     check_growth_factor,
@@ -252,7 +252,7 @@ class LossScalePolicy:
         return scale
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # What is derived from the knobs (the update kernel's constexprs, the rule's fast forms) is
+        # What is derived from the knobs (the update kernel's constexprs) is
         # cached under ``stamp``: a knob changed in place gets a new one, unique across every
         # policy, so a cache keyed on it is proved valid by one lookup.
         object.__setattr__(self, name, value)
@@ -310,9 +310,8 @@ class LossScalePolicy:
         )
 
     # ------------------------------------------------------------ the rule
-    # Every method below takes ``form`` (forms.py): ON_DEVICE computes on the 0-dim device
-    # tensors and reads nothing back; ON_HOST reads them into Python numbers first (on the CPU).
-    # Tensors are only ever written through ``form.store`` or torch's in-place ops, at their addresses.
+    # Every method below computes with tensor ops on the 0-dim device tensors and reads nothing
+    # back. Tensors are only ever written by torch's in-place ops, at their addresses.
     def knobs_set(self, names: tuple[str, ...]) -> list[str]:
         """``name=value`` of each knob of ``names`` that is on (not None). Example:
         ``LossScalePolicy(clip_norm_z=2.5).knobs_set(NORM_RULE_KNOBS) == ["clip_norm_z=2.5"]``.
@@ -354,7 +353,6 @@ class LossScalePolicy:
         found_inf: torch.Tensor,
         norm: torch.Tensor | None,
         norm_stats: torch.Tensor,
-        form: RuleForm = ON_DEVICE,
         spike_stats: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """float32 0-dim: 1.0 where the optimizer step must be skipped. ``spike_stats``: the z-score
@@ -364,54 +362,49 @@ class LossScalePolicy:
             found_inf: the overflow flag, a 0-dim tensor (> 0: inf/NaN).
             norm: the clip's norm, a 0-dim tensor; None when nothing was clipped.
             norm_stats: the running norm average's state tensor.
-            form: ON_DEVICE (tensor ops, the default) or ON_HOST (numbers read from the tensors).
             spike_stats: the spike rules' state tensor; None where no spike rule is on.
 
         Returns:
             a float32 0-dim tensor on ``found_inf``'s device: 1.0 to skip, else 0.0.
         """
-        return form.flag(self.skips(found_inf, norm, norm_stats, form, spike_stats), found_inf.device)
+        return self.skips(found_inf, norm, norm_stats, spike_stats).float()
 
     def skips(
         self,
         found_inf: torch.Tensor,
         norm: torch.Tensor | None,
         norm_stats: torch.Tensor,
-        form: RuleForm = ON_DEVICE,
         spike_stats: torch.Tensor | None = None,
-    ) -> Any:
-        """:meth:`skip_decision`'s condition before it becomes a flag: a bool 0-dim tensor
-        (ON_DEVICE), or a Python bool (ON_HOST), which a host step decides on without a tensor.
+    ) -> torch.Tensor:
+        """:meth:`skip_decision`'s condition before it becomes a flag: a bool 0-dim tensor.
 
         Args:
             found_inf: the overflow flag, a 0-dim tensor (> 0: inf/NaN).
             norm: the clip's norm, a 0-dim tensor; None when nothing was clipped.
             norm_stats: the running norm average's state tensor.
-            form: ON_DEVICE (tensor ops, the default) or ON_HOST (numbers read from the tensors).
             spike_stats: the spike rules' state tensor; None where no spike rule is on.
 
         Returns:
-            True (or a true bool tensor) when the step must be skipped.
+            a bool 0-dim tensor on ``found_inf``'s device, true when the step must be skipped.
         """
-        found = form.read(found_inf)
-        skip = found > 0 if self.skip_on_overflow else form.false(found)
+        no = torch.zeros_like(found_inf, dtype=torch.bool)
+        skip = found_inf > 0 if self.skip_on_overflow else no
         if norm is not None and self.has_norm_skip():
-            value = form.read(norm.to(found_inf.device, torch.float32))
-            spike = form.false(found)
+            value = norm.to(found_inf.device, torch.float32)
+            spike = no
             if self.skip_norm_above is not None:
                 spike = spike | (value > as_float32(self.skip_norm_above))
             if self.skip_norm_factor is not None:
-                stats = form.read(norm_stats)
-                warmed_up = stats[NORM_COUNT] >= self.norm_warmup_steps
-                limit = form.f32(as_float32(self.skip_norm_factor) * stats[NORM_AVERAGE])
+                warmed_up = norm_stats[NORM_COUNT] >= self.norm_warmup_steps
+                limit = as_float32(self.skip_norm_factor) * norm_stats[NORM_AVERAGE]
                 spike = spike | (warmed_up & (value > limit))
-            if self.skip_norm_sigma is not None:  # tensor ops in both forms: the same bits
-                spike = spike | form.read(zscore_spike(self, spike_stats, norm.to(found_inf.device)))
-            skip = skip | (spike & form.isfinite(value))
+            if self.skip_norm_sigma is not None:
+                spike = spike | zscore_spike(self, spike_stats, norm.to(found_inf.device))
+            skip = skip | (spike & torch.isfinite(value))
         return skip
 
     def backoff_floor(self) -> float:
-        """The lowest scale a backoff leaves: ``min_scale``, never below ``SCALE_FLOOR`` (forms.py).
+        """The lowest scale a backoff leaves: ``min_scale``, never below ``SCALE_FLOOR`` (kernels/interfaces.py).
 
         Returns:
             the floor, a float.
@@ -430,71 +423,64 @@ class LossScalePolicy:
             floor_check or self.max_consecutive_skips is not None or (self.dynamic and self.raise_at_scale is not None)
         )
 
-    def backs_off(self, overflow: Any, counters: Any, form: RuleForm = ON_DEVICE) -> Any:
+    def backs_off(self, overflow: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         """This overflow backs the scale off: with hysteresis, once the budget is spent; with an
         overflow tolerance, once the share of overflowed updates since the scale last changed
         (counting this one, in float64 as fairseq's Python floats) reaches it.
 
         Args:
-            overflow: whether the step overflowed, as the form has read it (a bool or bool tensor).
-            counters: the policy's counters, as the form has read them.
-            form: ON_DEVICE (the default) or ON_HOST.
+            overflow: whether the step overflowed, a bool 0-dim tensor.
+            counters: the policy's counters tensor.
 
         Returns:
-            whether the scale backs off, a bool or bool tensor as ``overflow``.
+            whether the scale backs off, a bool 0-dim tensor.
         """
         back_off = overflow
         if self.hysteresis > 1:
             back_off = back_off & (counters[HYSTERESIS_LEFT] <= 1)
         if self.overflow_tolerance > 0:
-            share = form.ratio(counters[OVERFLOWS_SINCE_BACKOFF] + 1, counters[UPDATES_SINCE_RESCALE] + 1)
+            share = (counters[OVERFLOWS_SINCE_BACKOFF] + 1).double() / (counters[UPDATES_SINCE_RESCALE] + 1).double()
             back_off = back_off & (share >= self.overflow_tolerance)
         return back_off
 
-    def backed_off(self, scale: Any, form: RuleForm = ON_DEVICE) -> Any:
-        """The scale one backoff leaves from ``scale`` (a value the form has read): torch's float64
-        product rounded once, then the floor. Example: ``policy.backed_off(8.0, ON_HOST) == 4.0``.
+    def backed_off(self, scale: torch.Tensor) -> torch.Tensor:
+        """The scale one backoff leaves from ``scale``: torch's float64 product rounded once to
+        float32, then the floor. Example: ``policy.backed_off(torch.tensor(8.0)) == 4.0``.
 
         Args:
-            scale: the scale, as the form has read it.
-            form: ON_DEVICE (the default) or ON_HOST.
+            scale: the scale, a float32 tensor.
 
         Returns:
-            the backed-off scale, a number or a tensor as the form computes.
+            the backed-off scale, a new float32 tensor.
         """
-        lowered = form.times_factor(scale, self.backoff_factor)
-        return form.at_least(lowered, self.backoff_floor())
+        lowered = (scale.double() * self.backoff_factor).float()
+        return torch.clamp(lowered, min=self.backoff_floor())
 
     def _gated_backoff_(
-        self, growth_tracker: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor, form: RuleForm
+        self, growth_tracker: torch.Tensor, counters: torch.Tensor, found_inf: torch.Tensor
     ) -> torch.Tensor:
         """Spend or refill the hysteresis budget, count toward the tolerance; return the float32
         flag "back off now"."""
-        read = form.read(counters)
-        tracker = form.read(growth_tracker)
-        overflow = form.read(found_inf) > 0
-        back_off = self.backs_off(overflow, read, form)
-        grow = form.not_(overflow) & (tracker + 1 == self.growth_interval)
+        overflow = found_inf > 0
+        back_off = self.backs_off(overflow, counters)
+        grow = ~overflow & (growth_tracker + 1 == self.growth_interval)
         if self.hysteresis > 1:
-            left = read[HYSTERESIS_LEFT]
+            left = counters[HYSTERESIS_LEFT]
             # Megatron refills the budget when the scale grows; DeepSpeed's consecutive_hysteresis on
             # every good step; TensorFlow also after each backoff.
-            refill = form.not_(overflow) if self.consecutive_hysteresis else grow
-            spent = form.at_least(left - 1, 0)
+            refill = ~overflow if self.consecutive_hysteresis else grow
+            spent = torch.clamp(left - 1, min=0)
             if self.hysteresis_refill_on_backoff:
-                spent = form.where(back_off, self.hysteresis, spent)
-            form.store(
-                counters, HYSTERESIS_LEFT, form.where(overflow, spent, form.where(refill, self.hysteresis, left)), left
-            )
+                spent = torch.where(back_off, self.hysteresis, spent)
+            left.copy_(torch.where(overflow, spent, torch.where(refill, self.hysteresis, left)))
         if self.overflow_tolerance > 0:
             # fairseq: an overflow counts until a backoff; any change of the scale restarts the updates.
-            overflows, since = read[OVERFLOWS_SINCE_BACKOFF], read[UPDATES_SINCE_RESCALE]
-            counted = form.where(back_off, 0, form.where(overflow, overflows + 1, overflows))
-            form.store(counters, OVERFLOWS_SINCE_BACKOFF, counted, overflows)
-            form.store(counters, UPDATES_SINCE_RESCALE, form.where(back_off | grow, 0, since + 1), since)
+            overflows, since = counters[OVERFLOWS_SINCE_BACKOFF], counters[UPDATES_SINCE_RESCALE]
+            overflows.copy_(torch.where(back_off, 0, torch.where(overflow, overflows + 1, overflows)))
+            since.copy_(torch.where(back_off | grow, 0, since + 1))
         # An overflow that does not back off still restarts the growth count: -1 here, +1 in the update.
-        form.store(growth_tracker, (), form.where(overflow & form.not_(back_off), -1, tracker), tracker)
-        return form.flag(back_off, found_inf.device)
+        growth_tracker.copy_(torch.where(overflow & ~back_off, -1, growth_tracker))
+        return back_off.float()
 
     def update_(
         self,
@@ -505,15 +491,13 @@ class LossScalePolicy:
         found_inf: torch.Tensor,
         skipped: torch.Tensor,
         norm: torch.Tensor | None,
-        form: RuleForm = ON_DEVICE,
         spike_stats: torch.Tensor | None = None,
     ) -> None:
         """One step of the rule, in place. ``found_inf`` > 0: the step overflowed (backs off);
         ``skipped`` > 0: the optimizer step was skipped (counted; includes norm spikes).
 
-        The rule, read as plain Python on numbers (``form`` runs it as tensor ops on the device,
-        or on numbers read from it where that is free; ``tests/policy/test_forms.py`` holds the two
-        to the same bits)::
+        The rule, read as plain Python on numbers (it runs as tensor ops on the device; the policy
+        kernel computes the same, held to it by tests/kernels/test_policy_update.py)::
 
             if dynamic:
                 if found_inf (and, with hysteresis or a tolerance, that allows it):
@@ -534,28 +518,24 @@ class LossScalePolicy:
             found_inf: the overflow flag, a 0-dim tensor (> 0: inf/NaN).
             skipped: the skip flag, a 0-dim tensor (> 0: the optimizer step was skipped).
             norm: the clip's norm, a 0-dim tensor; None when nothing was clipped.
-            form: ON_DEVICE (the default) or ON_HOST.
             spike_stats: the spike rules' state tensor, updated in place; None where no spike rule is on.
         """
         if self.dynamic:
             back_off = found_inf
             if self.hysteresis > 1 or self.overflow_tolerance > 0:
-                back_off = self._gated_backoff_(growth_tracker, counters, found_inf, form)
+                back_off = self._gated_backoff_(growth_tracker, counters, found_inf)
             # The growth/backoff arithmetic is torch's own kernel (one launch): torch's rule by
             # construction, float32 scale times float64 factor rounded once, non-finite growth kept out.
             torch._amp_update_scale_(
                 scale, growth_tracker, back_off, self.growth_factor, self.backoff_factor, self.growth_interval
             )
             if self.backoff_floor() == SCALE_FLOOR:  # else min_scale is the floor: the clamp keeps it
-                form.raise_to_(scale, SCALE_FLOOR, form.read(back_off) > 0)  # never to 0, unlike torch
+                scale.clamp_(min=torch.where(back_off > 0, SCALE_FLOOR, 0.0))  # never to 0, unlike torch
             if self.min_scale is not None or self.max_scale is not None:
                 scale.clamp_(min=self.min_scale, max=self.max_scale)
             if self.growth_delay:  # DeepSpeed: the good steps after an overflow count from -delay
-                tracker = form.read(growth_tracker)
-                form.store(
-                    growth_tracker, (), form.where(form.read(found_inf) > 0, -self.growth_delay, tracker), tracker
-                )
-        self.record_iteration_(counters, norm_stats, skipped, norm, form, spike_stats)
+                growth_tracker.copy_(torch.where(found_inf > 0, -self.growth_delay, growth_tracker))
+        self.record_iteration_(counters, norm_stats, skipped, norm, spike_stats)
 
     def record_iteration_(
         self,
@@ -563,7 +543,6 @@ class LossScalePolicy:
         norm_stats: torch.Tensor,
         skipped: torch.Tensor,
         norm: torch.Tensor | None,
-        form: RuleForm = ON_DEVICE,
         spike_stats: torch.Tensor | None = None,
     ) -> None:
         """What an iteration's outcome feeds besides the scale, in place: ``update_``'s last part,
@@ -579,26 +558,24 @@ class LossScalePolicy:
             norm_stats: the running norm average's state tensor, updated in place.
             skipped: the skip flag, a 0-dim tensor (> 0: the optimizer step was skipped).
             norm: the clip's norm, a 0-dim tensor; None when nothing was clipped.
-            form: ON_DEVICE (the default) or ON_HOST.
             spike_stats: the spike rules' state tensor, updated in place; None where no spike rule is on.
         """
-        was_skipped = form.read(skipped) > 0
-        count_step_(counters, was_skipped, form)
+        was_skipped = skipped > 0
+        count_step_(counters, was_skipped)
         if norm is not None and self.skip_norm_factor is not None:
-            self._average_norm_(norm_stats, norm.to(norm_stats.device, torch.float32), was_skipped, form)
+            self._average_norm_(norm_stats, norm.to(norm_stats.device, torch.float32), was_skipped)
         if norm is not None and self.has_spike_state():
             update_spike_stats_(self, spike_stats, norm.to(spike_stats.device))
 
-    def _average_norm_(self, norm_stats: torch.Tensor, norm: torch.Tensor, was_skipped: Any, form: RuleForm) -> None:
+    def _average_norm_(self, norm_stats: torch.Tensor, norm: torch.Tensor, was_skipped: torch.Tensor) -> None:
         """Fold a stepped iteration's finite norm into the running average (``skip_norm_factor``)."""
-        value, stats = form.read(norm), form.read(norm_stats)
-        average, count = stats[NORM_AVERAGE], stats[NORM_COUNT]
-        take = form.not_(was_skipped) & form.isfinite(value)
+        average, count = norm_stats[NORM_AVERAGE], norm_stats[NORM_COUNT]
+        take = ~was_skipped & torch.isfinite(norm)
         # Bias-corrected start: the first norm is the average, then an exponential average.
-        decay = form.where(count > 0, form.full_like(count, as_float32(self.norm_average_decay)), 0.0)
-        moved = form.f32(form.f32(decay * average) + form.f32(form.f32(1 - decay) * value))
-        form.store(norm_stats, NORM_AVERAGE, form.where(take, moved, average), average)
-        form.store(norm_stats, NORM_COUNT, form.where(take, form.f32(count + 1), count), count)
+        decay = torch.where(count > 0, torch.full_like(count, as_float32(self.norm_average_decay)), 0.0)
+        moved = decay * average + (1 - decay) * norm
+        average.copy_(torch.where(take, moved, average))
+        count.copy_(torch.where(take, count + 1, count))
 
     def knobs(self) -> dict:
         """The knobs by name. Example: ``LossScalePolicy(**policy.knobs())`` is a copy.

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ScalerConfigError
-from .forms import as_float32
+from .rounding import as_float32
 from .knob_checks import check_positive_int, check_scale_value, is_int, is_number
 from .loss_scale_policy import LossScalePolicy
 

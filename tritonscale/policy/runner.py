@@ -1,10 +1,11 @@
 """The end of an iteration: the optimizers' flags go into the policy's rule.
 
-``PolicyRunner`` runs a ``LossScalePolicy``'s rule on the scaler's device state: on the host where
-reading a value is free (the CPU; ``forms.py``); on a GPU as one Triton launch whatever the policy
-(``kernel_form.py``); as tensor ops while Dynamo traces a step (inductor fuses them), where the
-kernel cannot launch, or compiled on request (``compile_policy=True``). On the device the only
-host read is the opt-in check of policies that must stop or warn.
+``PolicyRunner`` runs a ``LossScalePolicy``'s rule on the scaler's device state in one of its two
+executors: on a GPU as one Triton launch whatever the policy (``kernel_form.py``); as the rule's
+tensor ops everywhere else -- the CPU, while Dynamo traces a step (inductor fuses them), where the
+kernel cannot launch -- compiled where each op would be a launch (CUDA without the kernels) or on
+request (``compile_policy=True``). The only host read is the opt-in check of policies that must
+stop or warn.
 """
 
 from __future__ import annotations
@@ -15,19 +16,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import host_reads
 from ..flags import combine_flags, flags_on, moved_to
 from ..kernels import TRITON_FOUND
 from ..kernels.interfaces import MAX_FLAGS
 from .counters import CONSECUTIVE_SKIPS
-from .forms import ON_DEVICE, ON_HOST, RuleForm
 from .host_checks import HostCheck, HostCheckRead, UpdatesWithoutRead, act_on_host_checks, host_check_flags
 from .kernel_form import kernel_rule, kernel_runs
 from .loss_scale_policy import LossScalePolicy
 from .spike_rules import zclip_max_norm
 from .state import DeviceState
 
-if TRITON_FOUND:  # a CPU install without triton runs the rule's other forms (kernel_form.kernel_runs)
+if TRITON_FOUND:  # a CPU install without triton runs the rule's tensor ops (kernel_form.kernel_runs)
     from ..kernels.policy_update import PreparedUpdates, update_policy_state_
 
 
@@ -55,7 +54,7 @@ class PolicyRunner:
         # A pure function of its key: each rule is bound to its policy, which it keeps alive, so the
         # id in the key names that policy as long as the entry exists. A knob set later still counts:
         # the eager rule reads it at each call, a compiled one recompiles on Dynamo's guards.
-        self._rules: dict[tuple[str, int, RuleForm, bool], Callable[..., Any]] = {}
+        self._rules: dict[tuple[str, int, bool], Callable[..., Any]] = {}
         self._unread = UpdatesWithoutRead()  # the host check's reads the device may skip
         # The policy kernel's last launch, prepared: the next one like it skips the generic guard.
         self._prepared = PreparedUpdates() if TRITON_FOUND else None
@@ -70,41 +69,26 @@ class PolicyRunner:
         return device.type == "cuda" and not kernel_runs(device, self.backend)
 
     def uses_kernel(self, device: torch.device) -> bool:
-        """The update runs as the one policy kernel on ``device``: the device form, not asked to be
-        compiled, not while Dynamo traces (a compiled step keeps the tensor ops, which inductor fuses)."""
+        """The update runs as the one policy kernel on ``device``: wherever the kernel launches
+        (``kernel_runs``: a GPU; the CPU under the interpreter with backend "triton"), not asked to
+        be compiled, not while Dynamo traces (a compiled step keeps the tensor ops, which inductor fuses)."""
         return (
             self.compile_policy is not True
             and not torch.compiler.is_compiling()
-            and not host_reads.are_free(device)
             and kernel_runs(device, self.backend)
         )
 
-    def on_host(self, device: torch.device) -> bool:
-        """The rule runs eagerly on the host on ``device`` (``form`` is ON_HOST), asked without
-        building a rule: where reads are free (the CPU, where ``_compiles`` is the request alone)."""
-        return self.compile_policy is not True and host_reads.are_free(device)
-
-    def form(self, device: torch.device, compiled: bool | None = None) -> RuleForm:
-        """The form the rule runs in on ``device``: on the host where reads are free, unless compiled."""
-        compiled = self._compiles(device) if compiled is None else compiled
-        return ON_DEVICE if compiled or not host_reads.are_free(device) else ON_HOST
-
     def rule(self, policy: LossScalePolicy, name: str, device: torch.device) -> Callable[..., Any]:
-        """The policy method ``name`` in the form it runs in on ``device`` (``form=`` bound), or
-        compiled where that is on. Made once per policy object, not again on every call."""
+        """The policy method ``name`` as it runs on ``device``: the bound method, or compiled where
+        that is on. Made once per policy object, not again on every call."""
         compiled = self._compiles(device)
-        form = self.form(device, compiled)
-        key = (name, id(policy), form, compiled)
+        key = (name, id(policy), compiled)
         made = self._rules.get(key)
         if made is None:
             # A new policy (load_state_dict) drops the rules made for the old one.
             self._rules = {k: v for k, v in self._rules.items() if k[1] == id(policy)}
             method = getattr(policy, name)
-            made = self._rules[key] = (
-                torch.compile(method, fullgraph=True, dynamic=False)
-                if compiled
-                else functools.partial(method, form=form)
-            )
+            made = self._rules[key] = torch.compile(method, fullgraph=True, dynamic=False) if compiled else method
         return made
 
     def update_(
@@ -118,8 +102,7 @@ class PolicyRunner:
         device = state.scale.device
         if not outcome.found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
-        on_host = self.on_host(device)  # the CPU's every step: no kernel to ask about, no rule to look up
-        if not on_host and self.uses_kernel(device):
+        if self.uses_kernel(device):
             return self._kernel_update_(policy, state, outcome, count_only=False)
         found_inf, skipped = self._flags(policy, state, outcome)
         norm = _last_norm(outcome, device)
@@ -127,10 +110,7 @@ class PolicyRunner:
         if checks:
             self._host_check(policy, state, found_inf, skipped)
         tensors = (state.scale, state.growth_tracker, state.counters, state.norm_stats, found_inf, skipped, norm)
-        if on_host:  # the call ``rule`` would make there: the bound method with form=ON_HOST
-            policy.update_(*tensors, form=ON_HOST, spike_stats=state.spike_stats)
-        else:
-            self.rule(policy, "update_", device)(*tensors, spike_stats=state.spike_stats)
+        self.rule(policy, "update_", device)(*tensors, spike_stats=state.spike_stats)
         self._seen(policy, state, checks)
         return found_inf, norm
 
@@ -167,18 +147,14 @@ class PolicyRunner:
     def _host_check(
         self, policy: LossScalePolicy, state: DeviceState, found_inf: torch.Tensor, skipped: torch.Tensor
     ) -> None:
-        """The opt-in checks that must stop or warn, before anything changes: on the host form free,
-        on the device one read -- and none while ``UpdatesWithoutRead`` proves they cannot fire."""
-        form = self.form(state.scale.device)
-        if form is ON_HOST:
-            flags = host_check_flags(policy, state.scale, state.counters, found_inf, skipped, form=form)
-        elif self._unread.skips_read(policy, state):
+        """The opt-in checks that must stop or warn, before anything changes: one read -- and none
+        while ``UpdatesWithoutRead`` proves they cannot fire."""
+        if self._unread.skips_read(policy, state):
             return
-        else:
-            flags = host_check_flags(policy, state.scale, state.counters, found_inf, skipped, form=form)
-            values = torch.stack([flags.double(), state.scale.double(), state.counters[CONSECUTIVE_SKIPS].double()])
-            flags, scale, in_a_row = values.tolist()  # the one host read
-            self._unread.set(policy, scale, int(in_a_row))
+        flags = host_check_flags(policy, state.scale, state.counters, found_inf, skipped)
+        values = torch.stack([flags.double(), state.scale.double(), state.counters[CONSECUTIVE_SKIPS].double()])
+        flags, scale, in_a_row = values.tolist()  # the one host read
+        self._unread.set(policy, scale, int(in_a_row))
         if flags:
             act_on_host_checks(policy, HostCheck(int(flags)), HostCheckRead.of(state.scale, state.counters))
 

@@ -3,8 +3,8 @@
 Both read the norm the fused pass already computes (the unscaled norm before clipping) and a
 small float64 state tensor, ``spike_stats``, updated in place at a fixed address; nothing is read
 on the host, nothing branches on a device value (``torch.where`` picks), so the rule compiles and
-a CUDA graph can capture it. The two forms of the policy rule (``forms.py``) share these
-tensor ops, so they give the same bits by construction (the host form reads only the result).
+a CUDA graph can capture it. The policy kernel computes the same in its launch
+(``kernels/policy_update.py``, held to these ops by tests/kernels/test_policy_update.py).
 
 * **z-score skip** (OLMo-core's ``SkipStepOptimizer.get_step_factor``, allenai/OLMo-core
   src/olmo_core/optim/skip_step_optimizer.py @ 1d5c8237a, the newest change of that file): once

@@ -55,7 +55,6 @@ from ..passes.step_protocols import (
     step_unless,
     step_with_grad_scaler_argument,
 )
-from ..policy.forms import ON_HOST
 from ..policy.runner import IterationOutcome
 
 __all__ = ["OptState", "OptimizerRecord", "OptimizerStep", "direct_step", "step_kind", "unscaled_skip", "weak"]
@@ -188,8 +187,6 @@ class OptimizerStep(OptimizerRecord):
     _optimizer: Any = field(default=None, repr=False, compare=False)
     #: One of torch's own fused optimizers (which take dense gradients only), found once.
     _torch_fused: bool = field(default=False, repr=False, compare=False)
-    #: ``skip`` as the host decided it where reads are free (None: read ``skip`` to know).
-    _skipped_on_host: bool | None = field(default=None, repr=False, compare=False)
     #: ``scaler.step`` is running this optimizer's step (a step its guard sees then is not direct).
     _in_step: bool = field(default=False, repr=False, compare=False)
     #: The optimizer stepped, not through ``scaler.step``, after this iteration's unscale_ or clip
@@ -369,18 +366,13 @@ class OptimizerStep(OptimizerRecord):
         through, or a norm spike); remember it for update(). The clip's finalize decided it already
         where it could (``decided_skip``): then nothing is launched. ``required``: no inf check
         recorded (no gradients) is torch's error; otherwise it reads 0."""
-        skip, self._skipped_on_host = self.decided_skip, None
+        skip = self.decided_skip
         if skip is None or skip.device != device or self._decided_by != scaler._policy.stamp:
             found_inf = self.found_inf_on(device, required)
             norm = moved_to(self.norm, device) if self.norm is not None else None
             policy, state = scaler._policy, scaler._tensors
-            if scaler._rules.on_host(device):  # decided on Python numbers: the flag made, never read back
-                skipped = bool(policy.skips(found_inf, norm, state.norm_stats, ON_HOST, state.spike_stats))
-                skip = ON_HOST.flag(skipped, device)
-                self._skipped_on_host = skipped if scaler._ranks.pending is None else None
-            else:
-                decide = scaler._rules.rule(policy, "skip_decision", device)
-                skip = decide(found_inf, norm, state.norm_stats, spike_stats=state.spike_stats)
+            decide = scaler._rules.rule(policy, "skip_decision", device)
+            skip = decide(found_inf, norm, state.norm_stats, spike_stats=state.spike_stats)
         self.skip = skip if scaler._ranks.pending is None else scaler._ranks.skip(skip)  # forced on by a mismatch
         return self.skip
 
@@ -393,8 +385,6 @@ class PlainStep(OptimizerStep):
         if self.stage is OptState.READY:
             self._flags_pass(scaler, scale, unscale=True)  # with a group: the collective
         skip = self.skip_flag(scaler, scale.device)
-        if self._skipped_on_host is not None:  # decided on the host (reads free): nothing to read back
-            return None if self._skipped_on_host else optimizer.step(*args, **kwargs)
         # The one host read; where a rank mismatch is pending, reading the skip raises it.
         read_skip = read_flag if scaler._ranks.pending is None else scaler._ranks.read_skip
         return step_unless(optimizer, self.optimizer, skip, read_skip, args, kwargs, on_device=False)

@@ -1,10 +1,11 @@
-""" "The factor is 1 on overflow" has one home, ``base.gradient_factor``: its host and device forms
-give the same bits, its overflowed step under a policy that goes ahead is torch's unscale, and the
+""" "The factor is 1 on overflow" has one home, ``base.gradient_factor``: it gives the bits of the
+rule worked on Python numbers (each product rounded once to float32), its overflowed step under a policy that goes ahead is torch's unscale, and the
 kernels' finalize (which cannot call Python) computes the same factor from its own results."""
 
 from __future__ import annotations
 
 import math
+import struct
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tritonscale.passes.backends import TritonBackend, gradient_factor, inverse_scale
-from tritonscale.policy.forms import ON_HOST
 
 #: float32 values for 1/scale and the clip coefficient: ordinary, at the ends of float32, inf, 0 and NaN.
 floats32 = st.floats(min_value=0.0, width=32, allow_nan=False) | st.sampled_from([0.0, 1.0, 2.0**-126, math.nan])
@@ -23,20 +23,29 @@ def _torch_unscale_factor(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
+def _float32(value: float) -> float:
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def _bits(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32).view(torch.int32)
 
 
 @settings(max_examples=200, deadline=None)
 @given(inv=floats32, clip=floats32 | st.none(), overflow=st.booleans(), unscale=st.booleans())
-def test_host_and_device_forms_give_the_same_bits(inv, clip, overflow, unscale):
+def test_the_factor_is_the_rule_on_python_numbers(inv, clip, overflow, unscale):
     found = torch.tensor(float(overflow))
-    device = gradient_factor(
+    ours = gradient_factor(
         found, torch.tensor(inv), None if clip is None else torch.tensor(clip), unscale_on_overflow=unscale
     )
-    host = gradient_factor(float(overflow), inv, clip, unscale_on_overflow=unscale, form=ON_HOST)
-    assert device.shape == ()
-    assert torch.equal(_bits(host), device.view(torch.int32)), (host, device)
+    # The rule by hand: a float64 product of two float32 numbers, rounded once, is float32's product.
+    factor = inv if clip is None else _float32(inv * clip)
+    expected = (inv if unscale else 1.0) if overflow else factor
+    assert ours.shape == ()
+    assert torch.equal(_bits(expected), ours.view(torch.int32)), (expected, ours)
 
 
 @pytest.mark.parametrize("scale", [2.0**16, 3.0, 2.0**-126])

@@ -21,7 +21,7 @@ from oracles.tolerances import NORM_RTOL, TORCH_BACKEND_NORM_RTOL, TORCH_CLIP_CO
 
 import tritonscale
 from tritonscale import host_reads
-from tritonscale.policy.forms import SCALE_FLOOR
+from tritonscale.policy.rounding import SCALE_FLOOR
 
 SHAPES = ((8, 32), (8,), (5, 7))
 # How the stored gradients are laid out: the kernels' dtypes, and the torch-op gradients

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from ... import host_reads
-from ...policy.forms import ON_DEVICE, RuleForm, as_float32, rounded_to_float32
+from ...policy.rounding import as_float32
 
 
 def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -21,34 +19,21 @@ def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     between calls. A cache keyed by the scale's version counter went stale where the counter does
     not move -- a write through ``scale.data``, or the scale read as a constant of a compiled
     graph -- and gave norms off by the scale's growth."""
-    if host_reads.are_free(scale.device) and scale.numel() == 1:
-        # The same float64 division and rounding on the host: one read and one new tensor instead
-        # of three ops.
-        return torch.full(scale.shape, host_inverse_scale(scale), dtype=torch.float32, device=scale.device)
     return scale.double().reciprocal().float()
 
 
-def host_inverse_scale(scale: torch.Tensor) -> float:
-    """:func:`inverse_scale`'s value as a Python float, read from a one-element ``scale`` where
-    reads are free (the host-side finalize needs no tensor of it). Example:
-    ``host_inverse_scale(torch.tensor(4.0)) == 0.25``."""
-    value = scale.item()
-    return rounded_to_float32(1.0 / value) if value else math.inf
-
-
-def clip_coefficient(norm: Any, max_norm: float | torch.Tensor, form: RuleForm = ON_DEVICE) -> Any:
+def clip_coefficient(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s coefficient, op for op: min(max_norm / (norm + 1e-6), 1)
-    (torch's ``max_norm / x`` is ``x.reciprocal() * max_norm``). ``form`` ON_HOST: ``norm`` is a
-    float32 value as a Python float, and so is the result (policy/forms.py). ``max_norm`` may be a
-    symbolic float of a compiled caller (only ``form.f32`` touches it: ON_DEVICE leaves the
-    rounding to float32 to the multiply), or, ON_DEVICE, a one-element tensor, multiplied as
-    float32: torch's clip reads it with ``float()`` and multiplies by that, rounded to float32, so
-    the bits are those of the same number passed as a float, and nothing is read on the host.
-    Example: ``clip_coefficient(torch.tensor(4.0), 1.0)`` is about 0.25."""
-    shifted = form.f32(norm + as_float32(1e-6))
+    (torch's ``max_norm / x`` is ``x.reciprocal() * max_norm``), on the float32 0-dim ``norm``.
+    ``max_norm`` may be a symbolic float of a compiled caller (the multiply rounds it to float32),
+    or a one-element tensor, multiplied as float32: torch's clip reads it with ``float()`` and
+    multiplies by that, rounded to float32, so the bits are those of the same number passed as a
+    float, and nothing is read on the host. The clip's finalize computes the same in the kernels
+    (``kernels/finalize.py``). Example: ``clip_coefficient(torch.tensor(4.0), 1.0)`` is about 0.25."""
+    shifted = norm + as_float32(1e-6)
     if isinstance(max_norm, torch.Tensor):
         max_norm = max_norm.to(shifted.device, torch.float32).reshape(())
-    return form.at_most(form.f32(form.reciprocal(shifted) * form.f32(max_norm)), 1.0)
+    return torch.clamp(shifted.reciprocal() * max_norm, max=1.0)
 
 
 def with_clip(result: CheckResult, scale: torch.Tensor, max_norm: float | torch.Tensor) -> CheckResult:
@@ -63,29 +48,27 @@ def with_clip(result: CheckResult, scale: torch.Tensor, max_norm: float | torch.
 
 
 def gradient_factor(
-    found_inf: Any,
-    inv_scale: Any,
-    clip_coef: Any = None,
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    clip_coef: torch.Tensor | None = None,
     *,
     unscale_on_overflow: bool = False,
-    form: RuleForm = ON_DEVICE,
-) -> Any:
+) -> torch.Tensor:
     """What the apply pass multiplies the gradients by: ``inv_scale * clip_coef`` (``inv_scale``
     without clipping), and exactly 1 where ``found_inf``, so an overflowed step's gradients stay as
     they came (the step is skipped anyway) and the zero padding of flat buffers stays zero. With
     ``unscale_on_overflow`` (a policy whose overflowed steps go ahead) ``inv_scale`` there instead:
     unscaled, not clipped, what ``unscale_`` leaves.
 
-    The one home of this rule: every torch-op and host-side factor is made here (the backends, the
-    rank combine, the clip); the kernels' finalize (``kernels/finalize.py``) computes the same on
-    the device. ``form`` ON_DEVICE: 0-dim float32 tensors; ON_HOST: float32 values as Python floats
-    (policy/forms.py), the same bits. Example: ``gradient_factor(0.0, 0.5, 0.25, form=ON_HOST) == 0.125``.
+    The one home of this rule in tensor ops (0-dim float32 tensors): every torch-op factor is made
+    here (the backends, the rank combine, the clip); the kernels' finalize (``kernels/finalize.py``)
+    computes the same in its launch. Example: ``gradient_factor(torch.tensor(0.0), torch.tensor(0.5),
+    torch.tensor(0.25))`` is 0.125.
     """
-    factor = inv_scale if clip_coef is None else form.f32(inv_scale * clip_coef)
-    if isinstance(factor, torch.Tensor):
-        factor, inv_scale = factor.reshape(()), inv_scale.reshape(())
-    kept = inv_scale if unscale_on_overflow else form.full_like(factor, 1.0)
-    return form.where(found_inf > 0, kept, factor)
+    factor = inv_scale if clip_coef is None else inv_scale * clip_coef
+    factor, inv_scale = factor.reshape(()), inv_scale.reshape(())
+    kept = inv_scale if unscale_on_overflow else torch.full_like(factor, 1.0)
+    return torch.where(found_inf > 0, kept, factor)
 
 
 def unscaled_on_overflow(result: CheckResult, scale: torch.Tensor) -> CheckResult:

@@ -14,22 +14,19 @@ fell below float32's normal range (a loss scale of 2**-70 on ordinary gradients)
 (``wide_norms``). So found_inf means "a gradient is inf/NaN", never "the norm overflowed", and the
 norm is right at every scale from the floor (2**-126) to float32's max. For
 bfloat16 gradients on CPU each tensor's norm is rounded to bfloat16, as torch's clip_grad_norm_
-does (see ``_rounds_norm_to_bf16``); the Triton kernels keep it in float32. Off the CPU nothing
-here reads a device value on the host; on the CPU, where such a read waits for nothing, one read
-of the norm decides the common case and the finalize runs on Python numbers (``_finalize_on_host``).
+does (see ``_rounds_norm_to_bf16``); the Triton kernels keep it in float32. The finalize (the norm
+unscaled, found_inf, the clip coefficient and the factor) is tensor ops on every device.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
 from ... import host_reads
 from ...grads.flat_runs import as_runs, spans_several
-from ...policy.forms import ON_HOST, rounded_to_float32
-from .base import CheckResult, clip_coefficient, gradient_factor, host_inverse_scale, inverse_scale
+from .base import CheckResult, clip_coefficient, gradient_factor, inverse_scale
 
 
 def _rounds_norm_to_bf16(grads: list[torch.Tensor]) -> bool:
@@ -167,52 +164,8 @@ def _mean_numel(grads: list[torch.Tensor]) -> float:
     return sum(g.numel() for g in sample) / len(sample)
 
 
-def _finalize_on_host(
-    raw: float, scale: torch.Tensor, max_norm: float | None, plan: list, scratch: _Scratch
-) -> CheckResult:
-    """The finalize of a step whose float32 norm came out finite and at least ``underflow_floor``
-    (so nothing is inf/NaN, nothing overflowed or underflowed: the float64 path would give these
-    same values), on Python numbers: the same float32 operations (policy/forms.py), then the four
-    results as tensors. ~10 small ops, each a dispatch, saved: with 1/scale on the host too
-    (base.host_inverse_scale), this is most of what a small step's clip_grad_norm_ saves on the CPU.
-    found_inf and the norm, which callers keep, are new tensors; the clip coefficient and the
-    factor, which the clip's own apply or fold reads, are ``scratch``'s, overwritten."""
-    inverse = host_inverse_scale(scale)
-    norm = rounded_to_float32(raw * inverse)
-    clip_coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm, ON_HOST)
-    factor = gradient_factor(0.0, inverse, clip_coef, form=ON_HOST)  # nothing overflowed here
-    found_inf, norm = (torch.full((), v, dtype=torch.float32, device=scale.device) for v in (0.0, norm))
-    return CheckResult(found_inf, norm, *scratch.filled(scale.device, clip_coef, factor), plan=plan)
-
-
-class _Scratch:
-    """0-dim float32 tensors a clip fills and reads itself, made once per device and thread instead
-    of once per step: the host finalize's clip coefficient and factor. Each use first proves them
-    still what they were made as (0-dim, float32, on the device), and the clip that fills them reads
-    them before the next check in its thread fills them again; nothing holding them is handed to a
-    caller (the norm and found_inf are). Per thread, because the backend is shared by every scaler
-    in the process: another thread's clip may run between this one's check and its multiply (a
-    thread's id is reused only once it has ended). Example:
-    ``_Scratch().filled(torch.device("cpu"), 0.5, 0.25)``."""
-
-    def __init__(self) -> None:
-        self._made: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def filled(self, device: torch.device, *values: float) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (threading.get_ident(), device)
-        made = self._made.get(key)
-        if made is None or not all(t.dim() == 0 and t.dtype is torch.float32 and t.device == device for t in made):
-            made = self._made[key] = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in values)
-        for tensor, value in zip(made, values):
-            tensor.fill_(value)
-        return made
-
-
 class TorchBackend:
     name = "torch"
-
-    def __init__(self) -> None:
-        self._scratch = _Scratch()
 
     def unscale_(self, groups: list[list[torch.Tensor]], scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         inv_scale = inverse_scale(scale)
@@ -233,10 +186,6 @@ class TorchBackend:
         # many tensors' norms) or falls below the underflow floor, the float64 one stands in.
         raw32 = torch.linalg.vector_norm(per_tensor, ord)
         floor = underflow_floor(ord)
-        if host_reads.are_free(per_tensor.device):
-            raw = raw32.item()
-            if floor <= raw < math.inf:  # the common case on the CPU, decided by one free read
-                return _finalize_on_host(raw, scale, max_norm, nonempty, self._scratch)
         inv_scale = inverse_scale(scale)
         grads = [g for runs in nonempty for g in runs]
         wide = wide_norms(grads, ord, per_tensor) if nonempty else per_tensor.double()
