@@ -1,10 +1,9 @@
 """The ``gpu_paths`` backend column: a cell run on the paths a GPU takes, on the CPU.
 
-The policy rule and the clip's finalize are one program on every device (the ``triton`` cells run
-the update's kernel and the deciding finalize too). A few reads stay where a read on the CPU waits
+The policy rule, the clip's finalize, ``stats()`` and ``SkipAwareLR.step`` are one program on every
+device (the ``triton`` cells run their kernels too). A few reads stay where a read on the CPU waits
 for nothing (``host_reads.are_free``): a rank mismatch raised at once, the torch backend's norm
-fallback, ``SkipAwareLR.step`` and ``stats()`` as torch ops (``kernels/loop_state.py`` launches on a
-GPU). This column runs a GPU's paths for those too, and checks no other read happens: ``host_reads.are_free`` answers
+fallback. This column runs a GPU's paths for those too, and checks no other read happens: ``host_reads.are_free`` answers
 False (as the ``forbid_host_reads`` fixture does) and the scaler's backend is ``"triton"`` (the
 kernels through the interpreter). The oracle is the CPU cell's, unchanged: the GPU paths must give
 the same answers.

@@ -75,7 +75,7 @@ def _lr_run(case: str, groups: int) -> tuple[list, list]:
     model = torch.nn.Linear(4, 2)
     two = [{"params": [model.weight]}, {"params": [model.bias], "lr": torch.tensor(3e-3)}]
     opt = torch.optim.AdamW(two if groups == 2 else model.parameters(), lr=torch.tensor(1e-2), fused=True)
-    scaler = tritonscale.GradScaler("cpu", **scaler_kwargs(case))
+    scaler = tritonscale.GradScaler("cpu", backend="triton", **scaler_kwargs(case))  # the kernels launch
     sched = tritonscale.SkipAwareLR(torch.optim.lr_scheduler.StepLR(opt, 1, 0.7), scaler, total_steps=STEPS)
     GradInjector(model.weight, injected_kind(case), at=(1, 3, 4))
     lrs, counts = [], []
@@ -124,7 +124,7 @@ def test_gathered_stats_and_their_rows_are_those_read_at_once(monkeypatch, case)
         gathered.append(len({t.untyped_storage().data_ptr() for t in stats.values()}) == 1)
         log.record(scaler, step)
 
-    run_case(case, each_step)
+    run_case(case, each_step, backend="triton")  # the kernels launch
     assert all(gathered)
     assert exact(log.flush()) == exact(oracle)
     _torch_ops(monkeypatch)

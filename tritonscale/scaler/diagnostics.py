@@ -11,11 +11,10 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import host_reads
 from ..kernels import TRITON_FOUND
 from ..kernels.interfaces import SLOT_BYTES
-from ..passes.backends import resolve_backend
 from ..policy.counters import CONSECUTIVE_SKIPS, HYSTERESIS_LEFT, LAST_SKIPPED, SKIPPED_STEPS
+from ..policy.kernel_form import kernel_runs
 
 #: stats() of a scaler made with enabled=False: what it cannot report, and what to log instead.
 NO_STATS_WHEN_DISABLED = (
@@ -40,13 +39,11 @@ if TRITON_FOUND:  # without triton every stats() takes the torch ops (one_launch
 
 def one_launch(device: torch.device, backend: str) -> bool:
     """Whether the loop's small gathers (``stats()``, ``SkipAwareLR.step``) run as one Triton launch
-    each (``kernels/loop_state.py``): on the paths a GPU takes, with the scaler's backend resolving
-    to Triton there, and not while Dynamo traces (a traced step gets the torch ops, which the
-    compiler fuses). Elsewhere (the CPU reading the host, the torch backend) the torch ops are
-    cheaper than a launch through Triton's interpreter. Example: ``one_launch(scale.device, "auto")``."""
-    if host_reads.are_free(device) or torch.compiler.is_compiling():
-        return False
-    return resolve_backend(backend, device).name == "triton"
+    each (``kernels/loop_state.py``): wherever the policy kernel launches (``kernel_form.kernel_runs``:
+    a GPU unless the backend is "torch"; the CPU under the interpreter with backend "triton"), and
+    not while Dynamo traces (a traced step gets the torch ops, which the compiler fuses). Elsewhere
+    the same values come from torch ops. Example: ``one_launch(scale.device, "auto")``."""
+    return not torch.compiler.is_compiling() and kernel_runs(device, backend)
 
 
 def device_stats(
