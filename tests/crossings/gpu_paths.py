@@ -3,10 +3,10 @@
 The policy rule, the clip's finalize, ``stats()`` and ``SkipAwareLR.step`` are one program on every
 device (the ``triton`` cells run their kernels too). A few reads stay where a read on the CPU waits
 for nothing (``host_reads.are_free``): a rank mismatch raised at once, the torch backend's norm
-fallback. This column runs a GPU's paths for those too, and checks no other read happens: ``host_reads.are_free`` answers
-False (as the ``forbid_host_reads`` fixture does) and the scaler's backend is ``"triton"`` (the
-kernels through the interpreter). The oracle is the CPU cell's, unchanged: the GPU paths must give
-the same answers.
+fallback. This column runs a GPU's paths for those too, and checks no other read happens:
+``host_reads.are_free`` answers False (as the ``forbid_host_reads`` fixture does) and the scaler's
+backend is ``"triton"`` (the kernels through the interpreter). The oracle is the CPU cell's,
+unchanged: the GPU paths must give the same answers.
 
 Inside the step (``STEP_METHODS``: the scaler's calls of an iteration and the loop pieces' records)
 every Tensor -> host read raises, naming itself and where it was read, except the reads the docs

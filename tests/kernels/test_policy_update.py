@@ -1,11 +1,11 @@
 """The policy kernel (``kernels/policy_update.py``) is the policy's rule, bit for bit.
 
 The oracle is the rule's other executor, its tensor ops (``LossScalePolicy.update_`` /
-``record_iteration_``), held to the peers and torch by the policy tests. Twin states are driven through trajectories of a
-few dozen iterations (overflows, growth, spikes, NaN/inf norms, one to three optimizers' flags,
-unscale_-only iterations, ``update(new_scale)`` to float32's edges) for every policy column of the
-crossing harness and for knob combinations; after every call each state tensor is compared by its
-bits, and so are the combined found_inf and the host-check read-out.
+``record_iteration_``), held to the peers and torch by the policy tests. Twin states are driven
+through trajectories of a few dozen iterations (overflows, growth, spikes, NaN/inf norms, one to
+three optimizers' flags, unscale_-only iterations, ``update(new_scale)`` to float32's edges) for
+every policy column of the crossing harness and for knob combinations; after every call each state
+tensor is compared by its bits, and so are the combined found_inf and the host-check read-out.
 """
 
 from __future__ import annotations

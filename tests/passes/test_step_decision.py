@@ -2,9 +2,10 @@
 
 The clip's finalize decides the fold's divisor, ZClip's max_norm and the step's skip, and the step
 runs no rule of its own. The oracle is the same iteration with the finalize kept from deciding
-(``StepDecision.earlier_on`` answering no): the step runs the policy's skip rule in tensor ops.
-Both are held to the same trajectory, bit for bit, through overflows, norm spikes, an unscale_ before the clip, and two clips
-in one iteration: parameters, optimizer state, the scale, the counters and every skip flag."""
+(``StepDecision.earlier_on`` answering no): the step runs the policy's skip rule in tensor ops. Both
+are held to the same trajectory, bit for bit, through overflows, norm spikes, an unscale_ before the
+clip, and two clips in one iteration: parameters, optimizer state, the scale, the counters and every
+skip flag."""
 
 from __future__ import annotations
 

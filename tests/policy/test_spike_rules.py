@@ -2,8 +2,9 @@
 
 OLMo-core's z-score skip decision for decision and ZClip's clip value for clip value
 (tests/oracles/spike_rules.py, transcribed with repository, path and commit), on norm traces with a
-warm-up, planted spikes and an overflow, and on random traces (hypothesis); real GradScaler runs against torch's GradScaler and clip_grad_norm_ at the
-reference's clip value; no host read on the GPU paths; checkpoints.
+warm-up, planted spikes and an overflow, and on random traces (hypothesis); real GradScaler runs
+against torch's GradScaler and clip_grad_norm_ at the reference's clip value; no host read on the
+GPU paths; checkpoints.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Where the rule runs (docs/policies.md, "Where the rule runs"):
 
 * as one kernel, whatever the policy, wherever the Triton kernels launch (CUDA and ROCm with
   Triton; the CPU under ``TRITON_INTERPRET=1`` when the scaler's backend is "triton");
-* elsewhere as the rule's tensor ops (``loss_scale_policy.py``): on the CPU, while Dynamo traces a
-  step (inductor fuses them), and when the caller asks for ``compile_policy=True``.
+* elsewhere as the rule's tensor ops (``loss_scale_policy.py``): on the CPU with the other backends,
+  while Dynamo traces a step (inductor fuses them), and when the caller asks for
+  ``compile_policy=True``.
 
 ``kernel_rule`` maps a policy's knobs to the kernel's constexprs, once per set of knob values.
 """

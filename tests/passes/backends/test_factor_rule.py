@@ -1,6 +1,7 @@
 """ "The factor is 1 on overflow" has one home, ``base.gradient_factor``: it gives the bits of the
-rule worked on Python numbers (each product rounded once to float32), its overflowed step under a policy that goes ahead is torch's unscale, and the
-kernels' finalize (which cannot call Python) computes the same factor from its own results."""
+rule worked on Python numbers (each product rounded once to float32), its overflowed step under a
+policy that goes ahead is torch's unscale, and the kernels' finalize (which cannot call Python)
+computes the same factor from its own results."""
 
 from __future__ import annotations
 
