@@ -12,6 +12,6 @@ class ScalerConfigError(ValueError, AssertionError):
 
 class RankMismatchError(RuntimeError):
     """The ranks of a process group disagree on a value that must be the same on all of them (the
-    loss scale, the call sequence, which gradients the Updater sums: ``rank_checks.py``). Raised on
+    loss scale, the call sequence, which gradients the Updater sums: ``rank_validation.py``). Raised on
     every rank; nothing of the step that found it was applied. torch has no such check; a RuntimeError
     like the failed collective it stands in for."""

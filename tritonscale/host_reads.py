@@ -2,7 +2,7 @@
 
 CPU ops run synchronously on the host, so reading a CPU tensor waits for nothing. The policy rule,
 the skip rule, the clip's finalize, ``stats()`` and ``SkipAwareLR.step`` never read, on any device;
-a few paths still read where it is free: a rank mismatch raised at once (``passes/rank_checks.py``),
+a few paths still read where it is free: a rank mismatch raised at once (``passes/rank_validation.py``),
 the torch backend's float64 norm fallback decided by one read, a tensor ``max_norm`` checked.
 Anywhere else a read would stall the stream, so those paths never read. This is the one switch:
 tests turn it off to run the GPU paths on the CPU (``tests/conftest.py``, ``forbid_host_reads``).

@@ -53,7 +53,7 @@ DOCUMENTED_READS = {
     # docs/architecture.md, "The fold": other optimizers cost one host read of the skip flag in step.
     ("tritonscale/flags.py", "read_flag"): ("a plain optimizer's one skip read", lambda frame: True),
     # The same read where the rank checks may hold a mismatch, and a disabled scaler's plain step.
-    ("tritonscale/passes/rank_checks.py", "read_skip"): ("a plain optimizer's one skip read", lambda frame: True),
+    ("tritonscale/passes/rank_validation.py", "read_skip"): ("a plain optimizer's one skip read", lambda frame: True),
     # docs/architecture.md, the rule "On a GPU": the opt-in checks that must stop a run add one read.
     ("tritonscale/policy/runner.py", "_kernel_update_"): ("an opt-in host check's one read", _needs_host_check),
     ("tritonscale/policy/runner.py", "_host_check"): ("an opt-in host check's one read", _needs_host_check),

@@ -144,7 +144,7 @@ POLICIES = [
     _spike("norm_above_skip", {"skip_norm_above": 1e3}, lambda: NormAboveSkip(1e3)),
     # The opt-in host checks, none of which fires here: the twin is torch's rule.
     PolicyContext(
-        "host_checks",
+        "stop_rules",
         lambda: {
             "init_scale": INIT,
             "policy": LossScalePolicy(

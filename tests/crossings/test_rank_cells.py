@@ -27,7 +27,7 @@ pytestmark = [
 ACCEPTED = ("RankMismatchError", "ValueError", "TypeError")  # a clear error; an UpdaterError's cause counts
 CONTROLS = {"control": 2.0, "control_triton": 2.0, "norm_type_0": 0.0, "norm_type_-inf_empty_partition": -math.inf}
 PERTURBED = [name for name in SCENARIOS if name not in CONTROLS and not name.startswith("rank0_reads")]
-#: The column a perturbation must be named by (the start of its label in rank_checks.CHECKED).
+#: The column a perturbation must be named by (the start of its label in rank_validation.CHECKED).
 COLUMN = {
     "another_state_same_scale": "the scaler's trackers",
     "another_knob": "the loss-scale policy",

@@ -27,7 +27,7 @@ from tritonscale.kernels import policy_update as kernel
 from tritonscale.kernels.interfaces import KERNEL_CONSTANTS
 from tritonscale.policy import counters, spike_rules
 from tritonscale.policy.rounding import SCALE_FLOOR
-from tritonscale.policy.host_checks import HostCheck, host_check_flags
+from tritonscale.policy.stop_rules import HostCheck, host_check_flags
 from tritonscale.policy.kernel_form import kernel_rule
 from tritonscale.policy.state import HostState
 from tritonscale.scaler.scaler_args import peer_policy
@@ -89,7 +89,7 @@ def bits(t: torch.Tensor) -> list:
 
 
 def raises(policy: LossScalePolicy, flags: int) -> bool:
-    """The host check's bits that stop the run (host_checks.act_on_host_checks): the state stays."""
+    """The host check's bits that stop the run (stop_rules.act_on_host_checks): the state stays."""
     stop = HostCheck.TOO_MANY_SKIPS | HostCheck.AT_RAISE_SCALE
     if policy.on_min_scale == "raise":
         stop |= HostCheck.AT_MIN_SCALE

@@ -1,4 +1,4 @@
-"""rank_checks.RankChecks' iteration count: a single process ends its iterations without a tensor
+"""rank_validation.RankChecks' iteration count: a single process ends its iterations without a tensor
 op, and the count reads as the number of iterations ended wherever it is read (a row, a pickle).
 Oracle: the number of next_iteration() calls."""
 
@@ -9,7 +9,7 @@ import pickle
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tritonscale.passes.rank_checks import RankChecks
+from tritonscale.passes.rank_validation import RankChecks
 
 
 class _Ops(TorchDispatchMode):

@@ -14,7 +14,7 @@ from tritonscale import GradScaler
 from tritonscale.passes import grad_passes
 
 #: Modules the passes of an eager step with no process group must not call into.
-NOT_ENTERED = ("passes/rank_combine.py", "passes/rank_checks.py", "passes/backends/custom_ops.py",
+NOT_ENTERED = ("passes/rank_combine.py", "passes/rank_validation.py", "passes/backends/custom_ops.py",
                "passes/backends/__init__.py", "passes/device_copies.py")  # fmt: skip
 #: The passes' own modules whose calls are watched (``step_protocols.py`` is the controller's).
 WATCHED = ("passes/grad_passes.py", "passes/backends/")

@@ -27,7 +27,7 @@ from oracles.scale_rules import (
 
 import tritonscale
 from tritonscale import GradScaler, LossScalePolicy, ScalerConfigError
-from tritonscale.policy.host_checks import ConsecutiveSkipLimit
+from tritonscale.policy.stop_rules import ConsecutiveSkipLimit
 
 
 # ------------------------------------------------------------------ harness

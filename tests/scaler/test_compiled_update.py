@@ -32,7 +32,7 @@ def training_run(
 ) -> dict:
     """STEPS scaled steps whose update() is compiled (or eager), with the scaler held as ``where``
     says (compiled_placements.py); ``iterations``: the count of ended iterations the scaler keeps
-    for the rank checks (rank_checks.RankChecks.iteration)."""
+    for the rank checks (rank_validation.RankChecks.iteration)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))]

@@ -16,7 +16,7 @@ import torch
 import tritonscale
 import tritonscale.scaler.grad_scaler as grad_scaler_module
 from tritonscale.passes.backends import torch_backend
-from tritonscale.passes.rank_checks import RankChecks
+from tritonscale.passes.rank_validation import RankChecks
 
 STEPS = 10
 

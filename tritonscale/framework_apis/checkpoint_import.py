@@ -41,7 +41,7 @@ import torch
 
 from ..errors import ScalerConfigError
 from ..policy import peer_presets
-from ..policy.knob_checks import check_scale_value, is_int, is_number
+from ..policy.knob_validation import check_scale_value, is_int, is_number
 from ..policy.peer_presets import PeerPreset
 from ..scaler.scaler_args import TORCH_KNOBS
 

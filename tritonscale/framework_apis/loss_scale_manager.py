@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import ScalerConfigError
-from ..policy.knob_checks import check_bool, check_loss_scale
+from ..policy.knob_validation import check_bool, check_loss_scale
 from ..policy.loss_scale_policy import LossScalePolicy, as_float32
 from ..scaler.grad_scaler import GradScaler
 

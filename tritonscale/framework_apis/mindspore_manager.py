@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from ..errors import ScalerConfigError
-from ..policy.host_checks import ConsecutiveSkipLimit
-from ..policy.knob_checks import check_count, check_factor, check_loss_scale, is_number, plain_number
+from ..policy.stop_rules import ConsecutiveSkipLimit
+from ..policy.knob_validation import check_count, check_factor, check_loss_scale, is_number, plain_number
 from ..policy.loss_scale_policy import LossScalePolicy, as_float32
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler
@@ -23,7 +23,7 @@ MINDSPORE_BAD_STEP_MAX = 1000
 
 class _BadStepLimitGradScaler(GradScaler):
     """A GradScaler that raises after an update once more than ``bad_step_max`` steps in a row were
-    skipped (``host_checks.ConsecutiveSkipLimit``), so that a loop driving ``manager.grad_scaler``
+    skipped (``stop_rules.ConsecutiveSkipLimit``), so that a loop driving ``manager.grad_scaler``
     directly meets MindSpore's limit too. Public API only: ``stats()`` for the count."""
 
     def __init__(self, *args: Any, bad_step_max: int, **kwargs: Any) -> None:

@@ -78,7 +78,7 @@ class Updater:
     * ``process_group``: all-reduce (sum) the gradients over this torch.distributed group after the
       backwards and before the fused check, so every rank checks, clips and skips the same values.
       Each rank must produce gradients for the same parameters, and hold the same loss scale: the
-      all-reduce carries both, and a mismatch raises on every rank (``rank_checks.py``: at once on
+      all-reduce carries both, and a mismatch raises on every rank (``rank_validation.py``: at once on
       the CPU; on a GPU the step is skipped and the error comes at the scaler's next host read,
       such as ``get_scale()``). Not with DDP (it all-reduces
       already) nor with a scaler that has its own ``process_group`` (that is for sharded gradients).

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..policy.knob_checks import check_count, check_factor, check_loss_scale, plain_number
+from ..policy.knob_validation import check_count, check_factor, check_loss_scale, plain_number
 from ..policy.loss_scale_policy import LossScalePolicy
 from ..scaler.grad_scaler import GradScaler
 from .loss_scale_manager import Flag, LossScaleManager, check_device, check_flag, scaler_device_name

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..passes.clip_args import check_max_norm, check_norm_type
-from ..policy.knob_checks import is_count, is_number, plain_number
+from ..policy.knob_validation import is_count, is_number, plain_number
 from ..process_groups import check_process_group
 from ..scaler.grad_scaler import GradScaler
 

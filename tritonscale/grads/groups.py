@@ -18,7 +18,7 @@ import torch
 
 from ..kernels.supported import is_supported_grad
 from . import sharding
-from .checks import FP16_REFUSED, check_for_torch_ops, where, where_is
+from .validation import FP16_REFUSED, check_for_torch_ops, where, where_is
 from .flat_grads import known_run, remember_run
 from .flat_runs import one_run
 from .sharding import ShardLayouts, mesh_group

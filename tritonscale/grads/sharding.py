@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..process_groups import check_process_group
-from .checks import where
+from .validation import where
 
 #: Parameter attribute set by mark_replicated: the group over which its gradient is replicated.
 REPLICATED_OVER_ATTR = "_tritonscale_replicated_over"

@@ -95,7 +95,7 @@ WINDOW_BLOCK = 1024
 # ------------------------------------------------------------ the update (policy_update.py)
 #: Optimizers' flags the update reads by pointer in its one launch (more are summed first).
 MAX_FLAGS = 4
-#: HostCheck bits (policy/host_checks.py), as the kernel writes them.
+#: HostCheck bits (policy/stop_rules.py), as the kernel writes them.
 AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = 1, 2, 4
 #: ZClip's modes and options as codes.
 ZCLIP_ZSCORE, ZCLIP_PERCENTILE = 0, 1

@@ -9,7 +9,7 @@ the rule's tensor ops bit for bit by ``tests/kernels/test_policy_update.py``:
     found    = sum of the optimizers' found_inf flags        (torch combines them by summing)
     skipped  = sum of their skip flags > 0, or, when no optimizer stepped (unscale_ only),
                skip_on_overflow and found > 0
-    checks   = the opt-in host checks' bits (policy/host_checks.py), before anything changes; with
+    checks   = the opt-in host checks' bits (policy/stop_rules.py), before anything changes; with
                ``hold`` a check that raises leaves the state untouched (the host reads the bits and raises)
     if dynamic:
         back_off = found, or gated by hysteresis / fairseq's overflow tolerance (their counters move)
@@ -79,7 +79,7 @@ def _backs_off(overflow, left, overflows, since, R: tl.constexpr):
 
 @triton.jit
 def _host_checks(scale, consecutive, overflow, skipped, back_off, R: tl.constexpr, K: tl.constexpr):
-    """policy/host_checks.host_check_flags: the opt-in conditions, before the update."""
+    """policy/stop_rules.host_check_flags: the opt-in conditions, before the update."""
     flags = tl.zeros([], tl.int32)
     if R.CHECK_MIN_SCALE:
         flags += tl.where(back_off & (scale <= _f32(R.MIN_SCALE)), K.AT_MIN_SCALE, 0)

@@ -21,7 +21,7 @@ import torch
 
 from .. import host_reads
 from ..kernels.supported import NORM_CODES
-from ..policy.knob_checks import plain_number
+from ..policy.knob_validation import plain_number
 
 
 def check_norm_type(norm_type: float) -> float:

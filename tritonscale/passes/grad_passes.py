@@ -26,7 +26,7 @@ from .backends.custom_ops import disjoint_at_run_time
 from .backends.torch_backend import wide_norms
 from .backends.triton_backend import TritonBackend
 from .clip_args import ClipRequest
-from .rank_checks import Agreement
+from .rank_validation import Agreement
 from .rank_combine import combine_check, combine_rank_flags
 from .step_decision import StepDecision, finalize_step
 
@@ -189,7 +189,7 @@ def clip_grads(
     With ``request.fold`` the result's ``grad_scale`` is what a fused optimizer divides by
     (``_fold_divisor``). ``group``: the process group whose ranks hold the other parts of the
     gradients (rank_combine: one collective, its row carrying ``agreement``, what the ranks must
-    agree on: rank_checks.py); None: no rank code runs. Returns the device and its results.
+    agree on: rank_validation.py); None: no rank code runs. Returns the device and its results.
     Example: ``clip_grads(grads, scale, ClipRequest(1.0), backend="auto")``.
     """
     device = _clip_device(grads, scale, group)

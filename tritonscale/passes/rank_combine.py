@@ -3,7 +3,7 @@
 Where each rank holds a part of the gradients (FSDP2 shards, ZeRO partitions, pipeline stages),
 the norm and the overflow flag of the step are those of all ranks' gradients together. Each rank
 contributes one row of a fixed width, ``[its norm, its found_inf, whether it holds gradients]`` in
-float64 followed by everything every rank must agree on (``rank_checks.py``), and a single
+float64 followed by everything every rank must agree on (``rank_validation.py``), and a single
 all-gather (``all_gather_single``) gives every rank every row. Every rank then combines the rows
 itself, in rank order, with the same ops: the results
 are bitwise the same on every rank whatever order the transport reduced in (an ``all_reduce``
@@ -29,7 +29,7 @@ import torch
 from ..flags import combine_flags
 from ..process_groups import Group, check_process_group
 from .backends import CheckResult, clip_coefficient, gradient_factor, inverse_scale
-from .rank_checks import AGREED, RESULTS, Agreement, CallKind, RankChecks, digest, layout_digest, on_device
+from .rank_validation import AGREED, RESULTS, Agreement, CallKind, RankChecks, digest, layout_digest, on_device
 
 
 def gradient_group(call_group: Group, scaler_group: Group, mesh_group: Group) -> Group:
@@ -95,7 +95,7 @@ def combine_rank_flags(
 
 def combine_found_inf(found_inf: torch.Tensor, group: Group, agreement: Agreement | None = None) -> torch.Tensor:
     """found_inf of all ranks: 1.0 on every rank if any rank saw inf/NaN (one collective). The row
-    is as wide as a clip's, its ``agreement`` checked the same way (rank_checks.py)."""
+    is as wide as a clip's, its ``agreement`` checked the same way (rank_validation.py)."""
     if group is None:
         return found_inf
     zero = torch.zeros((), dtype=torch.float64, device=found_inf.device)
@@ -130,7 +130,7 @@ def combine_check(
     """This rank's check result made the group's: the norm over all ranks' gradients, found_inf
     of any rank, and the clip coefficient and factor recomputed from them (one collective).
     ``scale`` is what the gradients still have to be divided by, as in the backends' check;
-    ``agreement`` what the ranks must agree on (rank_checks.py); ``holds_grads``: whether this
+    ``agreement`` what the ranks must agree on (rank_validation.py); ``holds_grads``: whether this
     rank holds any gradient element (an empty partition's norm is no part of a negative order's)."""
     if group is None:
         return result
@@ -146,7 +146,7 @@ def combine_check(
 class GradAllReduce:
     """Sum the gradients of the optimizer's parameters over a group, checking that the ranks agree.
 
-    First every rank's row (``rank_checks``: the scale, the call, the Updater's clip arguments and
+    First every rank's row (``rank_validation``: the scale, the call, the Updater's clip arguments and
     the gradient layout, in a fixed-width row) is gathered and checked, so ranks that disagree raise
     before any gradient is summed (on the CPU; on a GPU path the step is skipped). Then one float32
     buffer per device (float64 where a gradient is float64) holds a slot for every parameter that

@@ -35,7 +35,7 @@ run on every device, the CPU included. Its other executor is the one Triton kern
 (``kernels/policy_update.py``, where kernels launch; ``kernel_form.py``), held to these ops by
 tests/kernels/test_policy_update.py. Every tensor is updated in place at a fixed address. Only the
 opt-in checks that must stop training ("warn"/"raise"
-at the floor, ``max_consecutive_skips``, ``raise_at_scale``; ``host_checks.py``) read a device value
+at the floor, ``max_consecutive_skips``, ``raise_at_scale``; ``stop_rules.py``) read a device value
 on the host, and only in the updates where they could fire. Each peer's rule as these knobs, by the
 peer's own argument names: ``peer_presets.py``.
 """
@@ -59,7 +59,7 @@ from .counters import (
     count_step_,
 )
 from .rounding import SCALE_FLOOR, as_float32
-from .knob_checks import (
+from .knob_validation import (
     check_backoff_factor,
     check_growth_factor,
     check_growth_interval,
@@ -412,7 +412,7 @@ class LossScalePolicy:
         return SCALE_FLOOR if self.min_scale is None else max(SCALE_FLOOR, self.min_scale)
 
     def needs_host_check(self) -> bool:
-        """True when an update may have to read a device value (``host_checks.py``): "warn"/"raise" at
+        """True when an update may have to read a device value (``stop_rules.py``): "warn"/"raise" at
         the floor, a skip limit, or fairseq's error scale.
 
         Returns:

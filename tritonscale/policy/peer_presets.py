@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import ScalerConfigError
 from .rounding import as_float32
-from .knob_checks import check_positive_int, check_scale_value, is_int, is_number
+from .knob_validation import check_positive_int, check_scale_value, is_int, is_number
 from .loss_scale_policy import LossScalePolicy
 
 

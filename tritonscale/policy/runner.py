@@ -20,7 +20,7 @@ from ..flags import combine_flags, flags_on, moved_to
 from ..kernels import TRITON_FOUND
 from ..kernels.interfaces import MAX_FLAGS
 from .counters import CONSECUTIVE_SKIPS
-from .host_checks import HostCheck, HostCheckRead, UpdatesWithoutRead, act_on_host_checks, host_check_flags
+from .stop_rules import HostCheck, HostCheckRead, UpdatesWithoutRead, act_on_host_checks, host_check_flags
 from .kernel_form import kernel_rule, kernel_runs
 from .loss_scale_policy import LossScalePolicy
 from .spike_rules import zclip_max_norm

@@ -44,7 +44,7 @@ import torch
 from ..errors import ScalerConfigError
 from ..kernels.interfaces import EMA_MEAN, EMA_SEEN, EMA_VAR, Z_SEEN  # the slots' one home, shared with the kernels
 from ..kernels.interfaces import SPIKE_HEADER as HEADER
-from .knob_checks import is_count, is_finite
+from .knob_validation import is_count, is_finite
 
 # Slots of the float64 spike_stats tensor: Z_SEEN, EMA_MEAN, EMA_VAR, EMA_SEEN, then from HEADER the
 # window and the warm-up norms.

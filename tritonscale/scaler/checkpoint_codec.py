@@ -25,7 +25,7 @@ from ..policy.counters import (
     NORM_COUNT,
     SKIPPED_STEPS,
 )
-from ..policy.knob_checks import INT32_LIMIT, check_counter, check_scale_value, is_int, is_number
+from ..policy.knob_validation import INT32_LIMIT, check_counter, check_scale_value, is_int, is_number
 from ..policy.loss_scale_policy import LossScalePolicy, as_float32
 from ..policy.spike_rules import HEADER, SPIKE_STAT_NAMES
 from ..policy.state import HostState

@@ -23,11 +23,11 @@ from ..host_reads import refuse_in_capture
 from ..passes.backends import check_backend_name, resolve_backend
 from ..passes.clip_args import check_clip_args, kernels_compute
 from ..passes.grad_passes import PerDevice, torch_unscale_
-from ..passes.rank_checks import NOTHING_TO_UNDO, Agreement, RankChecks
+from ..passes.rank_validation import NOTHING_TO_UNDO, Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
 from ..passes.step_protocols import unwrap_optimizer
 from ..policy.counters import LAST_SKIPPED
-from ..policy.knob_checks import check_backoff_factor, check_growth_factor, check_growth_interval
+from ..policy.knob_validation import check_backoff_factor, check_growth_factor, check_growth_interval
 from ..policy.loss_scale_policy import LossScalePolicy
 from ..policy.peer_presets import PeerPreset
 from ..policy.runner import PolicyRunner
@@ -143,7 +143,7 @@ class GradScaler:
         self._last_found_inf: torch.Tensor | None = None
         self._last_norm: torch.Tensor | None = None
         self._disabled_skip: torch.Tensor | None = None  # a disabled scaler's last step() skip flag
-        self._ranks = RankChecks()  # the call sequence and mismatches across ranks (rank_checks.py)
+        self._ranks = RankChecks()  # the call sequence and mismatches across ranks (rank_validation.py)
         self._norm_owner = NormHistoryOwner()  # the one optimizer whose clip norms the policy's history takes
 
     # ------------------------------------------------------------------ scale
@@ -198,7 +198,7 @@ class GradScaler:
     def _agreement(
         self, optimizer: Any, kind: str = "flags", max_norm: float = 0.0, norm_type: float = 0.0
     ) -> Agreement:
-        """What this call's combine row says every rank agrees on (passes/rank_checks.py), the
+        """What this call's combine row says every rank agrees on (passes/rank_validation.py), the
         device state included: its trackers are hashed on the device."""
         state = self._tensors if self._enabled else None
         scale = state.scale if state is not None else None

@@ -310,7 +310,7 @@ class OptimizerStep(OptimizerRecord):
         )
         group = scaler._group(grads, process_group)
         checked = bool(grads.kernel or grads.other or grads.replicas) or group is not None  # no gradients: no inf check
-        # With a process group, the collective: one row per rank, the agreement checked (rank_checks.py).
+        # With a process group, the collective: one row per rank, the agreement checked (rank_validation.py).
         device, result = clip_grads(
             grads,
             self.pending_factor(scale),

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import ScalerConfigError
-from ..policy.knob_checks import check_scale_value
+from ..policy.knob_validation import check_scale_value
 from ..policy.loss_scale_policy import NORM_RULE_KNOBS, LossScalePolicy
 from ..policy.peer_presets import PRESETS, PeerPreset, preset
 

@@ -206,7 +206,7 @@ class UpdatesWithoutRead:
     def _backoffs_until(self, policy: LossScalePolicy, scale: float, level: float) -> int:
         """The fewest backoffs from ``scale`` that reach ``level`` or below (LOOKAHEAD at most).
         On the value read, in Python numbers: ``LossScalePolicy.backed_off``'s float64 product
-        rounded once to float32, then its floor (tests/policy/test_host_checks.py holds the bound
+        rounded once to float32, then its floor (tests/policy/test_stop_rules.py holds the bound
         to a scaler that reads every update)."""
         floor = policy.backoff_floor()
         for count in range(1, self.LOOKAHEAD + 1):

@@ -1,4 +1,4 @@
-"""rank_checks' row in one process: its width is AGREED's whatever the call, its device digests are
+"""rank_validation' row in one process: its width is AGREED's whatever the call, its device digests are
 made with no host read and change with any one value, the policy column changes with every knob,
 and alike optimizers are refused at the second one's first combine. Oracles: the column tables
 (AGREED, CHECKED), the knob list (LossScalePolicy's fields), the values themselves."""
@@ -13,7 +13,7 @@ import torch
 
 import tritonscale
 from tritonscale import LossScalePolicy, RankMismatchError
-from tritonscale.passes.rank_checks import (
+from tritonscale.passes.rank_validation import (
     AGREED,
     CHECKED,
     KINDS,

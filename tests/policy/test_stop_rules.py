@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from oracles.scale_rules import Loop, call_outcome
 
 from tritonscale import GradScaler, LossScalePolicy, presets
-from tritonscale.policy.host_checks import UpdatesWithoutRead
+from tritonscale.policy.stop_rules import UpdatesWithoutRead
 
 POLICIES = st.one_of(
     st.builds(

@@ -1,4 +1,4 @@
-"""The knob checks (tritonscale/policy/knob_checks.py): one bound per knob, whoever asks.
+"""The knob checks (tritonscale/policy/knob_validation.py): one bound per knob, whoever asks.
 
 The policy's checks speak torch's wording (``LossScalePolicy``, GradScaler's setters), a scale
 manager's speak its framework's (TensorFlow 1.x's ``ExponentialUpdateLossScaleManager``); both must
