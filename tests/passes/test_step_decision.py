@@ -73,7 +73,10 @@ def _trajectory(kind: str, knobs: dict) -> list[list[torch.Tensor]]:
 @pytest.mark.parametrize("kind", ["fused", "sgd"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_the_finalizes_decision_steps_as_the_steps_own_rule(monkeypatch, kind, policy):
+    asked, earlier_on = [], StepDecision.earlier_on
+    monkeypatch.setattr(StepDecision, "earlier_on", lambda self, d: asked.append(earlier_on(self, d)) or asked[-1])
     device = _trajectory(kind, POLICIES[policy])
+    assert asked and all(decides for decides, _ in asked)  # every clip's finalize decided its step
     monkeypatch.setattr(StepDecision, "earlier_on", lambda self, device: (False, None))  # never decides
     host = _trajectory(kind, POLICIES[policy])
     skipped = [bool(row[-1]) for row in host]
