@@ -20,8 +20,8 @@ import tritonscale
 from tritonscale import GradScaler
 
 PACKAGE = Path(tritonscale.__file__).parent
-#: The controller: one class, and the per-optimizer objects of its iterations (optimizer_step.py).
-CONTROLLER_FILES = {"scaler/grad_scaler.py", "scaler/optimizer_step.py"}
+#: The controller: one class, in one file (the per-optimizer records are values it writes).
+CONTROLLER_FILES = {"scaler/grad_scaler.py"}
 _ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
 
 

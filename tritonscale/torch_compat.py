@@ -10,7 +10,7 @@ left to fail as a Dynamo graph break or an AttributeError deep inside.
   optimizer argument), nor ``bool()`` of a list or a dict, which the clip's gradient sorting uses.
 * torch 2.11's fused Adagrad reads ``grad_scale``/``found_inf`` but does not declare
   ``_step_supports_amp_scaling`` (2.12 does), so torch's GradScaler unscales its gradients in place
-  there; ours does the same (``passes/step_protocols.takes_amp_scaling``): no fold into it.
+  there; ours does the same (``scaler/step_protocols.takes_amp_scaling``): no fold into it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def refuse_compiled_clip() -> None:
 
 
 # What torch.compiler.assume_constant_result sets, set without importing Dynamo: Dynamo runs the
-# function for real while it traces (as passes/step_protocols.guard_direct_step). The decorator
+# function for real while it traces (as scaler/step_protocols.guard_direct_step). The decorator
 # itself sets only this attribute, after ``import torch._dynamo`` (about 2 s at ``import
 # tritonscale``; tests/scaler/test_compile_boundary.py's no-Dynamo-import test fails with it).
 refuse_compiled_clip._dynamo_marked_constant = True  # type: ignore[attr-defined]

@@ -62,7 +62,7 @@ def test_inclusive_costs_sum_each_markers_own_lines_and_its_calls(tmp_path):
 
 def test_breakdown_wraps_one_callable_at_a_time_and_restores_it():
     import tritonscale.policy.runner as runner
-    from tritonscale.scaler.optimizer_step import OptimizerRecord
+    from tritonscale.scaler.optimizer_record import OptimizerRecord
 
     class Marks:  # the marker library's stand-in: runs the callable, notes the marker
         def __init__(self):
@@ -73,7 +73,7 @@ def test_breakdown_wraps_one_callable_at_a_time_and_restores_it():
             return fn()
 
     marks = Marks()
-    targets = ["tritonscale.policy.runner:_last_norm", "tritonscale.scaler.optimizer_step:OptimizerRecord.outcome"]
+    targets = ["tritonscale.policy.runner:_last_norm", "tritonscale.scaler.optimizer_record:OptimizerRecord.outcome"]
     originals = (runner._last_norm, vars(OptimizerRecord)["outcome"])
     breakdown = launch_cost.Breakdown(targets, marks)
     breakdown.install(1)

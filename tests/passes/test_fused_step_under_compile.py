@@ -1,6 +1,6 @@
 """torch 2.13's fused optimizers, handed grad_scale / found_inf inside a compiled region.
 
-The fold (``passes/step_protocols.py``) sets ``grad_scale`` and ``found_inf`` on a fused optimizer for its
+The fold (``scaler/step_protocols.py``) sets ``grad_scale`` and ``found_inf`` on a fused optimizer for its
 step. Eagerly the optimizer divides by ``grad_scale`` and skips on ``found_inf``; traced by Dynamo
 (torch 2.13, ``aot_eager``) fused AdamW steps although ``found_inf`` is set, and fused SGD ignores
 both ``grad_scale`` and ``found_inf``. That is why ``scaler.step`` hands over the step eagerly

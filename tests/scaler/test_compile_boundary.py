@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from tritonscale.passes.step_protocols import guard_direct_step
+from tritonscale.scaler.step_protocols import guard_direct_step
 from tritonscale.scaler.compile_boundary import runs_eagerly
 
 

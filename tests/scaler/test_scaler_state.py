@@ -1,4 +1,4 @@
-"""checkpoint_codec.py, policy/state.py, optimizer_step.py and step_protocols.py: the pieces the
+"""checkpoint_codec.py, policy/state.py, optimizer_record.py and step_protocols.py: the pieces the
 controller is built from."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import tritonscale
-from tritonscale.passes.step_protocols import step_with_amp_attributes, takes_amp_scaling
+from tritonscale.scaler.step_protocols import step_with_amp_attributes, takes_amp_scaling
 from tritonscale.policy.counters import COUNTER_NAMES
 from tritonscale.policy.loss_scale_policy import LossScalePolicy
 from tritonscale.policy.state import HostState
 from tritonscale.scaler.checkpoint_codec import STATE_KEYS, from_state_dict, to_state_dict
-from tritonscale.scaler.optimizer_step import OptimizerRecord, OptState
+from tritonscale.scaler.optimizer_record import OptimizerRecord, OptState
 from tritonscale.torch_compat import FUSED_ADAGRAD_AMP_SCALING, has_torch
 
 

@@ -1,7 +1,7 @@
 """torch.amp.GradScaler's private members and protocols, with torch's scaler as the oracle.
 
 Covers torch's private names (the last section of grad_scaler.py) and wrapper optimizers
-(passes/step_protocols.py): the step(grad_scaler=...) protocol of apex /
+(scaler/step_protocols.py): the step(grad_scaler=...) protocol of apex /
 TransformerEngine fused optimizers, wrapper optimizers (Accelerate, Fabric) unscaled exactly once,
 and each private member a framework reads.
 """
@@ -85,8 +85,10 @@ def test_grad_scaler_protocol_trains_like_torch(backend, before_step):
                 else:
                     scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(params, 0.5)
-            with pytest.warns(FutureWarning, match="stop passing itself"):
+            with pytest.warns(FutureWarning, match="stop passing itself") as caught:
                 results.append(scaler.step(optimizer))
+            if isinstance(scaler, GradScaler):  # ours points at the line that called scaler.step()
+                assert {w.filename for w in caught if "stop passing itself" in str(w.message)} == {__file__}
             scaler.update()
         runs.append((results, scaler.get_scale(), [p.detach().clone() for p in params]))
     (torch_results, torch_scale, torch_params), (our_results, our_scale, our_params) = runs

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 
 from ..passes.rank_combine import GradAllReduce
-from ..passes.step_protocols import unwrap_optimizer
+from ..scaler.step_protocols import unwrap_optimizer
 from ..scaler.checkpoint_codec import ScalerSnapshot
 from ..scaler.compile_boundary import runs_eagerly
 from ..scaler.grad_scaler import GradScaler

@@ -124,7 +124,7 @@ def retries_for(on_overflow: Any, max_retries: Any) -> int:
 
 
 def checked_scaler(
-    scaler: Any,
+    scaler: GradScaler | None,
     device_type: str,
     inner: torch.optim.Optimizer,
     optimizer: Any,

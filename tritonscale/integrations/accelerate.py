@@ -59,7 +59,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from ..passes.clip_args import check_max_norm, check_norm_type
-from ..passes.step_protocols import unwrap_optimizer
+from ..scaler.step_protocols import unwrap_optimizer
 from ..scaler.grad_scaler import GradScaler
 from .cpu_precision import warn_float16_on_cpu
 

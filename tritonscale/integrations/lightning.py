@@ -45,7 +45,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
 from ..loop.applied_steps import AppliedSteps
-from ..passes.step_protocols import takes_amp_scaling, unwrap_optimizer
+from ..scaler.step_protocols import takes_amp_scaling, unwrap_optimizer
 from ..scaler.grad_scaler import GradScaler, OptState
 from .cpu_precision import warn_float16_on_cpu
 

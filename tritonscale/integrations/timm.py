@@ -48,7 +48,7 @@ import torch
 from timm.utils.cuda import NativeScaler
 
 from tritonscale.loop.applied_steps import AppliedSteps
-from tritonscale.passes.step_protocols import unwrap_optimizer
+from tritonscale.scaler.step_protocols import unwrap_optimizer
 from tritonscale.scaler.grad_scaler import GradScaler
 
 __all__ = ["FusedNativeScaler"]

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..passes.step_protocols import StepProtocol, unwrap_optimizer
+from ..scaler.step_protocols import StepProtocol, unwrap_optimizer
 
 __all__ = ["CaptureWatch", "CapturedStep", "capture_refusal"]
 

@@ -24,7 +24,7 @@ import torch
 from ..host_reads import refuse_in_capture
 from ..kernels import TRITON_FOUND
 from ..scaler.diagnostics import one_launch
-from ..scaler.grad_scaler import live_skip_counter
+from ..scaler.grad_scaler import GradScaler, live_skip_counter
 from .lr_tables import check_schedulable, check_total_steps, record_lrs
 from .scaler_arg import check_scaler
 
@@ -65,7 +65,7 @@ class SkipAwareLR:
             opt.zero_grad()
     """
 
-    def __init__(self, scheduler: Any, scaler: Any, *, total_steps: int | None = None) -> None:
+    def __init__(self, scheduler: Any, scaler: GradScaler, *, total_steps: int | None = None) -> None:
         check_schedulable(scheduler)
         if scheduler.last_epoch != 0:
             raise ValueError(

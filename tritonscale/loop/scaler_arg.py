@@ -10,10 +10,8 @@ forwards the method passes.
 
 from __future__ import annotations
 
-from typing import Any
 
-
-def check_scaler(scaler: Any, helper: str, method: str) -> None:
+def check_scaler(scaler: object, helper: str, method: str) -> None:
     """Raise a TypeError unless ``scaler`` has a callable ``method`` (the one ``helper`` reads).
     Example: ``check_scaler(scaler, "AppliedSteps.record", "last_skip_flag")``."""
     if not callable(getattr(scaler, method, None)):

@@ -1,13 +1,12 @@
 """GradScaler: a drop-in for torch.amp.GradScaler whose passes are the fused Triton kernels.
 
 One class, as torch's is, its state the fields ``__init__`` sets: a step runs the passes (``passes/``)
-on the gradients (``grads/``), records each optimizer's stage and hands the flags to the policy's
-rule (``policy/``). One optimizer's part of an iteration is one object (``optimizer_step.py``, a
-kind per step protocol) that owns its record, its passes, its step and its read-outs; the class
-keeps what every optimizer shares. A collective happens only on a line that says so (in the
-passes the optimizer's object runs). Sections: the constructor and ``scale``; one optimizer's
-iteration; the passes, ``step`` and ``update``; read-outs and settings; checkpoints and copies;
-torch.amp.GradScaler's own names.
+on the gradients (``grads/``), records each optimizer's stage in its record (``optimizer_record.py``,
+a typed value with torch's dict protocol) and hands the flags to the policy's rule (``policy/``).
+``step`` holds the three step protocols side by side in one ``if`` chain, as torch's does
+(``step_protocols.py``: what they use). A collective happens only on a line that says so.
+Sections: the constructor and ``scale``; one optimizer's iteration; the passes, ``step`` and
+``update``; read-outs and settings; checkpoints and copies; torch.amp.GradScaler's own names.
 """
 
 from __future__ import annotations
@@ -17,15 +16,15 @@ from typing import Any
 
 import torch
 
-from ..flags import read_found_inf
+from ..flags import moved_to, read_flag, read_found_inf
 from ..grads.groups import Grads, collect_grads
 from ..host_reads import refuse_in_capture
 from ..passes.backends import check_backend_name, resolve_backend
-from ..passes.clip_args import check_clip_args, kernels_compute
-from ..passes.grad_passes import PerDevice, torch_unscale_
+from ..passes.clip_args import ClipRequest, check_clip_args, kernels_compute
+from ..passes.grad_passes import PerDevice, check_grads, clip_grads, torch_unscale_, unscale_and_check_
 from ..passes.rank_validation import NOTHING_TO_UNDO, Agreement, RankChecks
 from ..passes.rank_combine import gradient_group
-from ..passes.step_protocols import unwrap_optimizer
+from ..passes.step_decision import StepDecision
 from ..policy.counters import LAST_SKIPPED
 from ..policy.knob_validation import check_backoff_factor, check_growth_factor, check_growth_interval
 from ..policy.loss_scale_policy import LossScalePolicy
@@ -38,7 +37,7 @@ from .checkpoint_codec import ScalerSnapshot, check_picklable, from_state_dict, 
 from .compile_boundary import call_eagerly, clip_stays_eager, runs_eagerly, update_stays_eager
 from .diagnostics import NO_STATS_WHEN_DISABLED, device_stats, one_launch
 from .norm_history import NormHistoryOwner
-from .optimizer_step import OptimizerRecord, OptimizerStep, OptState, new_records, step_kind
+from .optimizer_record import OptimizerRecord, OptState, new_records, unscaled_skip
 from .scale_outputs import scale_outputs
 from .scaler_args import (
     TORCH_KNOBS,
@@ -50,6 +49,14 @@ from .scaler_args import (
     peer_policy,
     policy_from_torch_args,
     set_scale_,
+)
+from .step_protocols import (
+    StepProtocol,
+    guard_direct_step,
+    step_fused,
+    step_unless,
+    unwrap_optimizer,
+    warn_grad_scaler_argument,
 )
 
 __all__ = ["GradScaler", "OptState"]
@@ -175,15 +182,17 @@ class GradScaler:
         return self._tensors
 
     # ------------------------------------------------------- one optimizer's iteration
-    def _step_for(self, optimizer: Any, inner: torch.optim.Optimizer | None = None) -> OptimizerStep:
-        """This iteration's object for ``optimizer`` (keyed by the real optimizer behind a wrapper),
-        of the kind the object given here steps by (``optimizer_step.py``): the one in the table, or
-        a new one (a record torch-protocol code made adopted), which enters the table once the
-        call's own checks pass. ``inner``: ``unwrap_optimizer(optimizer)``, when the caller has it."""
-        inner = unwrap_optimizer(optimizer) if inner is None else inner
-        kind = step_kind(optimizer, inner, self._enabled)
-        entry = self._per_optimizer_states.get(id(inner))
-        return entry if type(entry) is kind else kind.adopt(inner, entry)
+    def _record_for(self, inner: torch.optim.Optimizer) -> OptimizerRecord:
+        """This iteration's record of ``inner`` (the real optimizer, ``unwrap_optimizer``'s): the
+        table's, bound to it (a record torch-protocol code made is bound now), or a new one, which
+        enters the table (``_enter``) once the call's own checks pass."""
+        record = self._per_optimizer_states.get(id(inner))
+        return (OptimizerRecord() if record is None else record).bind(inner)
+
+    def _enter(self, inner: torch.optim.Optimizer, record: OptimizerRecord) -> None:
+        """``record`` in the iteration's table: where torch's dict makes its entry, so a call
+        refused before leaves none."""
+        self._per_optimizer_states[id(inner)] = record
 
     def _recorded(self, optimizer: Any) -> OptimizerRecord | None:
         """What this iteration recorded for ``optimizer`` (a wrapper's inner one); None if nothing."""
@@ -214,8 +223,15 @@ class GradScaler:
         Args:
             optimizer: the optimizer whose gradients are unscaled (a wrapper's inner one is used).
         """
-        if self._enabled:
-            self._step_for(optimizer).unscale(self)
+        if not self._enabled:
+            return
+        inner = unwrap_optimizer(optimizer)
+        record = self._record_for(inner)
+        scale = self._state_for("unscale_").scale
+        self._enter(inner, record)
+        record.not_stepped("unscale_")
+        self._flags_pass(inner, record, scale, unscale=True)  # with a process group, the collective
+        guard_direct_step(inner, self, note_direct_step)  # a direct optimizer.step() after it is noted
 
     def clip_grad_norm_(
         self,
@@ -252,14 +268,68 @@ class GradScaler:
         """
         max_norm, norm_type = check_clip_args(max_norm, norm_type, error_if_nonfinite, foreach)
         kernels, inner = kernels_compute(norm_type), unwrap_optimizer(optimizer)
-        iteration = self._step_for(optimizer, inner)  # a fused step folds the clip; a disabled one clips plainly
+        record = self._record_for(inner)
         if clip_stays_eager(process_group or self._process_group, inner):
             return call_eagerly(self.clip_grad_norm_, optimizer, max_norm, norm_type, process_group=process_group)
         if torch.compiler.is_compiling() and not has_torch(COMPILED_CLIP):
             refuse_compiled_clip()  # raised while Dynamo traces: torch 2.11's cannot trace the clip
         # The norm history is the scaler's: a second optimizer's clip is refused before anything changes.
         self._norm_owner.check(self._policy, inner)
-        return iteration.clip(self, max_norm, norm_type, kernels, process_group)
+        if not self._enabled:  # bf16: a plain clip, with the inf/NaN check the step after it skips on
+            return self._plain_clip(inner, record, max_norm, norm_type, kernels, process_group)
+        policy, state = self._policy, self._state_for("clip_grad_norm_")
+        self._enter(inner, record)
+        record.not_stepped("clip_grad_norm_")
+        folds = StepProtocol.of(optimizer, inner).clip_folds(self._fold)  # a fused step divides by scale / clip_coef
+        grads = collect_grads(
+            inner,
+            allow_fp16=folds,
+            kernels=kernels,
+            allow_sparse=not (folds and record.torch_fused),  # torch's fused steps: dense only
+            split_replicas=True,
+            takes_norm=True,
+        )
+        group = self._group(grads, process_group)
+        request = ClipRequest(
+            max_norm,
+            norm_type,
+            folds,
+            not policy.skip_on_overflow,
+            limit_of=self._rules.clip_limit(policy, state, max_norm),  # ZClip's adaptive max_norm
+            decision=StepDecision(policy, state, record.found_inf_per_device),  # the finalize decides the skip
+        )
+        agreement = None if group is None else self._agreement(inner, "clip", max_norm, norm_type)
+        # The fused pass; with a process group, the collective: one row per rank, the agreement checked.
+        pending = record.pending_factor(state.scale)
+        device, result = clip_grads(grads, pending, request, backend=self._backend_name, group=group, agreement=agreement)
+        # Folded, the gradients stay scaled until scaler.step: a direct optimizer.step() is refused, else noted.
+        guard_direct_step(inner, self, note_direct_step)
+        checked = bool(grads.kernel or grads.other or grads.replicas) or group is not None  # no gradients: no check
+        record.note_clip(device, result, folds, checked, policy.stamp)
+        self._norm_owner.claim(policy, inner)
+        return result.norm
+
+    def _plain_clip(
+        self,
+        inner: torch.optim.Optimizer,
+        record: OptimizerRecord,
+        max_norm: float,
+        norm_type: float,
+        kernels: bool,
+        process_group: Any,
+    ) -> torch.Tensor:
+        """A disabled scaler's clip: a plain clip (float16 gradients included) with the inf/NaN check
+        the next step skips on; the norm."""
+        grads = collect_grads(inner, allow_fp16=True, kernels=kernels, split_replicas=True, takes_norm=True)
+        group = self._group(grads, process_group)
+        agreement = self._agreement(inner, "clip", max_norm, norm_type)
+        # The pass; with a process group, the collective.
+        _, result = clip_grads(
+            grads, None, ClipRequest(max_norm, norm_type), backend=self._backend_name, group=group, agreement=agreement
+        )
+        record.skip = self._ranks.skip(result.found_inf)  # forced on by a mismatch
+        self._enter(inner, record)  # the step after it spends the finding
+        return result.norm
 
     # ------------------------------------------------------------------ step
     @runs_eagerly
@@ -280,7 +350,81 @@ class GradScaler:
             RuntimeError: a ``closure`` keyword, or a second step() of the optimizer before update().
             AssertionError: no scale() has made the scale yet (torch's error).
         """
-        return self._step_for(optimizer).step(self, optimizer, args, kwargs)
+        inner = unwrap_optimizer(optimizer)  # the real optimizer behind a wrapper: its record, its step's attributes
+        if not self._enabled:
+            return self._disabled_step(optimizer, inner, args, kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        record = self._record_for(inner)
+        scale = self._state_for("step").scale
+        self._enter(inner, record)
+        if record.stage is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        protocol = StepProtocol.of(optimizer, inner)
+        record.in_step = True  # the direct-step guard lets this step through
+        try:
+            if protocol is StepProtocol.GRAD_SCALER_ARGUMENT:  # apex, TransformerEngine: it asks this scaler
+                warn_grad_scaler_argument(stacklevel=4)  # at the caller of scaler.step()
+                retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            elif protocol is StepProtocol.AMP_ATTRIBUTES:  # it divides by grad_scale, skips on found_inf
+                still_scaled = record.stage is OptState.READY
+                if still_scaled:  # a check only; with a process group, the collective
+                    self._flags_pass(inner, record, scale, unscale=False)
+                skip = self._skip_flag(record, scale.device, required=False)  # none: torch steps it all the same
+                retval = step_fused(optimizer, inner, scale, still_scaled, record.grad_scale, skip, args, kwargs)
+            else:  # a plain step: unscaled here, skipped on one host read, as torch's
+                if record.stage is OptState.READY:  # with a process group, the collective
+                    self._flags_pass(inner, record, scale, unscale=True)
+                skip = self._skip_flag(record, scale.device)
+                read_skip = read_flag if self._ranks.pending is None else self._ranks.read_skip  # a mismatch raises
+                retval = step_unless(optimizer, inner, skip, read_skip, args, kwargs, on_device=False)
+        finally:
+            record.in_step = False
+        record.stage = OptState.STEPPED
+        return retval
+
+    def _disabled_step(self, optimizer: Any, inner: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        """A disabled scaler's step (bf16): torch's plain step, skipped where the clip before it found
+        inf/NaN; it spends that finding. A bf16 loop may never call update(): the step ends the
+        iteration for the rank checks."""
+        record = self._per_optimizer_states.pop(id(inner), None)
+        self._disabled_skip = None if record is None else record.skip  # for last_step_skipped()
+        self._ranks.next_iteration()
+        if self._disabled_skip is None:
+            return optimizer.step(*args, **kwargs)
+        return step_unless(optimizer, inner, self._disabled_skip, self._ranks.read_skip, args, kwargs)
+
+    def _flags_pass(
+        self, inner: torch.optim.Optimizer, record: OptimizerRecord, scale: torch.Tensor, *, unscale: bool
+    ) -> None:
+        """unscale_'s pass (``unscale``) or a fused step's read-only check of the still scaled
+        gradients, recorded. With a process group, the collective: the group's flags; ranks that
+        disagree raise before any write."""
+        grads = collect_grads(inner, allow_fp16=not unscale, allow_sparse=unscale or not record.torch_fused)
+        group, policy = self._group(grads), self._policy
+        agreement = None if group is None else self._agreement(inner)  # a single process: no rank code
+        if unscale:
+            flags = unscale_and_check_(grads, scale, self._backend_name, group, agreement, policy.skip_on_overflow)
+            skip = unscaled_skip(policy, flags, scale.device) if group is None else None
+            record.stage = OptState.UNSCALED
+        else:  # the check's finalize decides the step's skip where it can (passes/step_decision.py)
+            decision = StepDecision(policy, self._tensors, {})
+            flags, skip = check_grads(grads, scale, self._backend_name, group, agreement, decision)
+        record.note_flags(flags, skip, policy.stamp)
+
+    def _skip_flag(self, record: OptimizerRecord, device: torch.device, required: bool = True) -> torch.Tensor:
+        """Decide on the device whether ``record``'s step is skipped (an overflow the policy does not
+        let through, or a norm spike); recorded for update(). A finalize decided it already where it
+        could (``decided_skip``): then nothing is launched. ``required``: no inf check recorded (no
+        gradients) is torch's error; otherwise it reads 0."""
+        skip = record.decided_skip_on(device, self._policy)
+        if skip is None:
+            found_inf = record.found_inf_on(device, required)
+            norm = moved_to(record.norm, device) if record.norm is not None else None
+            decide = self._rules.rule(self._policy, "skip_decision", device)
+            skip = decide(found_inf, norm, self._tensors.norm_stats, spike_stats=self._tensors.spike_stats)
+        record.skip = skip if self._ranks.pending is None else self._ranks.skip(skip)  # forced on by a mismatch
+        return record.skip
 
     # ---------------------------------------------------------------- update
     def update(
@@ -309,7 +453,7 @@ class GradScaler:
         records = self._per_optimizer_states.values()
         if found_inf is not None:
             record = OptimizerRecord.from_flag(found_inf, scale.device)
-            record.skip_flag(self, scale.device)
+            self._skip_flag(record, scale.device)
             records = [*records, record]
         outcome = OptimizerRecord.outcome(records)
         if new_scale is None and self._ranks.pending is None:  # every step's case: no context to enter
@@ -344,7 +488,7 @@ class GradScaler:
             )
 
     # ------------------------------------------------------------- read-outs
-    # None communicates, none changes state; each optimizer's comes from its iteration's object.
+    # None communicates, none changes state; each optimizer's comes from its record.
     def optimizer_stage(self, optimizer: torch.optim.Optimizer) -> OptState | None:
         """``optimizer``'s stage in this iteration (torch's ``OptState``); None when nothing was
         recorded for it since the last update(). Example: ``scaler.optimizer_stage(opt) is None``.
@@ -411,7 +555,8 @@ class GradScaler:
         Returns:
             True when a clip of its gradients folds into its step.
         """
-        return step_kind(optimizer, unwrap_optimizer(optimizer), self._enabled).clip_folds(self._fold)
+        inner = unwrap_optimizer(optimizer)
+        return self._enabled and StepProtocol.of(optimizer, inner).clip_folds(self._fold)
 
     def last_norm(self) -> torch.Tensor | None:
         """The norm the last update() used (its iteration's last clip_grad_norm_'s), on the device;
@@ -815,15 +960,27 @@ class GradScaler:
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """step(grad_scaler=...)'s check, called by the optimizer inside :meth:`step`: the still
         scaled gradients checked, not written; the flag per device recorded and returned. With a
-        process group, the collective of that step. The iteration's object is the one its step
-        runs in (the optimizer passes itself, which may be the inner one)."""
+        process group, the collective of that step. The record is the one its step runs in (the
+        optimizer passes itself, which may be the inner one: records are keyed by the real one)."""
         scale = self._state_for("_check_inf_per_device").scale
-        record = self._recorded(optimizer)
-        iteration = record if isinstance(record, OptimizerStep) else self._step_for(optimizer)
-        return iteration.check(self, scale)
+        inner = unwrap_optimizer(optimizer)
+        record = self._record_for(inner)
+        self._enter(inner, record)
+        self._flags_pass(inner, record, scale, unscale=False)
+        return record.found_inf_per_device
 
 
-def live_skip_counter(scaler: Any) -> torch.Tensor | None:
+def note_direct_step(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` is about to run: its guard's call (``step_protocols.DirectStepGuard``),
+    which this iteration's record of it decides (``OptimizerRecord.note_direct_step``: refused after
+    a folded clip, else noted). Nothing recorded for it (a copy sharing its hooks, after update()):
+    nothing to decide."""
+    record = scaler._per_optimizer_states.get(id(optimizer))
+    if record is not None and record.optimizer is optimizer:
+        record.note_direct_step(optimizer)
+
+
+def live_skip_counter(scaler: object) -> torch.Tensor | None:
     """The 0-dim int32 device counter ``scaler.last_skip_flag()`` is computed from (the last
     iteration skipped its step iff it is > 0), for a kernel of this package that reads it in its own
     launch (``SkipAwareLR.step``). Internal on purpose: it is a view of the scaler's state, rewritten

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ScalerConfigError
 from ..policy.loss_scale_policy import NORM_HISTORY_KNOBS, LossScalePolicy
-from .optimizer_step import weak
+from .optimizer_record import weak
 
 
 class NormHistoryOwner:

@@ -1,4 +1,4 @@
-"""The direct-step guard (``passes/step_protocols.py``): a fused optimizer whose clip was folded into its
+"""The direct-step guard (``scaler/step_protocols.py``): a fused optimizer whose clip was folded into its
 step, and any optimizer stepped directly after its unscale_ or clip with no update() between.
 
 After ``scaler.clip_grad_norm_(opt)`` with a fused optimizer the gradients still hold the loss

@@ -4,7 +4,10 @@ optimizer's own step.
 How an optimizer's step gets the loss scale is decided once per call, from the object whose
 ``step()`` is called and the real optimizer behind it (``StepProtocol.of``): a fused optimizer's
 ``grad_scale``/``found_inf`` attributes, the older ``step(grad_scaler=...)``, or a plain step the
-scaler unscales for and skips on a host read. ``clip_grad_norm_`` and ``step`` ask the same object.
+scaler unscales for and skips on a host read. ``clip_grad_norm_`` and ``step`` ask the same object;
+``GradScaler.step`` holds the three side by side in one ``if`` chain, as torch's ``step`` does, and
+this module what they use: the protocol's test, the hand-over of the attributes, the skipped step,
+and the guard on a direct ``optimizer.step()``.
 
 Wrapper optimizers: frameworks hand users wrappers that keep the real optimizer in ``.optimizer``
 (Accelerate's ``AcceleratedOptimizer``, Fabric's ``_FabricOptimizer``) and call
@@ -34,11 +37,17 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..torch_compat import FUSED_ADAGRAD_AMP_SCALING, has_torch
+
+if TYPE_CHECKING:
+    from .grad_scaler import GradScaler
+
+#: What a guard hands each step to: the scaler's function (``grad_scaler.note_direct_step``).
+OnStep = Callable[["GradScaler", torch.optim.Optimizer], None]
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -146,7 +155,7 @@ GUARD_KEY = "tritonscale.fold.DirectStepGuard"
 class DirectStepGuard:
     """A step pre-hook on an optimizer ``scaler`` unscaled or clipped this iteration: it hands each
     ``optimizer.step()`` to ``on_step(scaler, optimizer)``, the controller's function
-    (``scaler/optimizer_step.direct_step``), whose record of the iteration decides. While a clip
+    (``grad_scaler.note_direct_step``), whose record of the iteration decides. While a clip
     folded into a fused optimizer is pending and the step is handed no divisor (``grad_scale``,
     which ``scaler.step(optimizer)`` sets for its call), the step raises, changing nothing: the
     gradients still hold the loss scale. Any other step not made by ``scaler.step`` goes ahead, as
@@ -164,11 +173,11 @@ class DirectStepGuard:
 
     __slots__ = ("_scaler", "_on_step")
 
-    def __init__(self, scaler: Any = None, on_step: Callable[[Any, Any], None] | None = None) -> None:
+    def __init__(self, scaler: GradScaler | None = None, on_step: OnStep | None = None) -> None:
         self._scaler = weakref.ref(scaler) if scaler is not None else None
         self._on_step = on_step
 
-    def scaler(self) -> Any:
+    def scaler(self) -> GradScaler | None:
         """The scaler this guard is for; None once it is gone (or in a copy)."""
         return self._scaler() if self._scaler is not None else None
 
@@ -181,7 +190,7 @@ class DirectStepGuard:
         return (DirectStepGuard, ())
 
 
-def guard_direct_step(optimizer: Any, scaler: Any, on_step: Callable[[Any, Any], None]) -> bool:
+def guard_direct_step(optimizer: torch.optim.Optimizer, scaler: GradScaler, on_step: OnStep) -> bool:
     """Install ``scaler``'s :class:`DirectStepGuard` on ``optimizer`` (a torch.optim.Optimizer;
     others have no step hooks), handing each step to ``on_step``: its key is the scaler's, so each
     unscale_ and clip sets the same entry.
@@ -232,13 +241,6 @@ def warn_grad_scaler_argument(stacklevel: int = 3) -> None:
         FutureWarning,
         stacklevel=stacklevel,
     )
-
-
-def step_with_grad_scaler_argument(optimizer: Any, scaler: Any, args: tuple, kwargs: dict) -> Any:
-    """The older protocol's step: the optimizer calls the scaler's ``_check_inf_per_device`` and
-    ``_get_scale_async`` itself (apex, TransformerEngine). Called by ``GradScaler.step``."""
-    warn_grad_scaler_argument(stacklevel=4)  # the warning points at the caller of scaler.step()
-    return optimizer.step(*args, **{**kwargs, "grad_scaler": scaler})
 
 
 def grad_scale_for_step(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tritonscale import GradScaler
-from tritonscale.passes.step_protocols import StepProtocol
+from tritonscale.scaler.step_protocols import StepProtocol
 
 SCALE = 2.0**10
 
