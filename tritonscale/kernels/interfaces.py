@@ -113,6 +113,10 @@ WINDOW_BLOCK = 1024
 MAX_FLAGS = 4
 #: HostCheck bits (policy/stop_rules.py), as the kernel writes them.
 AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = 1, 2, 4
+#: Slots of the float64 host-check output the kernel writes where a check could fire, and the runner
+#: reads in its one host read: the bits, then the values they name (before the update).
+CHECK_BITS, CHECK_SCALE, CHECK_CONSECUTIVE_SKIPS, CHECK_UPDATES = range(4)
+CHECK_SLOTS = 4
 #: ZClip's modes and options as codes.
 ZCLIP_ZSCORE, ZCLIP_PERCENTILE = 0, 1
 ZCLIP_ADAPTIVE, ZCLIP_MEAN = 0, 1
@@ -182,6 +186,10 @@ class KernelConstants(NamedTuple):
     AT_MIN_SCALE: int
     TOO_MANY_SKIPS: int
     AT_RAISE_SCALE: int
+    CHECK_BITS: int
+    CHECK_SCALE: int
+    CHECK_CONSECUTIVE_SKIPS: int
+    CHECK_UPDATES: int
     ZCLIP_PERCENTILE: int
     ZCLIP_MEAN: int
 
