@@ -29,12 +29,11 @@ import triton
 import triton.language as tl
 
 from .bound_launch import BoundLaunch
+from .interfaces import PARTIAL_ROWS
 from .jit_helpers import chunk_span, pow2_inverse, to_f32
 from .launch_config import CHUNK, check_config
 from .supported import NORM_CODES
 from .tensor_table import GradLayout
-
-PARTIAL_ROWS = 3
 
 
 @triton.jit

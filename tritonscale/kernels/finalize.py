@@ -40,8 +40,7 @@ import triton
 import triton.language as tl
 
 from .bound_launch import BoundLaunch
-from .check_pass import PARTIAL_ROWS
-from .interfaces import KERNEL_CONSTANTS, RESULT_FIELDS, STEP_FIELDS, FinalizeStep
+from .interfaces import KERNEL_CONSTANTS, PARTIAL_ROWS, RESULT_FIELDS, STEP_FIELDS, FinalizeStep
 from .jit_helpers import pow2_inverse
 from .launch_config import FINALIZE_MAX_BLOCK, FINALIZE_NUM_WARPS, next_power_of_2
 from .skip_rule import skip_decision, zclip_max_norm

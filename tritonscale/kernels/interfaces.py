@@ -21,6 +21,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+# ------------------------------------------------- the check pass's partials (check_pass.py)
+#: Rows of the float32 partials buffer the check pass writes (one column per program) and finalize
+#: reads: the max |g| over the finite elements, the sum of (|g| / its power-of-two max)^k, the sum
+#: of |g| over the non-finite elements (check_pass.py's docstring).
+PARTIAL_ROWS = 3
+
 # ----------------------------------------------------------------- finalize (finalize.py)
 #: The four results every finalize writes, in order.
 RESULT_FIELDS = ("found_inf", "norm", "clip_coef", "factor")
@@ -67,7 +73,17 @@ class FinalizeStep(NamedTuple):
 
 
 # ----------------------------------------- the policy's state (policy/counters.py, policy/spike_rules.py)
-#: Slots of the int32 counters tensor, in the order of ``policy/counters.py``'s COUNTER_NAMES.
+#: The int32 counters tensor's slots by name, in order (``state_dict()["counters"]`` names them so;
+#: ``policy/counters.py`` says what each counts), and each slot's index, named as its name in capitals.
+COUNTER_NAMES = (
+    "hysteresis_left",
+    "consecutive_skips",
+    "skipped_steps",
+    "last_skipped",
+    "updates",
+    "overflows_since_backoff",
+    "updates_since_rescale",
+)
 (
     HYSTERESIS_LEFT,
     CONSECUTIVE_SKIPS,
@@ -76,7 +92,7 @@ class FinalizeStep(NamedTuple):
     UPDATES,
     OVERFLOWS_SINCE_BACKOFF,
     UPDATES_SINCE_RESCALE,
-) = range(7)
+) = range(len(COUNTER_NAMES))
 #: Slots of the float32 norm statistics tensor (skip_norm_factor's running average).
 NORM_AVERAGE, NORM_COUNT = range(2)
 #: Slots of the float64 spike_stats header; the z-score window, then ZClip's warm-up norms, follow it.
@@ -97,6 +113,10 @@ WINDOW_BLOCK = 1024
 MAX_FLAGS = 4
 #: HostCheck bits (policy/stop_rules.py), as the kernel writes them.
 AT_MIN_SCALE, TOO_MANY_SKIPS, AT_RAISE_SCALE = 1, 2, 4
+#: Slots of the float64 host-check output the kernel writes where a check could fire, and the runner
+#: reads in its one host read: the bits, then the values they name (before the update).
+CHECK_BITS, CHECK_SCALE, CHECK_CONSECUTIVE_SKIPS, CHECK_UPDATES = range(4)
+CHECK_SLOTS = 4
 #: ZClip's modes and options as codes.
 ZCLIP_ZSCORE, ZCLIP_PERCENTILE = 0, 1
 ZCLIP_ADAPTIVE, ZCLIP_MEAN = 0, 1
@@ -166,6 +186,10 @@ class KernelConstants(NamedTuple):
     AT_MIN_SCALE: int
     TOO_MANY_SKIPS: int
     AT_RAISE_SCALE: int
+    CHECK_BITS: int
+    CHECK_SCALE: int
+    CHECK_CONSECUTIVE_SKIPS: int
+    CHECK_UPDATES: int
     ZCLIP_PERCENTILE: int
     ZCLIP_MEAN: int
 

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .bound_launch import BoundLaunch, PreparedLaunch
-from .interfaces import KERNEL_CONSTANTS, MAX_FLAGS, UpdateRule
+from .interfaces import CHECK_SLOTS, KERNEL_CONSTANTS, MAX_FLAGS, UpdateRule
 
 
 @triton.jit
@@ -271,7 +271,7 @@ def policy_update_kernel(
     skip3_ptr,
     norm_ptr,  # [] the iteration's last clip norm (None without HAS_NORM)
     found_out_ptr,  # fp32 [] the combined found_inf (written when NUM_FOUND > 1, else None)
-    check_out_ptr,  # fp64 [4] check bits, scale, consecutive skips, updates before (with CHECKS, else None)
+    check_out_ptr,  # fp64 [CHECK_SLOTS]: check bits, scale, consecutive skips, updates before (with CHECKS, else None)
     hold,  # i32: 1 = a raising check leaves the state untouched
     NUM_FOUND: tl.constexpr,
     NUM_SKIPS: tl.constexpr,  # 0: no optimizer stepped, the skip follows found_inf
@@ -298,10 +298,10 @@ def policy_update_kernel(
         back_off = _backs_off(found > 0, left, tl.load(counters_ptr + K.OVERFLOWS_SINCE_BACKOFF),
                               tl.load(counters_ptr + K.UPDATES_SINCE_RESCALE), R)  # fmt: skip
         flags = _host_checks(scale, consecutive, found > 0, skipped, back_off, R, K)
-        tl.store(check_out_ptr, flags.to(tl.float64))
-        tl.store(check_out_ptr + 1, scale.to(tl.float64))
-        tl.store(check_out_ptr + 2, consecutive.to(tl.float64))
-        tl.store(check_out_ptr + 3, tl.load(counters_ptr + K.UPDATES).to(tl.float64))
+        tl.store(check_out_ptr + K.CHECK_BITS, flags.to(tl.float64))
+        tl.store(check_out_ptr + K.CHECK_SCALE, scale.to(tl.float64))
+        tl.store(check_out_ptr + K.CHECK_CONSECUTIVE_SKIPS, consecutive.to(tl.float64))
+        tl.store(check_out_ptr + K.CHECK_UPDATES, tl.load(counters_ptr + K.UPDATES).to(tl.float64))
         go = (hold == 0) | ((flags & R.HOLD_MASK) == 0)
     if go:
         if not COUNT_ONLY and R.DYNAMIC:
@@ -384,7 +384,7 @@ def update_policy_state_(
         raise ValueError(f"1 to {MAX_FLAGS} found_inf flags and at most {MAX_FLAGS} skip flags: sum more first")
     # Every pointer the kernel does not follow is None: a constexpr, never specialized nor launched.
     found_out = torch.empty((), dtype=torch.float32, device=scale.device) if num_found > 1 else None
-    check_out = torch.empty(4, dtype=torch.float64, device=scale.device) if checks else None
+    check_out = torch.empty(CHECK_SLOTS, dtype=torch.float64, device=scale.device) if checks else None
     result = UpdateResult(found_out if found_out is not None else found_infs[0], check_out)
     varying = [*found_infs, *skips]
     if norm is not None:

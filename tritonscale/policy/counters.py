@@ -18,6 +18,7 @@ import torch
 
 from ..kernels.interfaces import (  # the slots' one home, shared with the kernels
     CONSECUTIVE_SKIPS,
+    COUNTER_NAMES,
     HYSTERESIS_LEFT,
     LAST_SKIPPED,
     NORM_AVERAGE,
@@ -28,21 +29,19 @@ from ..kernels.interfaces import (  # the slots' one home, shared with the kerne
     UPDATES_SINCE_RESCALE,
 )
 
-# The int32 counters tensor's slots, by name (kernels/interfaces.py numbers them in this order).
-COUNTER_NAMES = (
-    "hysteresis_left",
-    "consecutive_skips",
-    "skipped_steps",
-    "last_skipped",
-    "updates",
-    "overflows_since_backoff",
-    "updates_since_rescale",
-)
-# count_step_ as counters * keep + add, per counter (in the order above): consecutive_skips +1 on a
-# skip and 0 after a step; skipped_steps +1 on a skip; last_skipped the flag; updates +1; the
-# hysteresis budget and the tolerance's counts kept (the rule updates them).
-_KEEP_STEPPED, _KEEP_SKIPPED = (1, 0, 1, 0, 1, 1, 1), (1, 1, 1, 0, 1, 1, 1)
-_ADD_STEPPED, _ADD_SKIPPED = (0, 0, 0, 0, 1, 0, 0), (0, 1, 1, 1, 1, 0, 0)
+
+def _ones_at(*slots: int) -> tuple[int, ...]:
+    """A vector over the counters' slots: 1 at ``slots``, 0 elsewhere."""
+    return tuple(int(slot in slots) for slot in range(len(COUNTER_NAMES)))
+
+
+# count_step_ as counters * keep + add: consecutive_skips +1 on a skip and 0 after a step;
+# skipped_steps +1 on a skip; last_skipped the flag; updates +1; the hysteresis budget and the
+# tolerance's counts kept (the rule updates them).
+_KEEP_STEPPED = tuple(1 - v for v in _ones_at(CONSECUTIVE_SKIPS, LAST_SKIPPED))
+_KEEP_SKIPPED = tuple(1 - v for v in _ones_at(LAST_SKIPPED))
+_ADD_STEPPED = _ones_at(UPDATES)
+_ADD_SKIPPED = _ones_at(CONSECUTIVE_SKIPS, SKIPPED_STEPS, LAST_SKIPPED, UPDATES)
 # Constants per device, never written: a pure function of the key.
 _count_vector_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 

@@ -18,7 +18,7 @@ import torch
 
 from ..flags import combine_flags, flags_on, moved_to
 from ..kernels import TRITON_FOUND
-from ..kernels.interfaces import MAX_FLAGS
+from ..kernels.interfaces import CHECK_BITS, CHECK_CONSECUTIVE_SKIPS, CHECK_SCALE, CHECK_UPDATES, MAX_FLAGS
 from .counters import CONSECUTIVE_SKIPS
 from .stop_rules import HostCheck, HostCheckRead, UpdatesWithoutRead, act_on_host_checks, host_check_flags
 from .kernel_form import kernel_rule, kernel_runs
@@ -137,9 +137,11 @@ class PolicyRunner:
             prepared=self._prepared,
         )  # fmt: skip
         if reads:
-            flags, scale, in_a_row, step = result.checks.tolist()  # the one host read
-            self._unread.set(policy, scale, int(in_a_row))
-            act_on_host_checks(policy, HostCheck(int(flags)), HostCheckRead(scale, int(in_a_row), int(step)))
+            read = result.checks.tolist()  # the one host read
+            scale, in_a_row = read[CHECK_SCALE], int(read[CHECK_CONSECUTIVE_SKIPS])
+            self._unread.set(policy, scale, in_a_row)
+            seen = HostCheckRead(scale, in_a_row, int(read[CHECK_UPDATES]))
+            act_on_host_checks(policy, HostCheck(int(read[CHECK_BITS])), seen)
         if not count_only:
             self._seen(policy, state, checks)
         return result.found_inf, norm

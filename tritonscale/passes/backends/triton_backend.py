@@ -18,8 +18,7 @@ from .base import CheckResult
 
 if TRITON_FOUND:
     from ...kernels import apply_factor_, check_pass, describe_grads, finalize
-    from ...kernels.check_pass import PARTIAL_ROWS
-    from ...kernels.interfaces import FinalizeStep
+    from ...kernels.interfaces import PARTIAL_ROWS, FinalizeStep
     from ...kernels.jit_helpers import INTERPRETING
 else:  # no triton installed: supports() says so, and resolve_backend names the install
 
