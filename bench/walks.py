@@ -10,7 +10,7 @@ a tiny CPU model, SGD and fused AdamW) and prints, per call:
 * ``returns``: stays in a module the walk already left once (the reader turns back a page);
 * ``climbs``: such calls made from a module of an earlier stage into a later one (``passes``
   calling back into ``scaler``): the stage order of ``tests/test_layering.py``, where ``kernels``
-  < ``grads`` < ``policy`` < ``passes`` < ``scaler`` < ``loop`` < ``framework_apis``/``integrations``;
+  < ``grads`` < ``policy`` < ``passes`` < ``scaler`` < ``loop`` < ``peer_apis``/``integrations``;
   a call from a top-level leaf module counts from the last stage above it.
 
 The figures describe the code's shape for review (issue 47); no test asserts them.
@@ -34,7 +34,7 @@ import tritonscale
 
 PACKAGE = Path(tritonscale.__file__).parent
 ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4, "loop": 5}
-ORDER |= {"framework_apis": 6, "integrations": 6}
+ORDER |= {"peer_apis": 6, "integrations": 6}
 
 
 def module_of(frame: FrameType) -> str | None:

@@ -3,7 +3,7 @@
 The stages, in the order a step runs them: ``kernels`` (the Triton passes) < ``grads`` (which
 gradients, in which layout) < ``policy`` (the rule and its state) < ``passes`` (check, finalize,
 combine across ranks, apply or fold) < ``scaler`` (the controller) < ``loop`` (the loop around it:
-skip-aware schedules, logging) < ``framework_apis`` (other frameworks' APIs over the controller)
+skip-aware schedules, logging) < ``peer_apis`` (other frameworks' APIs over the controller)
 and ``integrations``. Leaf
 modules at the package's top (``flags.py``, ``process_groups.py``, ``host_reads.py``,
 ``errors.py``, ``torch_compat.py``) import no stage, and every stage but the kernels may import them (the kernels know
@@ -23,7 +23,7 @@ import tritonscale
 
 PACKAGE = Path(tritonscale.__file__).parent
 ORDER = {"kernels": 0, "grads": 1, "policy": 2, "passes": 3, "scaler": 4, "loop": 5}
-ORDER |= {"framework_apis": 6, "integrations": 6}
+ORDER |= {"peer_apis": 6, "integrations": 6}
 LEAVES = {"flags", "process_groups", "host_reads", "errors", "torch_compat"}
 
 

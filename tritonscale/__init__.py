@@ -11,15 +11,15 @@ bottom layer: it imports nothing else of tritonscale.
 """
 
 from .errors import RankMismatchError, ScalerConfigError
-from .framework_apis.checkpoint_import import from_apex, from_deepspeed, from_fairseq, from_megatron
-from .framework_apis.loss_scale_optimizer import LossScaleOptimizer
-from .framework_apis.safe_checkpoint import load_checkpoint
-from .framework_apis.scale_managers import (
+from .peer_apis.checkpoint_import import from_apex, from_deepspeed, from_fairseq, from_megatron
+from .peer_apis.loss_scale_optimizer import LossScaleOptimizer
+from .peer_apis.safe_checkpoint import load_checkpoint
+from .peer_apis.scale_managers import (
     DynamicLossScaleManager,
     ExponentialUpdateLossScaleManager,
     FixedLossScaleManager,
 )
-from .framework_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
+from .peer_apis.step_updater import DataFeedExhausted, Updater, UpdaterError, UpdateResult
 from .grads.flat_grads import flatten_grads_
 from .grads.sharding import mark_replicated
 from .loop.applied_steps import AppliedSteps

@@ -105,7 +105,7 @@ def import_ours(side: Side, step: int) -> Observations:
 
 
 #: DeepSpeed's classes write the ZeRO file; without DeepSpeed installed the row has no cell
-#: (load_checkpoint's own tests cover that install: tests/framework_apis/test_safe_checkpoint.py).
+#: (load_checkpoint's own tests cover that install: tests/peer_apis/test_safe_checkpoint.py).
 DEEPSPEED_FOUND = importlib.util.find_spec("deepspeed") is not None
 
 

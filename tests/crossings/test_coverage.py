@@ -50,7 +50,7 @@ ELSEWHERE = {
     "rank_agreement": ("rank", "updater_bf16_replica"),  # the Updater's all-reduce calls it
     "process_group": ("rank", "control"),
     # The load_checkpoint row (state_rows.py) writes its file with DeepSpeed's classes; without DeepSpeed:
-    "load_checkpoint": ("framework_apis/test_safe_checkpoint.py", "test_a_zero_checkpoint_loads_without_deepspeed"),
+    "load_checkpoint": ("peer_apis/test_safe_checkpoint.py", "test_a_zero_checkpoint_loads_without_deepspeed"),
     "place_state": ("scaler/test_scaler_iteration_api.py", "test_place_state_makes_the_state_where_asked_once"),
     "backend_for": ("scaler/test_grad_scaler_api.py", "test_backend_for_names_the_backend_that_runs"),
     # A CUDA graph's capture and replays need a GPU (tests/test_gpu.py); on the CPU its calls run with

@@ -76,7 +76,7 @@ def test_the_controller_and_the_tensor_table_apply_the_same_rule(grad, supported
     optimizer = torch.optim.SGD([param], lr=0.1)
     if supported:
         grads = collect_grads(optimizer, allow_fp16=True)
-        assert grads.kernel[grad.device] == [[grad]] and not grads.other
+        assert grads.by_dtype[grad.device] == [[grad]] and not grads.other
         validate_group([grad])
         return
     with pytest.raises((TypeError, ValueError)) as info:
@@ -84,7 +84,7 @@ def test_the_controller_and_the_tensor_table_apply_the_same_rule(grad, supported
     assert str(info.value).startswith("gradient 0")
     if grad.is_floating_point():
         grads = collect_grads(optimizer, allow_fp16=True)
-        assert not grads.kernel and len(grads.other[grad.device]) == 1
+        assert not grads.by_dtype and len(grads.other[grad.device]) == 1
     else:
         with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\]\[0\] has a non-floating"):
             collect_grads(optimizer, allow_fp16=True)

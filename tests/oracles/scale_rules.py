@@ -3,7 +3,7 @@
 Each class restates one framework's rule in plain Python, independently of tritonscale, in the
 arithmetic the original does it in: Python numbers where the original keeps the scale in Python
 (Megatron-LM's older rule, apex, MindSpore's manager), float32 where it keeps it in a float32
-variable (TensorFlow). tests/policy/test_policies.py and tests/framework_apis/test_scale_managers.py
+variable (TensorFlow). tests/policy/test_policies.py and tests/peer_apis/test_scale_managers.py
 check tritonscale's scale against them step for step, on the overflow patterns of
 ``overflow_pattern``. The peers' presets have their transcriptions in tests/oracles/peer_rules.py.
 """

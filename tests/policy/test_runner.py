@@ -121,7 +121,7 @@ POLICIES = st.sampled_from([
 @given(policy=POLICIES, ops=OPS)
 def test_the_kernels_checks_fire_where_the_tensor_ops_checks_do(monkeypatch, policy, ops):
     host, device = (GradScaler("cpu", init_scale=4.0, policy=policy, backend="triton") for _ in range(2))
-    host._rules.uses_kernel = lambda device: False  # the rule's tensor ops: the oracle
+    host._runner.uses_kernel = lambda device: False  # the rule's tensor ops: the oracle
     loops = Loop(host, "triton"), Loop(device, "triton")
     for i, (kind, value) in enumerate(ops):
         for scaler, loop, free in ((host, loops[0], True), (device, loops[1], False)):

@@ -66,7 +66,7 @@ def apply(scaler, loop, op) -> None:
 def test_the_check_read_when_it_could_fire_fires_where_one_read_every_update_does(policy, ops, init_scale):
     init_scale = max(init_scale, policy.min_scale or 0.0)
     host, device = (GradScaler("cpu", init_scale=init_scale, policy=policy, backend="torch") for _ in range(2))
-    host._rules._unread.skips_read = lambda policy, state: False  # the oracle reads at every update
+    host._runner._unread.skips_read = lambda policy, state: False  # the oracle reads at every update
     loops = Loop(host, "torch"), Loop(device, "torch")
     for i, op in enumerate(ops):
         expected = call_outcome(lambda op=op: apply(host, loops[0], op))

@@ -13,7 +13,7 @@ import torch
 
 import tritonscale
 from tritonscale import GradScaler, LossScalePolicy, OptState, ScalerConfigError, host_reads
-from tritonscale.framework_apis.checkpoint_import import from_deepspeed
+from tritonscale.peer_apis.checkpoint_import import from_deepspeed
 
 SCALE = 2.0**10
 

@@ -1,9 +1,10 @@
 """Collect an optimizer's gradients, validate them, and sort them for the passes.
 
-Dense float32/bfloat16/float16 gradients (nearly always all of them) go to the kernels, grouped by
-device and dtype. Whatever else torch.amp.GradScaler accepts -- float64, non-dense (strided)
-and sparse gradients -- goes through torch ops in the same pass (``Grads.other``). Everything is
-checked before any kernel runs, so a bad gradient raises with nothing modified.
+Dense float32/bfloat16/float16 gradients (nearly always all of them) are grouped by device and
+dtype (``Grads.by_dtype``): a pass sweeps each group in one launch. Whatever else
+torch.amp.GradScaler accepts -- float64, non-dense (strided) and sparse gradients -- goes through
+torch ops in the same pass (``Grads.other``). Everything is checked before any kernel runs, so a
+bad gradient raises with nothing modified.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ _NBYTES = attrgetter("nbytes")
 class Grads:
     """An optimizer's gradients, sorted for the passes."""
 
-    #: ``{device: [same-dtype lists]}`` of dense float32/bfloat16/float16 gradients: the kernels'.
-    kernel: DeviceGroups = field(default_factory=dict)
+    #: ``{device: [same-dtype lists]}`` of dense float32/bfloat16/float16 gradients: what a pass
+    #: sweeps group by group (the Triton kernels, or torch's foreach ops).
+    by_dtype: DeviceGroups = field(default_factory=dict)
     #: ``{device: [tensors]}`` for torch ops: float64 and non-dense gradients, the values of sparse
-    #: ones (updated in place through them), and everything when ``kernels=False``.
+    #: ones (updated in place through them), and everything when ``by_dtype=False``.
     other: dict[torch.device, list[torch.Tensor]] = field(default_factory=dict)
     #: The device mesh of DTensor gradients (None: plain tensors).
     mesh: Any = None
@@ -58,7 +60,7 @@ class Grads:
 
     @property
     def devices(self) -> list[torch.device]:
-        return list(dict.fromkeys([*self.kernel, *self.other]))
+        return list(dict.fromkeys([*self.by_dtype, *self.other]))
 
     @property
     def mesh_group(self) -> Any:
@@ -67,7 +69,7 @@ class Grads:
 
 
 class _Sorter:
-    """Sorts validated gradients into a Grads: kernel groups by device and dtype, the rest by device."""
+    """Sorts validated gradients into a Grads: dense float ones by device and dtype, the rest by device."""
 
     def __init__(self) -> None:
         self.per_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
@@ -88,25 +90,25 @@ class _Sorter:
                     # Its duplicates are summed for the norm only, in float64: scaled near float32's
                     # max their float32 sum may overflow where torch (unscale_ first) sums finite values.
                     stand_ins[id(values)] = g.detach().double().coalesce()._values()
-        kernel = {d: list(by_dtype.values()) for d, by_dtype in self.per_device.items()}
-        return Grads(kernel=kernel, other=other_values, norm_stand_ins=stand_ins)
+        grouped = {d: list(lists.values()) for d, lists in self.per_device.items()}
+        return Grads(by_dtype=grouped, other=other_values, norm_stand_ins=stand_ins)
 
 
 def collect_grads(
     optimizer: torch.optim.Optimizer,
     *,
     allow_fp16: bool,
-    kernels: bool = True,
+    by_dtype: bool = True,
     allow_sparse: bool = True,
     split_replicas: bool = False,
     takes_norm: bool = False,
 ) -> Grads:
-    """Every parameter's gradient (the rank-local part of a DTensor), validated and sorted for the
-    kernels or for torch ops.
+    """Every parameter's gradient (the rank-local part of a DTensor), validated and sorted: dense
+    float gradients grouped by device and dtype, the rest per tensor.
 
     ``allow_fp16=False`` refuses float16 gradients the way torch.amp.GradScaler.unscale_ does
     (writing unscaled values back into fp16 loses them); passes that only read may allow them.
-    ``kernels=False`` sends everything to torch ops (a norm type the kernels do not compute);
+    ``by_dtype=False`` sends everything to the per-tensor lists (a norm type the kernels do not compute);
     ``allow_sparse=False`` refuses sparse gradients (a fused optimizer cannot step with them).
     ``split_replicas``: gradients another rank counts in the norm go to ``Grads.replicas``
     (sharding.py). ``takes_norm``: the caller takes a norm, which counts a sparse gradient's
@@ -119,22 +121,22 @@ def collect_grads(
     Example::
 
         grads = collect_grads(optimizer, allow_fp16=False)
-        grads.kernel  # {device(type='cpu'): [[g0, g1, ...]]}: one list per dtype
+        grads.by_dtype  # {device(type='cpu'): [[g0, g1, ...]]}: one list per dtype
     """
     # While Dynamo traces nothing is proved by address: a traced tensor has none, and the graph
     # runs again on whatever memory its inputs have then. Every gradient goes as itself.
     by_address = not torch.compiler.is_compiling()
-    if by_address and kernels:
+    if by_address and by_dtype:
         remembered = _remembered_run(optimizer, allow_fp16)
         if remembered is not None:
             return remembered
     found = _Found(traced=not by_address, split_replicas=split_replicas)
-    _sort_every_grad(optimizer, found, allow_fp16=allow_fp16, kernels=kernels, allow_sparse=allow_sparse)
+    _sort_every_grad(optimizer, found, allow_fp16=allow_fp16, by_dtype=by_dtype, allow_sparse=allow_sparse)
     if by_address:
         _check_no_overlaps_now(optimizer, found.dense)
     _coalesce(found.to_coalesce)
     result = found.grads(takes_norm)
-    if kernels and by_address:
+    if by_dtype and by_address:
         _remember_if_one_run(optimizer, result)
     return result
 
@@ -149,7 +151,7 @@ def _remembered_run(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> Grads
         return None
     if not allow_fp16 and run.dtype is torch.float16:
         raise ValueError(FP16_REFUSED)
-    return Grads(kernel={run.device: [[run]]})
+    return Grads(by_dtype={run.device: [[run]]})
 
 
 class _Found:
@@ -196,7 +198,7 @@ class _Found:
 
 
 def _sort_every_grad(
-    optimizer: torch.optim.Optimizer, found: _Found, *, allow_fp16: bool, kernels: bool, allow_sparse: bool
+    optimizer: torch.optim.Optimizer, found: _Found, *, allow_fp16: bool, by_dtype: bool, allow_sparse: bool
 ) -> None:
     """Validate each gradient and sort it into ``found``. Runs once per step over every parameter,
     so the common case (a plain dense float32/bfloat16 gradient after the first) is the first test
@@ -220,7 +222,7 @@ def _sort_every_grad(
             dtype = grad.dtype  # each property read is a call into torch: read once per gradient
             if not allow_fp16 and dtype is torch.float16:
                 raise ValueError(FP16_REFUSED)
-            if kernels and is_supported_grad(grad):
+            if by_dtype and is_supported_grad(grad):
                 device = grad.device
                 into.per_device[device][dtype].append(grad)
                 if dense_where is None:
@@ -265,9 +267,9 @@ def _coalesce(to_coalesce: list[tuple[torch.nn.Parameter, _Sorter]]) -> None:
 def _remember_if_one_run(optimizer: torch.optim.Optimizer, grads: Grads) -> None:
     """If the gradients (validated just now) are exactly one flatten_grads_ buffer, or one run back
     to back in a bucket, let the next collect_grads take the run after a per-step proof."""
-    if grads.other or grads.mesh is not None or grads.marked_replicas or len(grads.kernel) != 1:
+    if grads.other or grads.mesh is not None or grads.marked_replicas or len(grads.by_dtype) != 1:
         return
-    (groups,) = grads.kernel.values()
+    (groups,) = grads.by_dtype.values()
     if len(groups) != 1 or groups[0][0]._base is None:
         return
     run = one_run(groups[0])

@@ -114,7 +114,7 @@ def unscale_and_check_(
 
 def _unscale_each_device_(grads: Grads, scale: torch.Tensor, backend: str) -> dict[torch.device, torch.Tensor]:
     found_infs = {d: torch.zeros((), dtype=torch.float32, device=d) for d in grads.devices}
-    for device, device_groups in grads.kernel.items():  # the passes only read the scale: no copy on its device
+    for device, device_groups in grads.by_dtype.items():  # the passes only read the scale: no copy on its device
         _backend(backend, device).unscale_(device_groups, moved_to(scale, device), found_infs[device])
     for device, tensors in grads.other.items():
         torch_unscale_(tensors, found_infs[device], inverse_scale(moved_to(scale, device)))
@@ -137,10 +137,10 @@ def check_grads(
     found_infs, skip = {}, None
     for device in grads.devices:
         others = grads.other.get(device, [])
-        if device in grads.kernel:
+        if device in grads.by_dtype:
             runner = _backend(backend, device)
             step, decides = _check_decides(runner, decision, device, others, group)
-            result = runner.check(grads.kernel[device], moved_to(scale, device), 2.0, None, *step)
+            result = runner.check(grads.by_dtype[device], moved_to(scale, device), 2.0, None, *step)
             found, skip = result.found_inf, (result.skip if decides else skip)
         else:
             found = torch.zeros((), dtype=torch.float32, device=device)
@@ -227,7 +227,7 @@ def _finalize_decides(runner: Any, grads: Grads, device: torch.device, request: 
     the torch ops below combine, clip and fold."""
     return (
         isinstance(runner, TritonBackend)
-        and bool(grads.kernel.get(device))
+        and bool(grads.by_dtype.get(device))
         and group is None
         and grads.replicas is None
         and grads.unchecked is None
@@ -251,7 +251,7 @@ def _clip_in_finalize(
         unfit_overflows=request.fold,
         unscale_on_overflow=request.unscale_on_overflow,
     )
-    result = runner.check(grads.kernel[device], scale, request.norm_type, request.max_norm, step)
+    result = runner.check(grads.by_dtype[device], scale, request.norm_type, request.max_norm, step)
     if not decides:
         result.skip = None
     if not request.fold:
@@ -307,7 +307,7 @@ def unfit_divisor(divisor: torch.Tensor, clip_coef: torch.Tensor) -> torch.Tenso
 def holds_grads(grads: Grads) -> bool:
     """Whether any gradient this rank counts in the norm holds an element (an empty ZeRO partition:
     none)."""
-    groups = [g for device_groups in grads.kernel.values() for g in device_groups] + list(grads.other.values())
+    groups = [g for device_groups in grads.by_dtype.values() for g in device_groups] + list(grads.other.values())
     return any(t.numel() for group in groups for t in group)
 
 
@@ -315,7 +315,7 @@ def _check_on(
     runner: Any, grads: Grads, device: torch.device, scale: torch.Tensor, norm_type: float, max_norm: Any
 ) -> CheckResult:
     """Check pass + finalize over the kernels' gradients, the torch-op ones folded in."""
-    kernel_groups = grads.kernel.get(device, [])
+    kernel_groups = grads.by_dtype.get(device, [])
     if kernel_groups:
         # A tensor max_norm, or any while Dynamo traces, is clipped by with_clip (base.py).
         on_device = max_norm is not None and (isinstance(max_norm, torch.Tensor) or torch.compiler.is_compiling())

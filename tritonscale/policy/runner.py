@@ -54,7 +54,7 @@ class PolicyRunner:
         # A pure function of its key: each rule is bound to its policy, which it keeps alive, so the
         # id in the key names that policy as long as the entry exists. A knob set later still counts:
         # the eager rule reads it at each call, a compiled one recompiles on Dynamo's guards.
-        self._rules: dict[tuple[str, int, bool], Callable[..., Any]] = {}
+        self._made: dict[tuple[str, int, bool], Callable[..., Any]] = {}
         self._unread = UpdatesWithoutRead()  # the host check's reads the device may skip
         # The policy kernel's last launch, prepared: the next one like it skips the generic guard.
         self._prepared = PreparedUpdates() if TRITON_FOUND else None
@@ -83,12 +83,12 @@ class PolicyRunner:
         that is on. Made once per policy object, not again on every call."""
         compiled = self._compiles(device)
         key = (name, id(policy), compiled)
-        made = self._rules.get(key)
+        made = self._made.get(key)
         if made is None:
             # A new policy (load_state_dict) drops the rules made for the old one.
-            self._rules = {k: v for k, v in self._rules.items() if k[1] == id(policy)}
+            self._made = {k: v for k, v in self._made.items() if k[1] == id(policy)}
             method = getattr(policy, name)
-            made = self._rules[key] = torch.compile(method, fullgraph=True, dynamic=False) if compiled else method
+            made = self._made[key] = torch.compile(method, fullgraph=True, dynamic=False) if compiled else method
         return made
 
     def update_(

@@ -130,7 +130,7 @@ class GradScaler:
         self._backend_name = check_backend_name(backend)
         self._fold = bool(fold_into_optimizer)
         self._process_group = check_process_group(process_group)
-        self._rules = PolicyRunner(compile_policy, self._backend_name)
+        self._runner = PolicyRunner(compile_policy, self._backend_name)
         self._enabled = False if cuda_missing(device, enabled) else enabled  # torch disables it then, too
         # A peer's preset brings its initial scale and knobs; those the caller passed win, even at torch's values.
         policy, policy_init_scale = peer_policy(policy)
@@ -284,7 +284,7 @@ class GradScaler:
         grads = collect_grads(
             inner,
             allow_fp16=folds,
-            kernels=kernels,
+            by_dtype=kernels,  # the norms the kernels do not compute: per tensor
             allow_sparse=not (folds and record.torch_fused),  # torch's fused steps: dense only
             split_replicas=True,
             takes_norm=True,
@@ -295,16 +295,17 @@ class GradScaler:
             norm_type,
             folds,
             not policy.skip_on_overflow,
-            limit_of=self._rules.clip_limit(policy, state, max_norm),  # ZClip's adaptive max_norm
+            limit_of=self._runner.clip_limit(policy, state, max_norm),  # ZClip's adaptive max_norm
             decision=StepDecision(policy, state, record.found_inf_per_device),  # the finalize decides the skip
         )
         agreement = None if group is None else self._agreement(inner, "clip", max_norm, norm_type)
         # The fused pass; with a process group, the collective: one row per rank, the agreement checked.
         pending = record.pending_factor(state.scale)
-        device, result = clip_grads(grads, pending, request, backend=self._backend_name, group=group, agreement=agreement)
+        backend = self._backend_name
+        device, result = clip_grads(grads, pending, request, backend=backend, group=group, agreement=agreement)
         # Folded, the gradients stay scaled until scaler.step: a direct optimizer.step() is refused, else noted.
         guard_direct_step(inner, self, note_direct_step)
-        checked = bool(grads.kernel or grads.other or grads.replicas) or group is not None  # no gradients: no check
+        checked = bool(grads.by_dtype or grads.other or grads.replicas) or group is not None  # no gradients: no check
         record.note_clip(device, result, folds, checked, policy.stamp)
         self._norm_owner.claim(policy, inner)
         return result.norm
@@ -320,7 +321,7 @@ class GradScaler:
     ) -> torch.Tensor:
         """A disabled scaler's clip: a plain clip (float16 gradients included) with the inf/NaN check
         the next step skips on; the norm."""
-        grads = collect_grads(inner, allow_fp16=True, kernels=kernels, split_replicas=True, takes_norm=True)
+        grads = collect_grads(inner, allow_fp16=True, by_dtype=kernels, split_replicas=True, takes_norm=True)
         group = self._group(grads, process_group)
         agreement = self._agreement(inner, "clip", max_norm, norm_type)
         # The pass; with a process group, the collective.
@@ -421,7 +422,7 @@ class GradScaler:
         if skip is None:
             found_inf = record.found_inf_on(device, required)
             norm = moved_to(record.norm, device) if record.norm is not None else None
-            decide = self._rules.rule(self._policy, "skip_decision", device)
+            decide = self._runner.rule(self._policy, "skip_decision", device)
             skip = decide(found_inf, norm, self._tensors.norm_stats, spike_stats=self._tensors.spike_stats)
         record.skip = skip if self._ranks.pending is None else self._ranks.skip(skip)  # forced on by a mismatch
         return record.skip
@@ -457,7 +458,7 @@ class GradScaler:
             records = [*records, record]
         outcome = OptimizerRecord.outcome(records)
         if new_scale is None and self._ranks.pending is None:  # every step's case: no context to enter
-            self._last_found_inf, self._last_norm = self._rules.update_(self._policy, self._tensors, outcome)
+            self._last_found_inf, self._last_norm = self._runner.update_(self._policy, self._tensors, outcome)
         else:
             with NOTHING_TO_UNDO if self._ranks.pending is None else self._ranks.unchanged_if_mismatched(self._tensors):
                 self._last_found_inf, self._last_norm = self._apply_rule(new_scale, outcome)
@@ -468,9 +469,9 @@ class GradScaler:
         """The policy's update of the device state, or with ``new_scale`` the scale set and the
         iteration counted; the found_inf and norm used."""
         if new_scale is None:
-            return self._rules.update_(self._policy, self._tensors, outcome)
+            return self._runner.update_(self._policy, self._tensors, outcome)
         set_scale_(self._tensors.scale, new_scale)
-        return self._rules.count_only_(self._policy, self._tensors, outcome)
+        return self._runner.count_only_(self._policy, self._tensors, outcome)
 
     def _refuse_host_work_in_capture(self, device: torch.device, found_inf: bool | torch.Tensor | None) -> None:
         """update()'s parts that a CUDA graph would freeze at capture: refused before any change."""
@@ -943,7 +944,7 @@ class GradScaler:
     ) -> dict[torch.device, torch.Tensor]:
         """torch's helper: the gradients times ``inv_scale`` in place with torch's own fused op; a
         found_inf per device (copies of ``found_inf``) returned. Uses no field of the scaler."""
-        grads = collect_grads(unwrap_optimizer(optimizer), allow_fp16=allow_fp16, kernels=False)
+        grads = collect_grads(unwrap_optimizer(optimizer), allow_fp16=allow_fp16, by_dtype=False)
         inv_scales, found_infs = PerDevice(inv_scale), PerDevice(found_inf)
         for device, tensors in grads.other.items():
             torch_unscale_(tensors, found_infs.get(device), inv_scales.get(device))

@@ -20,7 +20,7 @@ from oracles.scaler_twins import Snapshot, bits, same_bits
 
 import tritonscale
 from tritonscale import DataFeedExhausted, GradScaler, LossScalePolicy, Updater, UpdaterError
-from tritonscale.framework_apis.step_updater import CALLBACK_NAMES
+from tritonscale.peer_apis.step_updater import CALLBACK_NAMES
 
 # Batches with an inf make inf * 0 inside the interpreter's check pass, as the subtract that
 # pyproject.toml already silences; numpy warns about both.

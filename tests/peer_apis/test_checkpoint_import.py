@@ -2,7 +2,7 @@
 
 Each test runs the framework's rule (tests/oracles/peer_rules.py, tests/oracles/scale_rules.py) for a while,
 builds that framework's checkpoint from the rule's state in the framework's own key layout, loads it
-into a GradScaler built with another policy (torch's) through tritonscale.framework_apis.checkpoint_import,
+into a GradScaler built with another policy (torch's) through tritonscale.peer_apis.checkpoint_import,
 and checks the two continue identically: the checkpoint brings the peer's rule with it.
 """
 
@@ -17,7 +17,7 @@ from oracles.peer_rules import DeepSpeedFP16Rule, DeepSpeedZeroRule, FairseqRule
 from oracles.scale_rules import ApexRef, Loop, MegatronRef, overflow_pattern
 
 from tritonscale import GradScaler, ScalerConfigError, from_fairseq
-from tritonscale.framework_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron
+from tritonscale.peer_apis.checkpoint_import import from_apex, from_deepspeed, from_megatron
 
 
 def continue_together(state_dict, ref, pattern):

@@ -26,7 +26,7 @@ from tritonscale import (
     ScalerConfigError,
     host_reads,
 )
-from tritonscale.framework_apis import scale_managers
+from tritonscale.peer_apis import scale_managers
 
 #: The forms update_loss_scale takes a flag in: a Python bool, or one-element tensors.
 FORMS = ["bool", "bool-tensor", "float-tensor", "int-tensor-1d"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 import tritonscale
-from tritonscale.framework_apis import checkpoint_import, step_updater
+from tritonscale.peer_apis import checkpoint_import, step_updater
 
 
 def test_the_checkpoint_importers_have_a_short_public_home():

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import tritonscale
-from tritonscale.framework_apis.safe_checkpoint import SavedFragmentAddress, SavedLossScaler, ZeroStage
+from tritonscale.peer_apis.safe_checkpoint import SavedFragmentAddress, SavedLossScaler, ZeroStage
 
 #: What a malicious checkpoint's payload calls, when anything calls it.
 CALLED: list[str] = []
