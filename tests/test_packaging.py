@@ -2,8 +2,9 @@
 
 The kernels are the subpackage ``tritonscale/kernels/``, listed in pyproject.toml's explicit
 package list. A mistake there would leave them out of the wheel, or ship a top-level ``kernels``
-package, which clashes with the unrelated PyPI project of that name; neither shows up in the
-in-tree test runs. The import checks run in subprocesses from a
+package, which clashes with the unrelated PyPI project of that name (Hugging Face's ``kernels``,
+which transformers>=5.25 installs beside us: the checks below ask who owns a ``kernels`` found,
+not whether one exists); neither shows up in the in-tree test runs. The import checks run in subprocesses from a
 neutral working directory, so that neither this test process (conftest has already imported
 torch and set TRITON_INTERPRET) nor the repository root on ``sys.path`` can mask a problem.
 """
@@ -139,20 +140,33 @@ def test_installed_package_imports_kernels_as_subpackage(tmp_path):
     assert proc.stdout.split() == ["tritonscale.kernels"]
 
 
-def test_bare_kernels_is_not_importable(tmp_path):
-    # From a neutral cwd only the installed distribution is on sys.path: it must expose
-    # tritonscale.kernels and nothing as `kernels`.
-    code = (
-        "try:\n"
-        "    import kernels\n"
-        "except ModuleNotFoundError:\n"
-        "    print('absent')\n"
-        "else:\n"
-        "    print('found', kernels.__file__)\n"
-    )
-    proc = _python(code, tmp_path)
+#: Prints where a top-level `kernels` would be imported from ('-' if nowhere), the distributions
+#: that declare it, and the interpreter's site folder, without importing it (another project's
+#: package may be heavy to import).
+WHO_OWNS_KERNELS = (
+    "import importlib.metadata, importlib.util, sysconfig\n"
+    "spec = importlib.util.find_spec('kernels')\n"
+    "print(spec.origin if spec is not None else '-')\n"
+    "print(','.join(importlib.metadata.packages_distributions().get('kernels', [])) or '-')\n"
+    "print(sysconfig.get_paths()['purelib'])\n"
+)
+
+
+def _assert_kernels_is_not_ours(output: str, tree: Path) -> None:
+    origin, owners, site = output.split()
+    assert "tritonscale" not in owners.split(","), f"tritonscale declares a top-level `kernels`: {owners}"
+    # An editable install or a checkout on the path maps names into the tree itself: a `kernels`
+    # found there, outside the installed distributions' site folder, is ours whatever the metadata says.
+    if origin != "-" and not Path(origin).resolve().is_relative_to(Path(site).resolve()):
+        assert not Path(origin).resolve().is_relative_to(tree.resolve()), f"`kernels` imports from {origin}"
+
+
+def test_bare_kernels_is_not_ours(tmp_path):
+    # From a neutral cwd only the installed distributions are on sys.path: ours must expose
+    # tritonscale.kernels and nothing as `kernels` (another project's `kernels` may be there).
+    proc = _python(WHO_OWNS_KERNELS, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "absent", proc.stdout
+    _assert_kernels_is_not_ours(proc.stdout, REPO)
 
 
 def test_import_does_not_initialise_cuda(tmp_path):
@@ -189,17 +203,13 @@ def test_torch_backend_step_runs_without_numpy(tmp_path):
 def test_checkout_on_pythonpath_imports_its_own_kernels(checkout, tmp_path):
     # A clone put on PYTHONPATH (no install) must import tritonscale.kernels from itself, not
     # fail and not fall through to another copy (an editable install's finder maps the name too),
-    # and must expose no top-level `kernels` package.
-    code = (
-        "import importlib.util, tritonscale.kernels\n"
-        "print(tritonscale.kernels.__file__)\n"
-        "print(importlib.util.find_spec('kernels') is None)\n"
-    )
+    # and must expose no top-level `kernels` package of its own.
+    code = "import tritonscale.kernels\nprint(tritonscale.kernels.__file__)\n" + WHO_OWNS_KERNELS
     proc = _python(code, tmp_path, pythonpath=checkout)
     assert proc.returncode == 0, proc.stderr
-    kernels_file, no_bare_kernels = proc.stdout.split()
+    kernels_file, who_owns_kernels = proc.stdout.split("\n", 1)
     assert Path(kernels_file) == checkout / "tritonscale" / "kernels" / "__init__.py", kernels_file
-    assert no_bare_kernels == "True", "the checkout exposes a top-level `kernels` package"
+    _assert_kernels_is_not_ours(who_owns_kernels, checkout)
 
 
 #: The README's quickstart, run as a user's script: its first Python block.
